@@ -1,0 +1,88 @@
+"""Environments: plain Python classes whose methods are the model's tools.
+
+The contract. An environment is any class with ``reset(self, **row) -> str | None``:
+
+- ``reset`` starts an episode on a fresh instance. It receives the dataset row's columns that it
+  names as parameters (all of them if it takes ``**kwargs``), and ``seed`` if it has a ``seed``
+  parameter; the members of a group share the seed. The text it returns, if any, is appended to
+  the last user message.
+- Every other public method defined as a plain instance method (sync or async) is a tool: it
+  needs type hints and a Google-style docstring with an ``Args:`` entry per parameter.
+  Classmethods, staticmethods, properties, private names and the reserved names ``reset``,
+  ``reward``, ``close``, ``dataset``, ``demonstrations`` and ``done`` are never tools.
+- Optional: ``reward(self) -> float`` scores the episode from the final state;
+  ``dataset(cls)`` (a classmethod) returns the task rows; ``close(self)`` is always called when
+  the episode ends; setting ``self.done = True`` ends the episode.
+
+Specs name a class: ``env:Counter`` (built-in), ``package.module:Class`` or
+``path/to/file.py:Class``. User mistakes raise `EnvironmentSpecError`, `EnvironmentResetError`
+or `EnvironmentRewardError`, each naming the class and what to fix.
+
+Example:
+    >>> class Echo:
+    ...     def reset(self, word: str) -> str:
+    ...         self.word, self.said = word, None
+    ...         return f"Say {word}."
+    ...
+    ...     def say(self, text: str) -> str:
+    ...         '''Say something out loud.
+    ...
+    ...         Args:
+    ...             text: What to say.
+    ...         '''
+    ...         self.said = text
+    ...         return text
+    ...
+    ...     def reward(self) -> float:
+    ...         return float(self.said == self.word)
+    >>> check_environment(Echo)
+    >>> tool_names(Echo)
+    ['say']
+    >>> env = Echo()
+    >>> reset_environment(env, {"word": "hi", "prompt": "(not a reset parameter)"}, seed=0)
+    'Say hi.'
+    >>> tools = environment_tools(env)
+    >>> tools["say"].schema["function"]["parameters"]["required"]
+    ['text']
+    >>> tools["say"].fn(text="hi")
+    'hi'
+    >>> read_reward(env), is_done(env)
+    (1.0, False)
+    >>> resolve_environment("env:Counter") is Counter
+    True
+
+"""
+
+from environments.contract import (
+    RESERVED_NAMES,
+    check_environment,
+    class_tools,
+    environment_tools,
+    tool_names,
+)
+from environments.counter import Counter
+from environments.errors import (
+    EnvironmentResetError,
+    EnvironmentRewardError,
+    EnvironmentSpecError,
+)
+from environments.lifecycle import close_environment, is_done, read_reward, reset_environment
+from environments.resolve import BUILTIN_ENVIRONMENTS, resolve_environment
+
+__all__ = [
+    "BUILTIN_ENVIRONMENTS",
+    "RESERVED_NAMES",
+    "Counter",
+    "EnvironmentResetError",
+    "EnvironmentRewardError",
+    "EnvironmentSpecError",
+    "check_environment",
+    "class_tools",
+    "close_environment",
+    "environment_tools",
+    "is_done",
+    "read_reward",
+    "reset_environment",
+    "resolve_environment",
+    "tool_names",
+]

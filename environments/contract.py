@@ -1,0 +1,150 @@
+"""Which methods of an environment class are tools, and whether a class meets the contract.
+
+Tool discovery is static: it reads the class, never instantiates it, so checking a class has no
+side effects. A tool is a public name (no leading ``_``), not reserved, whose class attribute is a
+plain function (sync or ``async def``), inherited ones included. Classmethods, staticmethods,
+properties, other descriptors and non-callables are not tools, nor is anything set on an instance.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from environments.errors import EnvironmentSpecError
+from tools import Tool, ToolDefinitionError, as_tool
+
+RESERVED_NAMES: frozenset[str] = frozenset(
+    {"reset", "reward", "close", "dataset", "demonstrations", "done"}
+)
+"""Names with a meaning in the contract; never exposed to the model as tools."""
+
+
+class _Unbound:
+    """Stands in for ``self`` so a tool's schema can be built without instantiating its class."""
+
+
+def tool_names(cls: type) -> list[str]:
+    """Return the names of the tool methods of an environment class, sorted.
+
+    Args:
+        cls: An environment class (not an instance).
+
+    Returns:
+        Public, non-reserved names whose class attribute is a plain function.
+
+    """
+    return sorted(
+        name
+        for name in dir(cls)
+        if not name.startswith("_")
+        and name not in RESERVED_NAMES
+        and inspect.isfunction(inspect.getattr_static(cls, name))
+    )
+
+
+def environment_tools(env: object) -> dict[str, Tool]:
+    """Build a `Tool` for each tool method of a live environment, bound to that instance.
+
+    Args:
+        env: An environment instance; each episode has its own, so tools see its state.
+
+    Returns:
+        Tool name to `Tool`, in sorted name order.
+
+    Raises:
+        EnvironmentSpecError: A tool method lacks type hints or a usable docstring.
+
+    """
+    cls = type(env)
+    return {name: _as_method_tool(cls, name, getattr(env, name)) for name in tool_names(cls)}
+
+
+def class_tools(cls: type) -> dict[str, Tool]:
+    """Build the schema of each tool method of a class once, without an instance.
+
+    The returned tools are bound to a placeholder, not to an environment: rebind each episode's
+    instance before calling them, e.g. ``dataclasses.replace(tool, fn=getattr(env, name))``.
+
+    Raises:
+        EnvironmentSpecError: A tool method lacks type hints or a usable docstring.
+    """
+    placeholder = _Unbound()
+    return {
+        name: _as_method_tool(cls, name, inspect.getattr_static(cls, name).__get__(placeholder))
+        for name in tool_names(cls)
+    }
+
+
+def check_environment(cls: type) -> None:
+    """Check that a class meets the Environment contract, without instantiating it.
+
+    Checks that ``reset`` is a method whose parameters can be passed by name, that every tool
+    method yields a JSON schema, and that the optional members have the right kind: ``reward``
+    and ``close`` methods, ``dataset`` a classmethod, ``done`` not a method (it is read as a
+    bool, and a method is always truthy).
+
+    Args:
+        cls: The environment class to check.
+
+    Raises:
+        EnvironmentSpecError: The first problem found, naming the class, the member and the fix.
+
+    """
+    if not inspect.isclass(cls):
+        raise EnvironmentSpecError(f"expected an environment class, got {cls!r}")
+    name = cls.__qualname__
+    _check_reset(cls)
+    for member in ("reward", "close"):
+        if hasattr(cls, member) and not callable(getattr(cls, member)):
+            raise EnvironmentSpecError(
+                f"{name}.{member} must be a method `def {member}(self)`, "
+                f"not {type(getattr(cls, member)).__name__}"
+            )
+    if hasattr(cls, "dataset") and not isinstance(
+        inspect.getattr_static(cls, "dataset"), classmethod | staticmethod
+    ):
+        raise EnvironmentSpecError(
+            f"{name}.dataset must be a @classmethod returning the task rows, so it can be "
+            "called without an instance"
+        )
+    if inspect.isfunction(inspect.getattr_static(cls, "done", None)):
+        raise EnvironmentSpecError(
+            f"{name}.done is a method, but the engine reads `done` as a bool and a method is "
+            "always true; make it an attribute (set self.done = True) or a @property"
+        )
+    class_tools(cls)
+
+
+def _check_reset(cls: type) -> None:
+    name = cls.__qualname__
+    reset = getattr(cls, "reset", None)
+    if reset is None or not callable(reset):
+        raise EnvironmentSpecError(
+            f"{name} has no reset() method; an environment needs "
+            "`def reset(self, **row) -> str | None` (it may name only the columns it uses)"
+        )
+    if isinstance(inspect.getattr_static(cls, "reset"), classmethod | staticmethod):
+        raise EnvironmentSpecError(
+            f"{name}.reset must be a plain instance method: each episode resets its own instance"
+        )
+    try:
+        parameters = list(inspect.signature(reset).parameters.values())[1:]  # [0] is self
+    except (TypeError, ValueError):  # a callable without a signature; reset will tell
+        return
+    positional_only = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+    if positional_only:
+        raise EnvironmentSpecError(
+            f"{name}.reset has positional-only parameters {positional_only}; row columns are "
+            "passed by name, so remove the '/' from its signature"
+        )
+
+
+def _as_method_tool(cls: type, name: str, method: Any) -> Tool:
+    try:
+        return as_tool(method, name=name)
+    except ToolDefinitionError as error:
+        raise EnvironmentSpecError(
+            f"{cls.__qualname__}.{name} is a tool because it is a public method, but {error} "
+            "If the model should not call it, rename it with a leading underscore."
+        ) from error

@@ -1,0 +1,181 @@
+"""Driving one environment instance through an episode: reset, done, reward, close.
+
+Each function wraps one optional or required member of the contract, so the rollout engine never
+inspects user classes itself and every user mistake surfaces as one error that names the class.
+All four are synchronous, like the contract's methods.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from environments.errors import EnvironmentResetError, EnvironmentRewardError, EnvironmentSpecError
+
+_VALUE_CHARS = 60  # per column, when a row is shown in an error message
+
+
+def reset_environment(env: object, row: Mapping[str, Any], seed: int | None) -> str | None:
+    """Start an episode: call ``env.reset`` with the row columns it names.
+
+    Only the columns that ``reset`` names as parameters are passed (all of them if it takes
+    ``**kwargs``), so a dataset can carry columns such as ``prompt`` that the environment
+    ignores. ``seed`` is passed as ``seed=`` when ``reset`` has a ``seed`` parameter or
+    ``**kwargs``; the members of a group get the same seed so they start from the same state.
+    A ``seed`` argument that is not None overrides a row column named ``seed``.
+
+    Args:
+        env: A fresh environment instance.
+        row: One dataset row, column name to value.
+        seed: The group's seed, or None.
+
+    Returns:
+        What ``reset`` returned: text the engine appends to the last user message, or None.
+
+    Raises:
+        EnvironmentResetError: ``reset`` needs a column the row lacks, raised (chained), or
+            returned something other than ``str`` or None. The message names the class and
+            shows the row.
+
+    """
+    name = type(env).__qualname__
+    reset = getattr(env, "reset", None)
+    if not callable(reset):
+        raise EnvironmentResetError(f"{name} has no reset() method. Row: {_show(row)}")
+    kwargs, missing = _reset_arguments(reset, row, seed)
+    if missing:
+        raise EnvironmentResetError(
+            f"{name}.reset() needs {', '.join(map(repr, missing))}, which the row lacks; "
+            f"give the parameter a default or add the column. Row: {_show(row)}"
+        )
+    try:
+        text = reset(**kwargs)
+    except Exception as error:
+        raise EnvironmentResetError(
+            f"{name}.reset() raised {type(error).__name__}: {error}. Row: {_show(row)}"
+        ) from error
+    if text is not None and not isinstance(text, str):
+        _close_if_coroutine(text)
+        raise EnvironmentResetError(
+            f"{name}.reset() returned {type(text).__name__}; it must return str (text appended "
+            f"to the last user message) or None, synchronously. Row: {_show(row)}"
+        )
+    return text
+
+
+def read_reward(env: object) -> float | None:
+    """Read the episode reward from the environment's state; None if it has no ``reward()``.
+
+    Args:
+        env: The environment at the end of its episode (before `close_environment`).
+
+    Returns:
+        ``float(env.reward())``, finite; None when the class defines no ``reward``.
+
+    Raises:
+        EnvironmentRewardError: ``reward`` is not a method, raised (chained), or returned
+            something that is not a finite number (a string, None, NaN, inf, a coroutine).
+            A reward that fails is never scored 0.0: that would train on a wrong signal.
+
+    """
+    reward = getattr(env, "reward", None)
+    if reward is None:
+        return None
+    name = type(env).__qualname__
+    if not callable(reward):
+        raise EnvironmentRewardError(
+            f"{name}.reward must be a method `def reward(self) -> float`, "
+            f"not {type(reward).__name__}"
+        )
+    try:
+        value = reward()
+    except Exception as error:
+        raise EnvironmentRewardError(
+            f"{name}.reward() raised {type(error).__name__}: {error}"
+        ) from error
+    return _finite_float(value, name)
+
+
+def is_done(env: object) -> bool:
+    """Whether the environment asked to end the episode by setting ``done`` to a true value.
+
+    Raises:
+        EnvironmentSpecError: ``done`` is a method, which would always read as true.
+
+    """
+    done = getattr(env, "done", False)
+    if inspect.ismethod(done):
+        raise EnvironmentSpecError(
+            f"{type(env).__qualname__}.done is a method; make it a bool attribute or @property"
+        )
+    return bool(done)
+
+
+def close_environment(env: object) -> None:
+    """Call ``env.close()`` if the class defines it; its exceptions propagate unchanged.
+
+    Raises:
+        EnvironmentSpecError: ``close`` is ``async def``; the contract's methods are synchronous.
+
+    """
+    close = getattr(env, "close", None)
+    if callable(close):
+        result = close()
+        if inspect.iscoroutine(result):
+            result.close()
+            raise EnvironmentSpecError(
+                f"{type(env).__qualname__}.close() is async; make it a plain method"
+            )
+
+
+def _reset_arguments(
+    reset: Callable[..., Any], row: Mapping[str, Any], seed: int | None
+) -> tuple[dict[str, Any], list[str]]:
+    """Pick the keyword arguments for ``reset``; also list required parameters left unfilled."""
+    try:
+        parameters = inspect.signature(reset).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature: pass everything
+        return {**row, "seed": seed}, []
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    named = {p.name: p for p in parameters if p.kind in by_name}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    kwargs = {key: value for key, value in row.items() if takes_any or key in named}
+    if (takes_any or "seed" in named) and (seed is not None or "seed" not in kwargs):
+        kwargs["seed"] = seed
+    missing = [p.name for p in named.values() if p.default is p.empty and p.name not in kwargs]
+    return kwargs, missing
+
+
+def _finite_float(value: object, name: str) -> float:
+    problem = f"{name}.reward() returned {value!r:.{_VALUE_CHARS}}"
+    if isinstance(value, str | bytes):  # float("1") would succeed and hide the bug
+        raise EnvironmentRewardError(f"{problem}, a string; return a float")
+    _close_if_coroutine(value)
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as error:
+        raise EnvironmentRewardError(
+            f"{problem} ({type(value).__name__}); return a float, synchronously"
+        ) from error
+    if not math.isfinite(number):
+        raise EnvironmentRewardError(f"{problem}; a reward must be finite")
+    return number
+
+
+def _close_if_coroutine(value: object) -> None:
+    """Close an un-awaited coroutine so Python does not also warn "never awaited"."""
+    if inspect.iscoroutine(value):
+        value.close()
+
+
+def _show(row: Mapping[str, Any]) -> str:
+    """Show the row as ``{column: repr}``, each value cut to a readable length."""
+    shown = []
+    for key, value in row.items():
+        text = repr(value)
+        if len(text) > _VALUE_CHARS:
+            text = text[: _VALUE_CHARS - 3] + "..."
+        shown.append(f"{key!r}: {text}")
+    return "{" + ", ".join(shown) + "}"

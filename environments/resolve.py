@@ -1,0 +1,152 @@
+"""Turning an environment spec string, as typed on the command line, into a class.
+
+Three forms, told apart by the part before the last ``:``:
+
+- ``env:Name``: a built-in from `BUILTIN_ENVIRONMENTS`;
+- ``path/to/file.py:Class``: anything ending in ``.py`` or containing a path separator; a
+  relative path starts at the current directory. The file runs once, as a module with a name of
+  its own (so two files called ``env.py`` do not collide); resolving it again reuses it;
+- ``package.module:Class``: imported with `importlib`, so the module must be on ``sys.path``.
+
+``Class`` may be dotted (``module:Outer.Inner``). A built-in prefix wins, so a user's own
+``env.py`` is reached as ``env.py:Class``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+
+from environments.counter import Counter
+from environments.errors import EnvironmentSpecError
+
+BUILTIN_ENVIRONMENTS: dict[str, type] = {"Counter": Counter}
+"""The environments reachable as ``env:Name``."""
+
+_NOT_IDENTIFIER = re.compile(r"\W")
+_FORMS = "'env:Name' (a built-in), 'package.module:Class' or 'path/to/file.py:Class'"
+
+
+def resolve_environment(spec: str) -> type:
+    """Return the environment class a spec names.
+
+    Only checks that the result is a class with a ``reset`` method; call `check_environment`
+    for the full contract.
+
+    Args:
+        spec: ``env:Name``, ``package.module:Class`` or ``path/to/file.py:Class``.
+
+    Returns:
+        The class (not an instance).
+
+    Raises:
+        EnvironmentSpecError: The spec is malformed, or names something missing or unusable;
+            the message says which part and, where it can, suggests the nearest name.
+
+    """
+    if not isinstance(spec, str) or ":" not in spec:
+        raise EnvironmentSpecError(f"environment spec {spec!r} has no ':'; use {_FORMS}")
+    where, _, attribute = spec.rpartition(":")
+    if not where or not attribute:
+        raise EnvironmentSpecError(
+            f"environment spec {spec!r} needs text on both sides of ':'; use {_FORMS}"
+        )
+    if where == "env":
+        obj = _builtin(attribute)
+    elif where.endswith(".py") or "/" in where or os.sep in where:
+        obj = _attribute(_load_file(where), attribute, f"file {where!r}")
+    else:
+        obj = _attribute(_import(where), attribute, f"module {where!r}")
+    if not inspect.isclass(obj):
+        raise EnvironmentSpecError(
+            f"{spec!r} names a {type(obj).__name__}, not a class; an environment is a class "
+            "with a reset() method"
+        )
+    if not callable(getattr(obj, "reset", None)):
+        raise EnvironmentSpecError(
+            f"{spec!r} names class {obj.__qualname__}, which has no reset() method; an "
+            "environment needs `def reset(self, **row) -> str | None`"
+        )
+    return obj
+
+
+def _builtin(name: str) -> type:
+    if name in BUILTIN_ENVIRONMENTS:
+        return BUILTIN_ENVIRONMENTS[name]
+    raise EnvironmentSpecError(
+        f"no built-in environment {name!r}{_suggest(name, BUILTIN_ENVIRONMENTS)}; built-ins: "
+        f"{', '.join(sorted(BUILTIN_ENVIRONMENTS))} (for a file named env.py, use "
+        f"'env.py:{name}')"
+    )
+
+
+def _import(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name and (name == error.name or name.startswith(error.name + ".")):
+            raise EnvironmentSpecError(
+                f"cannot import module {name!r}: it is not on sys.path (current directory: "
+                f"{Path.cwd()}); to load a file instead, write 'path/to/file.py:Class'"
+            ) from error
+        raise EnvironmentSpecError(f"importing module {name!r} failed: {error}") from error
+    except Exception as error:
+        raise EnvironmentSpecError(
+            f"importing module {name!r} raised {type(error).__name__}: {error}"
+        ) from error
+
+
+def _load_file(where: str) -> ModuleType:
+    path = (Path.cwd() / Path(where).expanduser()).resolve()
+    if not path.is_file():
+        raise EnvironmentSpecError(
+            f"environment file not found: {path} (relative paths start at the current "
+            f"directory, {Path.cwd()})"
+        )
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    module_name = f"_agentgrpo_env_{_NOT_IDENTIFIER.sub('_', path.stem)}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise EnvironmentSpecError(f"cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # before running it: dataclasses and pickle look it up
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:
+        del sys.modules[module_name]
+        raise EnvironmentSpecError(
+            f"running environment file {path} raised {type(error).__name__}: {error}"
+        ) from error
+    return module
+
+
+def _attribute(module: ModuleType, dotted: str, where: str) -> object:
+    obj: object = module
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            classes = sorted(
+                name
+                for name, value in getattr(obj, "__dict__", {}).items()
+                if inspect.isclass(value) and not name.startswith("_")
+            )
+            listing = f"; classes there: {', '.join(classes)}" if classes else ""
+            raise EnvironmentSpecError(f"{where} has no {part!r}{_suggest(part, classes)}{listing}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _suggest(name: str, candidates: Iterable[str]) -> str:
+    by_lower = {candidate.lower(): candidate for candidate in candidates}
+    close = difflib.get_close_matches(name.lower(), by_lower, n=1)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""

@@ -1,0 +1,142 @@
+"""The rollout engine: runs every episode of a batch concurrently, each at its own pace.
+
+There are no lock-step turns: each episode generates, calls its tools and generates again as soon
+as it can, and the backend batches whatever requests are pending. A bound on episodes in flight
+keeps memory and environment count in check. Episodes of one group share their row and seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import anyio
+from environments import check_environment, class_tools, close_environment
+from tools import Tool, as_tool
+
+from rollout.backend import GenerationBackend
+from rollout.episode import EpisodeConfig, EpisodeContext, run_episode
+from rollout.parsers import Parser, detect_parser, get_parser, tokenizer_parser
+from rollout.template import ChatRenderer, load_template
+from rollout.types import Episode, ParsedTurn
+
+
+class RolloutEngine:
+    """Plays tool-calling episodes through a chat template and a generation backend.
+
+    Args:
+        backend: The generator (`TransformersBackend`, a vLLM backend, `ScriptedBackend`...).
+        tokenizer: The policy's tokenizer.
+        environment_factory: A zero-argument callable returning a fresh environment (usually
+            the environment class itself), or None for plain tools only.
+        tools: Plain tool functions (typed, Google-style docstrings) offered in every episode.
+        chat_template: None (the tokenizer's), a built-in name (`"chatml_tools"`), or jinja.
+        tool_call_parser: A parser name (`"hermes"`, `"llama3_json"`) or None to use the
+            tokenizer's response parser if it has one, else detect it from the template.
+        config: Limits and sampling (`EpisodeConfig`).
+        max_concurrent_episodes: The most episodes in flight at once.
+
+    Raises:
+        ToolTemplateError: There are tools but the template cannot show them.
+        EnvironmentSpecError: The environment class breaks the contract.
+    """
+
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        tokenizer: Any,
+        *,
+        environment_factory: Callable[[], Any] | None = None,
+        tools: Iterable[Callable[..., Any]] = (),
+        chat_template: str | None = None,
+        tool_call_parser: str | None = None,
+        config: EpisodeConfig | None = None,
+        max_concurrent_episodes: int = 256,
+    ):
+        plain = {t.name: t for t in map(as_tool, tools)}
+        env_tools = _environment_tools(environment_factory)
+        if clash := sorted(plain.keys() & env_tools.keys()):
+            raise ValueError(f"tools {clash} are both plain tools and environment methods")
+        template = load_template(tokenizer, chat_template)
+        schemas = [t.schema for t in (*plain.values(), *env_tools.values())]
+        renderer = ChatRenderer(tokenizer, template, schemas)
+        if schemas:
+            renderer.check_tool_support()
+        self.context = EpisodeContext(
+            backend=backend,
+            renderer=renderer,
+            parser=_parser(tool_call_parser, tokenizer, template, schemas),
+            config=config or EpisodeConfig(),
+            tools=plain,
+            environment_factory=environment_factory,
+            environment_tools=env_tools,
+        )
+        self.max_concurrent_episodes = max_concurrent_episodes
+
+    async def run(
+        self, rows: Sequence[Mapping[str, Any]], num_generations: int = 1, seed: int = 0
+    ) -> list[Episode]:
+        """Play `num_generations` episodes of each row, all concurrently.
+
+        Returns:
+            Episodes grouped by row: episode `g * num_generations + k` is the k-th member of
+            group `g`, whose members all reset from `rows[g]` with seed `seed + g`.
+        """
+        episodes: list[Episode | None] = [None] * (len(rows) * num_generations)
+        limiter = anyio.CapacityLimiter(self.max_concurrent_episodes)
+
+        async def play(group: int, member: int) -> None:
+            index = group * num_generations + member
+            async with limiter:
+                episodes[index] = await run_episode(
+                    self.context, rows[group], seed + group, group, index
+                )
+
+        try:
+            async with anyio.create_task_group() as tasks:
+                for group in range(len(rows)):
+                    for member in range(num_generations):
+                        tasks.start_soon(play, group, member)
+        except BaseExceptionGroup as failures:
+            # One episode's error cancels the rest; the user should see that error, not a group.
+            raise _first_error(failures) from None
+        return episodes  # type: ignore[return-value]  (every slot is filled)
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+def _environment_tools(factory: Callable[[], Any] | None) -> dict[str, Tool]:
+    """Tool schemas of the environment's class, read once; episodes bind them to instances.
+
+    A class is read without building an instance; any other factory is called once and the
+    probe instance closed.
+    """
+    if factory is None:
+        return {}
+    cls = factory if isinstance(factory, type) else _probe_class(factory)
+    check_environment(cls)
+    return class_tools(cls)
+
+
+def _probe_class(factory: Callable[[], Any]) -> type:
+    probe = factory()
+    close_environment(probe)
+    return type(probe)
+
+
+def _parser(name: str | None, tokenizer: Any, template: str, schemas: list[dict]) -> Parser:
+    if not schemas:
+        return _no_tool_calls
+    if name is not None:
+        return get_parser(name)
+    return tokenizer_parser(tokenizer, tools=schemas) or get_parser(detect_parser(template))
+
+
+def _no_tool_calls(text: str) -> ParsedTurn:
+    """With no tools offered, every turn is a plain answer."""
+    return ParsedTurn(text)

@@ -1,0 +1,252 @@
+"""One episode: generate, parse tool calls, run them, append the tool turn, until it ends.
+
+The loop only appends tokens (see `rollout.template`): the model's turn as sampled (mask 1), then
+the template's tool turn (mask 0). Failures the model causes (unparseable calls, unknown tools,
+bad arguments, tools that raise or time out) become tool messages it can read, and are counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter as Tally
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import jinja2
+
+from environments import close_environment, is_done, read_reward, reset_environment
+from rollout.backend import GenerationBackend
+from rollout.parsers import Parser
+from rollout.template import ChatRenderer
+from rollout.tokens import TokenRow
+from rollout.types import Episode, EpisodeStats, Finish, ParsedTurn, SamplingParams, ToolCall
+from tools import Tool, ToolResult, call_tool
+
+
+class PromptTooLongError(ValueError):
+    """A task's prompt leaves no room to generate within the context or the prompt limit."""
+
+
+@dataclass(frozen=True)
+class EpisodeConfig:
+    """Limits and sampling shared by every episode of a run.
+
+    Attributes:
+        max_completion_length: Budget of completion tokens per episode, tool turns included.
+        max_turns: The most model turns per episode.
+        max_prompt_length: The most prompt tokens (None: only the context limit applies).
+        tool_timeout_s: Per-call tool timeout (None: no timeout).
+        temperature, top_p, top_k: Sampling, as in `SamplingParams`.
+
+    """
+
+    max_completion_length: int = 256
+    max_turns: int = 10
+    max_prompt_length: int | None = None
+    tool_timeout_s: float | None = 30.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """Sampling parameters for one turn with `max_tokens` left."""
+        return SamplingParams(max_tokens, self.temperature, self.top_p, self.top_k)
+
+
+@dataclass
+class EpisodeContext:
+    """What every episode of a run shares: the generator, renderer, parser and tools."""
+
+    backend: GenerationBackend
+    renderer: ChatRenderer
+    parser: Parser
+    config: EpisodeConfig
+    tools: Mapping[str, Tool] = field(default_factory=dict)
+    environment_factory: Callable[[], Any] | None = None
+    environment_tools: Mapping[str, Tool] = field(default_factory=dict)
+
+
+@dataclass
+class _State:
+    messages: list[dict[str, Any]]
+    tokens: TokenRow
+    prompt_text: str
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: Tally = field(default_factory=Tally)
+    error: str | None = None
+
+
+async def run_episode(
+    ctx: EpisodeContext, row: Mapping[str, Any], seed: int, group: int, index: int
+) -> Episode:
+    """Play one episode of `row` against a fresh environment, which is always closed."""
+    env = ctx.environment_factory() if ctx.environment_factory else None
+    try:
+        messages = prompt_messages(row)
+        if env is not None:
+            observation = reset_environment(env, row, seed)
+            if observation:
+                messages[-1] = _append_text(messages[-1], observation)
+        tools = {**ctx.tools, **_bind(ctx.environment_tools, env)}
+        state = _start(ctx, messages, row)
+        finish = await _play(ctx, state, tools, env)
+        reward = read_reward(env) if env is not None else None
+    finally:
+        if env is not None:
+            close_environment(env)
+    return Episode(
+        prompt_ids=state.tokens.prompt_ids,
+        completion_ids=state.tokens.completion_ids,
+        loss_mask=state.tokens.loss_mask,
+        sampler_logprobs=state.tokens.logprobs,
+        messages=state.messages,
+        finish=finish,
+        stats=EpisodeStats(state.turns, state.tool_calls, dict(state.tool_errors)),
+        row=row,
+        group=group,
+        index=index,
+        env_reward=reward,
+        environment=env,
+        error=state.error,
+    )
+
+
+def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The conversation a row starts with: its `prompt`, a string or a list of messages."""
+    if "prompt" not in row:
+        raise KeyError(f"a task row needs a 'prompt' column; this one has {sorted(row)}")
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    messages = [dict(m) for m in prompt]
+    if not messages or messages[-1].get("role") != "user":
+        raise ValueError(f"a conversational prompt must end with a user message: {prompt!r}")
+    return messages
+
+
+def _append_text(message: dict[str, Any], text: str) -> dict[str, Any]:
+    """The message with `text` added on a new line (the environment's reset observation)."""
+    content = message.get("content") or ""
+    return {**message, "content": f"{content}\n{text}" if content else text}
+
+
+def _bind(tools: Mapping[str, Tool], env: Any) -> dict[str, Tool]:
+    """The class's tools, calling this episode's instance."""
+    return {name: dataclasses.replace(t, fn=getattr(env, name)) for name, t in tools.items()}
+
+
+def _start(ctx: EpisodeContext, messages: list[dict[str, Any]], row: Mapping) -> _State:
+    prompt_text = ctx.renderer.render(messages, generation_prompt=True)
+    prompt_ids = ctx.renderer.encode(prompt_text)
+    limit = ctx.config.max_prompt_length
+    context = ctx.backend.context_limit
+    if (limit and len(prompt_ids) > limit) or (context and len(prompt_ids) >= context):
+        raise PromptTooLongError(
+            f"The prompt of this row is {len(prompt_ids)} tokens, over the limit "
+            f"(max_prompt_length={limit}, model context={context}). Shorten the prompt or raise "
+            f"the limit. Row: {_show(row)}"
+        )
+    return _State(messages, TokenRow(prompt_ids), prompt_text)
+
+
+async def _play(ctx: EpisodeContext, state: _State, tools: Mapping[str, Tool], env: Any) -> Finish:
+    """The turn loop; returns why the episode ended."""
+    while True:
+        budget = ctx.config.max_completion_length - len(state.tokens)
+        if ctx.backend.context_limit:
+            budget = min(budget, ctx.backend.context_limit - len(state.tokens.context_ids))
+        if budget < 1:
+            return Finish.LENGTH
+        if finish := await _turn(ctx, state, tools, env, budget):
+            return finish
+
+
+async def _turn(
+    ctx: EpisodeContext, state: _State, tools: Mapping[str, Tool], env: Any, budget: int
+) -> Finish | None:
+    """One model turn and its tool calls; returns a Finish if the episode ends here."""
+    completion = await ctx.backend.generate(state.tokens.context_ids, ctx.config.sampling(budget))
+    state.tokens.append_sampled(completion.token_ids, completion.logprobs)
+    state.turns += 1
+    decode = ctx.renderer.tokenizer.decode
+    if not completion.stopped:
+        state.messages.append({"role": "assistant", "content": decode(completion.token_ids)})
+        return Finish.LENGTH
+    text = decode(completion.token_ids[:-1])
+    parsed = ctx.parser(text)
+    state.messages.append(_assistant_message(text, parsed))
+    if not parsed.tool_calls and not parsed.errors:
+        return Finish.STOP
+    results = await _run_calls(parsed.tool_calls, tools, ctx.config.tool_timeout_s)
+    _count(state, parsed, results)
+    tool_messages = [_tool_message(r.name, r.content) for r in results]
+    tool_messages += [_tool_message("error", e) for e in parsed.errors]
+    return _add_tool_turn(ctx, state, tool_messages, decode(completion.token_ids[-1:]), env)
+
+
+def _add_tool_turn(
+    ctx: EpisodeContext, state: _State, tool_messages: list[dict], stop_text: str, env: Any
+) -> Finish | None:
+    """Record the tool results; append their tokens (mask 0) unless the episode ends here."""
+    history = list(state.messages)
+    state.messages.extend(tool_messages)
+    if env is not None and is_done(env):
+        return Finish.ENV_DONE
+    if state.turns >= ctx.config.max_turns:
+        return Finish.MAX_TURNS
+    try:
+        delta, prompt_text = ctx.renderer.tool_turn_ids(
+            state.prompt_text, history, tool_messages, stop_text
+        )
+    except jinja2.TemplateError as error:  # the template cannot render what the model wrote
+        state.error = f"the chat template could not render this turn: {error}"
+        return Finish.ERROR
+    if len(state.tokens) + len(delta) >= ctx.config.max_completion_length:
+        return Finish.LENGTH
+    state.prompt_text = prompt_text
+    state.tokens.append_context(delta)
+    return None
+
+
+async def _run_calls(
+    calls: list[ToolCall], tools: Mapping[str, Tool], timeout_s: float | None
+) -> list[ToolResult]:
+    """Run a turn's tool calls concurrently; results keep the calls' order."""
+    results: list[ToolResult | None] = [None] * len(calls)
+
+    async def run(i: int, call: ToolCall) -> None:
+        results[i] = await call_tool(tools, call.name, call.arguments, timeout_s)
+
+    async with anyio.create_task_group() as group:
+        for i, call in enumerate(calls):
+            group.start_soon(run, i, call)
+    return results  # type: ignore[return-value]
+
+
+def _count(state: _State, parsed: ParsedTurn, results: list[ToolResult]) -> None:
+    state.tool_calls += len(parsed.tool_calls) + len(parsed.errors)
+    state.tool_errors.update(str(r.error) for r in results if r.error is not None)
+    if parsed.errors:
+        state.tool_errors["parse"] += len(parsed.errors)
+
+
+def _assistant_message(text: str, parsed: ParsedTurn) -> dict[str, Any]:
+    if not parsed.tool_calls:
+        return {"role": "assistant", "content": text}
+    calls = [
+        {"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}}
+        for c in parsed.tool_calls
+    ]
+    return {"role": "assistant", "content": parsed.content, "tool_calls": calls}
+
+
+def _tool_message(name: str, content: str) -> dict[str, Any]:
+    return {"role": "tool", "name": name, "content": content}
+
+
+def _show(row: Mapping[str, Any], width: int = 200) -> str:
+    text = repr(dict(row))
+    return text if len(text) <= width else text[: width - 3] + "..."

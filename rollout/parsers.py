@@ -1,0 +1,299 @@
+"""Tool-call parsers: read the tool calls out of one assistant turn.
+
+A `Parser` takes the decoded text of one assistant turn (the end-of-turn token already removed)
+and returns a `ParsedTurn`: the text outside the calls, the calls it could read, and one error
+message per call it could not. A parser never raises on what the model wrote: a bad call is
+data (an error shown to the model in the tool turn), never an exception. Only the user's
+mistakes raise: an unknown parser name, a template whose tool format cannot be told, an invalid
+response template on a tokenizer.
+
+Two formats are written out by hand (`hermes`, `llama3_json`); `tokenizer_parser` wraps the
+tokenizer's own `parse_response` when the tokenizer ships a response template.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rollout.types import ParsedTurn, ToolCall
+
+Parser = Callable[[str], ParsedTurn]
+
+_HERMES_HINT = (
+    'Write tool calls as <tool_call>{"name": "<tool name>", "arguments": {<JSON object>}}'
+    "</tool_call>."
+)
+_LLAMA3_HINT = (
+    'Write the whole turn as {"name": "<tool name>", "parameters": {<JSON object>}}; '
+    'separate several calls with ";" or a newline.'
+)
+# A block runs to its closing tag, or to the end of the text when the model stopped inside it
+# (group 2 is then empty).
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
+_PYTHON_TAG = "<|python_tag|>"
+_LLAMA3_SEPARATOR = re.compile(r"[\s;]*")
+_LLAMA3_NEXT_CALL = re.compile(r"[;\n]\s*(?=\{)")
+# Llama 3 templates write the key in a Jinja string literal, so its quotes may be escaped.
+_PARAMETERS_KEY = re.compile(r'\\?"parameters\\?"')
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+
+
+class _BadCall(ValueError):
+    """A tool call that cannot be read; the message says why, in words for the model."""
+
+
+def _error(reason: str, hint: str = "") -> str:
+    message = f"Error: could not parse tool call: {reason.rstrip('.')}."
+    return f"{message} {hint}" if hint else message
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), "number" if isinstance(value, int | float) else "value")
+
+
+def _json_reason(exc: json.JSONDecodeError) -> str:
+    return f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+
+
+def _arguments(call: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """Return a call's arguments: `arguments`, else `parameters`; absent, null or "" mean {}."""
+    key = "arguments" if "arguments" in call else "parameters"
+    arguments = call.get(key)
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {}
+    if isinstance(arguments, str):  # OpenAI style: the arguments object encoded as a string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise _BadCall(f'"{key}" of {name!r} is a string that is not JSON') from exc
+    if not isinstance(arguments, Mapping):
+        raise _BadCall(f'"{key}" of {name!r} must be a JSON object, got {_json_type(arguments)}')
+    return dict(arguments)
+
+
+def _tool_call(call: Any) -> ToolCall:
+    """Read one decoded call `{"name": str, "arguments": {...}}`; raise `_BadCall` if it is not."""
+    if not isinstance(call, Mapping):
+        raise _BadCall(f"expected a JSON object, got {_json_type(call)}")
+    name = call.get("name")
+    if not isinstance(name, str) or not name:
+        raise _BadCall('the "name" field is missing or not a string')
+    return ToolCall(name=name, arguments=_arguments(call, name))
+
+
+def _tool_call_from_json(text: str) -> ToolCall:
+    try:  # stripped, so a line number counts from the JSON's first line, as the model sees it
+        call = json.loads(text.strip())
+    except json.JSONDecodeError as exc:
+        raise _BadCall(_json_reason(exc)) from exc
+    return _tool_call(call)
+
+
+def parse_hermes(text: str) -> ParsedTurn:
+    """Parse the Hermes / Qwen format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+
+    Any number of blocks may appear anywhere in the turn. Each block that is not a JSON object
+    with a string `name` and an object `arguments` gives one entry in `errors`; the other blocks
+    are still read. `arguments` may also be a JSON string encoding an object, may be called
+    `parameters`, and may be left out (then it is `{}`). A `<tool_call>` left open at the end
+    (the model stopped mid-call) is an error. `content` is the text with every block removed,
+    stripped; tool calls keep the order in which they were written.
+
+    Args:
+        text: One assistant turn as decoded text, without the end-of-turn token.
+
+    Returns:
+        The content, the tool calls, and one error message per block that could not be read.
+
+    Example:
+        >>> text = 'Ok. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+        >>> turn = parse_hermes(text)
+        >>> turn.content, turn.tool_calls, turn.errors
+        ('Ok.', [ToolCall(name='add', arguments={'a': 1})], [])
+        >>> bad = parse_hermes('<tool_call>{"name": "add", "arguments": [1]}</tool_call>')
+        >>> print(bad.errors[0])  # doctest: +NORMALIZE_WHITESPACE
+        Error: could not parse tool call: "arguments" of 'add' must be a JSON object, got array.
+        Write tool calls as
+        <tool_call>{"name": "<tool name>", "arguments": {<JSON object>}}</tool_call>.
+
+    """
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    outside: list[str] = []
+    end = 0
+    for block in _HERMES_BLOCK.finditer(text):
+        outside.append(text[end : block.start()])
+        end = block.end()
+        if not block.group(2):
+            errors.append(_error("the turn ended before </tool_call>", _HERMES_HINT))
+            continue
+        try:
+            calls.append(_tool_call_from_json(block.group(1)))
+        except _BadCall as exc:
+            errors.append(_error(str(exc), _HERMES_HINT))
+    outside.append(text[end:])
+    return ParsedTurn(content="".join(outside).strip(), tool_calls=calls, errors=errors)
+
+
+def parse_llama3_json(text: str) -> ParsedTurn:
+    """Parse the Llama 3.1/3.2 JSON tool format: `{"name": ..., "parameters": {...}}`.
+
+    The turn may start with `<|python_tag|>`. If, after stripping and removing that tag, it does
+    not start with `{`, it is plain content with no tool calls (this includes Llama's built-in
+    `<|python_tag|>code` calls, which are not JSON). Otherwise it is one or more JSON objects
+    separated by `;` or whitespace, each read like a Hermes call (`parameters` or `arguments`,
+    object or JSON string). An object that does not parse or has no name gives an error; reading
+    resumes at the next `;` or newline followed by `{`. Text after the last object that does
+    not start with `{` is returned as `content`; otherwise `content` is empty.
+
+    Args:
+        text: One assistant turn as decoded text, without the end-of-turn token.
+
+    Returns:
+        The content, the tool calls, and one error message per object that could not be read.
+
+    """
+    body = text.strip().removeprefix(_PYTHON_TAG).lstrip()
+    if not body.startswith("{"):
+        return ParsedTurn(content=text.strip())
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    pos = 0
+    while body.startswith("{", pos):
+        start = pos
+        try:
+            call, pos = decoder.raw_decode(body, start)
+            calls.append(_tool_call(call))
+        except json.JSONDecodeError as exc:
+            errors.append(_error(_json_reason(exc), _LLAMA3_HINT))
+            resume = _LLAMA3_NEXT_CALL.search(body, start + 1)
+            pos = resume.end() if resume else len(body)
+            continue
+        except _BadCall as exc:
+            errors.append(_error(str(exc), _LLAMA3_HINT))
+        pos = _LLAMA3_SEPARATOR.match(body, pos).end()
+    return ParsedTurn(content=body[pos:].strip(), tool_calls=calls, errors=errors)
+
+
+PARSERS: dict[str, Parser] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+
+
+def get_parser(name: str) -> Parser:
+    """Return the parser registered under `name` in `PARSERS`.
+
+    Raises:
+        ValueError: If no parser has that name; the message lists the valid names.
+
+    """
+    try:
+        return PARSERS[name]
+    except KeyError:
+        valid = ", ".join(repr(known) for known in sorted(PARSERS))
+        raise ValueError(f"unknown tool_call_parser {name!r}; valid names: {valid}") from None
+
+
+def detect_parser(chat_template: str) -> str:
+    """Return the name of the parser that reads the tool calls a chat template asks for.
+
+    Conservative: `"hermes"` when the template source contains `<tool_call>` (and no XML-style
+    `<function=` markup inside it); `"llama3_json"` when it contains `<|python_tag|>`, or a
+    `"parameters"` key together with `ipython` or `<|eom_id|>`. Anything else raises.
+
+    Args:
+        chat_template: The Jinja source of the chat template.
+
+    Raises:
+        TypeError: If `chat_template` is not a string (e.g. a dict of named templates).
+        ValueError: If the format cannot be told, or both formats seem present; the message says
+            to pass `tool_call_parser=...` explicitly.
+
+    """
+    if not isinstance(chat_template, str):
+        raise TypeError(f"chat_template must be the template source, got {type(chat_template)}")
+    hermes = "<tool_call>" in chat_template and "<function=" not in chat_template
+    llama3 = _PYTHON_TAG in chat_template or (
+        _PARAMETERS_KEY.search(chat_template) is not None
+        and ("ipython" in chat_template or "<|eom_id|>" in chat_template)
+    )
+    if hermes != llama3:
+        return "hermes" if hermes else "llama3_json"
+    found = "both the Hermes and the Llama 3 tool format" if hermes else "no tool format it knows"
+    valid = ", ".join(repr(known) for known in sorted(PARSERS))
+    raise ValueError(
+        f"cannot tell how this chat template writes tool calls (found {found}). If the model "
+        f"calls tools, pass tool_call_parser=... (one of {valid}); if the template has no tool "
+        "support, use a chat template that does."
+    )
+
+
+def tokenizer_parser(tokenizer: Any, *, tools: Sequence[Any] | None = None) -> Parser | None:
+    """Return a parser backed by `tokenizer.parse_response`, or None without a response template.
+
+    The template is `tokenizer.response_template` (transformers 5.19), else the older
+    `tokenizer.response_schema`; it is checked here, so a broken one fails now, not per turn.
+    Each turn is parsed with an empty prefix: a template that pre-writes part of the assistant
+    turn (an opening `<think>`, say) is not seen. Reasoning fields of the parsed message are
+    dropped; `content` is the message's `content`. If parsing raises, the turn has no tool calls,
+    its stripped text as `content` and the exception as its one error.
+
+    Args:
+        tokenizer: A transformers tokenizer (or anything with `parse_response`).
+        tools: Tool schemas (or functions) as `apply_chat_template` takes them; when given and
+            the installed transformers supports it, string arguments are cast to the schema's
+            types (`"7"` becomes `7` for an integer parameter).
+
+    """
+    template = getattr(tokenizer, "response_template", None)
+    template = template if template is not None else getattr(tokenizer, "response_schema", None)
+    parse_response = getattr(tokenizer, "parse_response", None)
+    if template is None or parse_response is None:
+        return None
+    _check_response_template(template)
+    accepted = inspect.signature(parse_response).parameters
+    options: dict[str, Any] = {"prefix": ""} if "prefix" in accepted else {}
+    if tools is not None and "tools" in accepted:
+        options["tools"] = list(tools)
+
+    def parse(text: str) -> ParsedTurn:
+        try:
+            message = parse_response(text, **options)
+        except Exception as exc:  # the template is checked; what fails now is the model's text
+            return ParsedTurn(content=text.strip(), errors=[_error(" ".join(str(exc).split()))])
+        return _turn_from_message(message)
+
+    return parse
+
+
+def _check_response_template(template: Any) -> None:
+    try:
+        from transformers.utils.chat_parsing.response_templates import load_response_template
+    except ImportError:  # an older transformers (response_schema): nothing to check up front
+        return
+    try:
+        load_response_template(template)
+    except ValueError as exc:
+        raise ValueError(f"the tokenizer's response_template is invalid: {exc}") from exc
+
+
+def _turn_from_message(message: Mapping[str, Any]) -> ParsedTurn:
+    """Convert a parsed assistant message dict (OpenAI shape) to a `ParsedTurn`.
+
+    Each `tool_calls` entry is `{"function": {"name", "arguments"}}` or a bare `{"name",
+    "arguments"}`; it is read like a Hermes call, so a bad one becomes an error.
+    """
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for entry in message.get("tool_calls") or []:
+        call = entry.get("function", entry) if isinstance(entry, Mapping) else entry
+        try:
+            calls.append(_tool_call(call))
+        except _BadCall as exc:
+            errors.append(_error(str(exc)))
+    content = message.get("content")
+    content = content.strip() if isinstance(content, str) else ""
+    return ParsedTurn(content=content, tool_calls=calls, errors=errors)

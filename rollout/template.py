@@ -1,0 +1,232 @@
+"""Rendering conversations to token ids through a chat template, without ever re-encoding.
+
+The prompt of an episode is rendered and encoded once. After that, tokens are only appended: the
+model's turn as sampled, then each tool turn as the *difference* the template makes when the tool
+messages are added. `ChatRenderer.tool_turn_ids` computes that difference and checks that the
+template really extends the conversation (rendering a longer conversation starts with the text of
+the shorter one); a template that rewrites earlier turns raises `TemplateDriftError` instead of
+silently training on tokens the model never saw.
+
+Templates are jinja2, rendered in a sandbox with the conventions Hugging Face templates rely on
+(`trim_blocks`, `lstrip_blocks`, a `tojson` filter that keeps non-ASCII text, `raise_exception`,
+`strftime_now`, and the `{% generation %}` block, which renders its body).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+BUILTIN_TEMPLATES = {"chatml_tools": "chatml_tools.jinja"}
+
+_PROBE_TOOL = "agentgrpo_probe_tool"
+_PROBE_ARGUMENT = "agentgrpo_probe_argument"
+_PROBE_RESULT = "agentgrpo_probe_result"
+
+
+class ToolTemplateError(ValueError):
+    """The chat template cannot show tools, tool calls or tool results to the model."""
+
+
+class TemplateDriftError(RuntimeError):
+    """The chat template re-renders earlier turns differently once a turn is added."""
+
+
+class _GenerationBlock(Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text in HF templates; render the body."""
+
+    tags = {"generation"}  # noqa: RUF012  (jinja reads this class attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def load_template(tokenizer: Any, chat_template: str | None = None) -> str:
+    """Return the jinja source to render with.
+
+    Args:
+        tokenizer: A transformers tokenizer; its own `chat_template` is used when `chat_template`
+            is None.
+        chat_template: None, the name of a built-in template (`"chatml_tools"`: ChatML with
+            Hermes-style tool calls, for ChatML models whose own template ignores tools, such as
+            SmolLM2), or jinja source text.
+    """
+    if chat_template is None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ToolTemplateError(
+                "The tokenizer has no chat template. Pass chat_template='chatml_tools' for a "
+                "ChatML model, or the jinja source of a template that renders tools."
+            )
+        return tokenizer.chat_template
+    if chat_template in BUILTIN_TEMPLATES:
+        files = resources.files("rollout") / "templates" / BUILTIN_TEMPLATES[chat_template]
+        return files.read_text(encoding="utf-8")
+    if "{{" not in chat_template and "{%" not in chat_template:
+        raise ValueError(
+            f"chat_template={chat_template!r} is neither a built-in template "
+            f"({', '.join(BUILTIN_TEMPLATES)}) nor jinja source."
+        )
+    return chat_template
+
+
+class ChatRenderer:
+    """Renders messages through one chat template and turns text into token ids.
+
+    Args:
+        tokenizer: A transformers tokenizer (used to encode rendered text, and for its special
+            tokens, which templates may reference as `bos_token`, `eos_token`, ...).
+        template: jinja source, as returned by `load_template`.
+        tools: Tool schemas (`{"type": "function", "function": {...}}`) shown to the model.
+    """
+
+    def __init__(self, tokenizer: Any, template: str, tools: Sequence[Mapping[str, Any]] = ()):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.tools = [dict(t) for t in tools]
+        self._compiled = _compile(template)
+        self._special = {
+            k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)
+        }
+
+    def render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> str:
+        """The template's text for `messages`, ending with the assistant header if asked."""
+        return self._compiled.render(
+            messages=messages,
+            tools=self.tools or None,
+            add_generation_prompt=generation_prompt,
+            **self._special,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text; the template, not the tokenizer, adds special tokens."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def tool_turn_ids(
+        self,
+        prompt_text: str,
+        messages: Sequence[Mapping[str, Any]],
+        new_messages: Sequence[Mapping[str, Any]],
+        stop_text: str,
+    ) -> tuple[list[int], str]:
+        """Token ids that follow the model's turn when `new_messages` (tool results) are added.
+
+        Args:
+            prompt_text: The rendered text the model's last turn was generated after (what
+                `render(messages[:-1], generation_prompt=True)` returns).
+            messages: The conversation so far, ending with the model's turn.
+            new_messages: The messages to add (tool results).
+            stop_text: The text of the stop token the model's turn ended on.
+
+        Returns:
+            The ids to append after the sampled stop token (everything the template writes from
+            there up to and including the next assistant header), and the new prompt text.
+
+        Raises:
+            TemplateDriftError: the template renders earlier turns differently once turns are
+                added, or does not end assistant turns with `stop_text`.
+        """
+        before = self.render(messages, generation_prompt=False)
+        after = self.render([*messages, *new_messages], generation_prompt=True)
+        self._check_extends(prompt_text, before, "the model's turn")
+        self._check_extends(before, after, "the tool results")
+        assistant_text = before[len(prompt_text) :]
+        end = assistant_text.rfind(stop_text)
+        if end < 0:
+            raise TemplateDriftError(
+                f"The chat template does not end assistant turns with {stop_text!r}, the token "
+                f"the model stopped on, so the tokens after it cannot be known. Use a template "
+                f"whose assistant turns end with the model's end-of-turn token."
+            )
+        glue = assistant_text[end + len(stop_text) :]
+        return self.encode(glue + after[len(before) :]), after
+
+    @staticmethod
+    def _check_extends(shorter: str, longer: str, what: str) -> None:
+        if longer.startswith(shorter):
+            return
+        at = next((i for i, (a, b) in enumerate(zip(shorter, longer, strict=False)) if a != b), 0)
+        raise TemplateDriftError(
+            f"Adding {what} changed how the chat template renders the earlier conversation "
+            f"(first difference at character {at}: {shorter[at : at + 40]!r} became "
+            f"{longer[at : at + 40]!r}). Training on it would use tokens the model never saw. "
+            f"Use a template that renders past turns the same way whatever follows them."
+        )
+
+    def check_tool_support(self) -> None:
+        """Raise `ToolTemplateError` unless the template shows tools, tool calls and results.
+
+        Renders a probe conversation with a made-up tool and looks for its name, its argument
+        and its result in the text: a template that silently drops any of them cannot teach a
+        model to call tools.
+        """
+        probe_tool = {
+            "type": "function",
+            "function": {
+                "name": _PROBE_TOOL,
+                "description": "Probe.",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+        # The call names another tool, so the schema marker can only come from `tools=`.
+        call = {"type": "function", "function": {"name": "f", "arguments": {_PROBE_ARGUMENT: 1}}}
+        messages = [
+            {"role": "user", "content": "Probe."},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "f", "content": _PROBE_RESULT},
+        ]
+        probe = ChatRenderer(self.tokenizer, self.template, [*self.tools, probe_tool])
+        try:
+            text = probe.render(messages, generation_prompt=True)
+        except jinja2.TemplateError as error:
+            raise ToolTemplateError(
+                f"The chat template fails on a conversation with a tool call: {error}. "
+                f"Pass chat_template='chatml_tools' (for ChatML models) or a template with tool "
+                f"support."
+            ) from error
+        missing = [
+            what
+            for what, marker in (
+                ("the tool schemas (tools=)", _PROBE_TOOL),
+                ("the assistant's tool calls", _PROBE_ARGUMENT),
+                ("tool results", _PROBE_RESULT),
+            )
+            if marker not in text
+        ]
+        if missing:
+            raise ToolTemplateError(
+                f"The chat template drops {', '.join(missing)}, so the model would never see its "
+                f"tools or their results. Pass chat_template='chatml_tools' (ChatML with "
+                f"Hermes-style <tool_call> blocks, for ChatML models such as SmolLM2) or a "
+                f"template that renders tools."
+            )

@@ -1,0 +1,48 @@
+"""Append-only token bookkeeping for one episode."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TokenRow:
+    """The tokens of one episode: a prompt, then completion tokens that are only ever appended.
+
+    Sampled tokens carry loss mask 1 and their sampler logprob; tokens the template, a tool or the
+    environment adds carry mask 0 and logprob 0.0. Nothing is decoded and re-encoded.
+
+    >>> row = TokenRow([1, 2])
+    >>> row.append_sampled([3, 4], [-0.5, -0.25])
+    >>> row.append_context([5])
+    >>> row.context_ids, row.loss_mask, row.logprobs
+    ([1, 2, 3, 4, 5], [1, 1, 0], [-0.5, -0.25, 0.0])
+    """
+
+    def __init__(self, prompt_ids: Sequence[int]):
+        self.prompt_ids = list(prompt_ids)
+        self.completion_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+
+    def append_sampled(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        """Append tokens the policy sampled, with the sampler's logprob of each."""
+        if len(ids) != len(logprobs):
+            raise ValueError(f"{len(ids)} sampled ids but {len(logprobs)} logprobs")
+        self.completion_ids.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.logprobs.extend(logprobs)
+
+    def append_context(self, ids: Sequence[int]) -> None:
+        """Append tokens the policy did not sample (tool results, template glue): mask 0."""
+        self.completion_ids.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+
+    @property
+    def context_ids(self) -> list[int]:
+        """Everything the model has seen so far: the prompt, then the completion."""
+        return self.prompt_ids + self.completion_ids
+
+    def __len__(self) -> int:
+        """The number of completion tokens (the budget `max_completion_length` counts)."""
+        return len(self.completion_ids)

@@ -1,0 +1,136 @@
+"""The rollout contracts: what a generator returns, what a parser finds, what an episode is.
+
+This module imports nothing of agentgrpo's, so every layer above can depend on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Finish(StrEnum):
+    """Why an episode ended. Finished (STOP, ENV_DONE) is kept apart from cut off (the rest)."""
+
+    STOP = "stop"  # the model answered without calling a tool
+    ENV_DONE = "env_done"  # the environment set `done = True`
+    MAX_TURNS = "max_turns"  # cut off: the model used all `max_turns` turns
+    LENGTH = "length"  # cut off: the completion token budget or the context was used up
+    ERROR = "error"  # cut off: the model's output could not be rendered into the next turn
+
+    @property
+    def truncated(self) -> bool:
+        """True when the episode was cut off rather than finished."""
+        return self not in (Finish.STOP, Finish.ENV_DONE)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one generation request samples.
+
+    `temperature=0` means greedy. `top_k=0` and `top_p=1.0` switch those filters off.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generation: the sampled token ids and the sampler's log-probability of each.
+
+    `logprobs[i]` is log p(token_ids[i]) under the temperature-scaled distribution the token was
+    drawn from, before top-k/top-p filtering: the quantity the learner recomputes. `stopped` is
+    True when generation ended on a stop token (kept as the last id), False when `max_tokens` ran
+    out.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    stopped: bool
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model made: the tool's name and its JSON arguments."""
+
+    name: str
+    arguments: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """What a tool-call parser read from one assistant turn.
+
+    `content` is the text outside the tool calls. `errors` holds one message per tool call that
+    could not be read (bad JSON, no name, arguments not an object); each is shown to the model.
+    """
+
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EpisodeStats:
+    """Counts for one episode. `tool_errors` maps an error kind (`parse`, `unknown_tool`,
+    `bad_arguments`, `exception`, `timeout`) to how often it happened."""
+
+    turns: int
+    tool_calls: int
+    tool_errors: Mapping[str, int]
+
+    @property
+    def tool_failures(self) -> int:
+        """All failed tool calls, whatever their kind."""
+        return sum(self.tool_errors.values())
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One finished episode, token-exact.
+
+    `completion_ids` holds the model's turns and the tool/environment turns in order.
+    Invariants: `loss_mask`, `sampler_logprobs` and `completion_ids` have one entry per
+    completion token; `loss_mask[i] == 1` exactly where the policy sampled the token, and
+    `sampler_logprobs[i] == 0.0` wherever the mask is 0.
+
+    `group` and `index` place it in the batch: episodes of one group share the row and the seed.
+    `env_reward` is the environment's `reward()` read when the episode ended (None when the
+    environment has no `reward`); `environment` is the instance itself, already closed.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[int]
+    sampler_logprobs: list[float]
+    messages: list[dict[str, Any]]
+    finish: Finish
+    stats: EpisodeStats
+    row: Mapping[str, Any]
+    group: int
+    index: int
+    env_reward: float | None = None
+    environment: Any = field(default=None, repr=False, compare=False)
+    error: str | None = None
+
+    @property
+    def model_tokens(self) -> int:
+        """How many completion tokens the policy sampled (the mask-1 count)."""
+        return sum(self.loss_mask)

@@ -1,0 +1,356 @@
+"""The rollout engine against a scripted backend: tokens, masks, failures, stops, concurrency."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anyio
+import pytest
+from environments import Counter, EnvironmentResetError
+
+from rollout import (
+    EpisodeConfig,
+    Finish,
+    PromptTooLongError,
+    RolloutEngine,
+    ScriptedBackend,
+    TemplateDriftError,
+    ToolTemplateError,
+)
+
+pytestmark = pytest.mark.anyio
+
+TOOL_TURN = (
+    "\n<|im_start|>tool\n<tool_response>{}</tool_response><|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def call(name: str, **arguments) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def scripted(tokenizer, turns: list[str], delay_s: float = 0.0) -> ScriptedBackend:
+    """Answer turn k of every episode with turns[k] (k = tool responses seen so far)."""
+    eos = tokenizer.eos_token_id
+
+    def respond(context: list[int]) -> list[int]:
+        k = tokenizer.decode(context).count("<tool_response>")
+        return tokenizer.encode(turns[min(k, len(turns) - 1)], add_special_tokens=False) + [eos]
+
+    return ScriptedBackend(respond, [eos], delay_s=delay_s)
+
+
+def engine(tokenizer, backend, **kwargs) -> RolloutEngine:
+    kwargs.setdefault("environment_factory", Counter)
+    config = kwargs.pop("config", EpisodeConfig(max_completion_length=512, max_turns=5))
+    return RolloutEngine(backend, tokenizer, chat_template="chatml_tools", config=config, **kwargs)
+
+
+ROW = {"prompt": "Make the counter reach 7.", "target": 7}
+
+
+async def test_tool_response_tokens_are_masked_out_of_the_loss_token_by_token(tokenizer):
+    turns = [call("increment", step=3), call("increment", step=4), "Done."]
+    backend = scripted(tokenizer, turns)
+    [episode] = await engine(tokenizer, backend).run([ROW])
+
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    eos = [tokenizer.eos_token_id]
+    segments = [
+        (encode(turns[0]) + eos, 1),
+        (encode(TOOL_TURN.format(3)), 0),
+        (encode(turns[1]) + eos, 1),
+        (encode(TOOL_TURN.format(7)), 0),
+        (encode(turns[2]) + eos, 1),
+    ]
+    assert episode.completion_ids == [t for ids, _ in segments for t in ids]
+    assert episode.loss_mask == [m for ids, m in segments for _ in ids]
+    assert episode.finish is Finish.STOP
+    assert episode.env_reward == 1.0
+    assert (episode.stats.turns, episode.stats.tool_calls, episode.stats.tool_failures) == (3, 2, 0)
+
+
+async def test_sampler_logprobs_stay_with_their_tokens_and_are_zero_where_masked(tokenizer):
+    backend = scripted(tokenizer, [call("increment", step=7), "Done."])
+    [episode] = await engine(tokenizer, backend).run([ROW])
+    sampled = [lp for lp, m in zip(episode.sampler_logprobs, episode.loss_mask) if m]
+    turns = [call("increment", step=7), "Done."]
+    turn_lengths = [len(tokenizer.encode(t, add_special_tokens=False)) + 1 for t in turns]
+    assert sampled == [-(k + 1) / 100 for n in turn_lengths for k in range(n)]
+    assert all(lp == 0.0 for lp, m in zip(episode.sampler_logprobs, episode.loss_mask) if not m)
+
+
+async def test_the_generator_sees_exactly_the_tokens_the_episode_keeps(tokenizer):
+    backend = scripted(tokenizer, [call("increment", step=3), call("increment", step=4), "Ok."])
+    [episode] = await engine(tokenizer, backend).run([ROW])
+    last_context, _ = backend.requests[-1]
+    kept = episode.prompt_ids + episode.completion_ids
+    assert kept[: len(last_context)] == last_context
+
+
+async def test_the_prompt_is_the_templates_rendering_with_the_reset_observation(tokenizer):
+    backend = scripted(tokenizer, ["Ok."])
+    [episode] = await engine(tokenizer, backend).run([ROW])
+    text = tokenizer.decode(episode.prompt_ids)
+    assert text.startswith("<|im_start|>system\nYou can call these tools:\n")
+    assert '"name": "increment"' in text
+    assert text.endswith(
+        "<|im_start|>user\nMake the counter reach 7.\nThe counter is at 0.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("bad_turn", "kind", "message"),
+    [
+        (
+            '<tool_call>{"name": "increment", "arguments": {"step": 3</tool_call>',
+            "parse",
+            "could not parse",
+        ),
+        (call("incrementt", step=3), "unknown_tool", "unknown tool 'incrementt'"),
+        (call("increment"), "bad_arguments", "missing required argument 'step'"),
+        (call("increment", step="three"), "bad_arguments", "'step'"),
+        (call("increment", stp=3), "bad_arguments", "unexpected argument 'stp'"),
+    ],
+)
+async def test_a_bad_tool_call_becomes_an_error_message_and_the_episode_goes_on(
+    tokenizer, bad_turn, kind, message
+):
+    backend = scripted(tokenizer, [bad_turn, call("increment", step=7), "Done."])
+    [episode] = await engine(tokenizer, backend).run([ROW])
+    assert episode.finish is Finish.STOP
+    assert episode.stats.tool_errors == {kind: 1}
+    assert episode.stats.tool_calls == 2
+    error_reply = episode.messages[2]
+    assert error_reply["role"] == "tool" and message in error_reply["content"]
+    assert episode.env_reward == 1.0
+
+
+class Flaky(Counter):
+    def explode(self, x: int) -> int:
+        """Raise, always.
+
+        Args:
+            x: Ignored.
+        """
+        raise RuntimeError("boom")
+
+    async def hang(self, x: int) -> int:
+        """Never return.
+
+        Args:
+            x: Ignored.
+        """
+        await anyio.sleep(60)
+        return x
+
+    def block(self, x: int) -> int:
+        """Block a thread for a long time.
+
+        Args:
+            x: Ignored.
+        """
+        time.sleep(3)
+        return x
+
+
+@pytest.mark.parametrize(
+    ("tool", "kind", "message"),
+    [
+        ("explode", "exception", "RuntimeError: boom"),
+        ("hang", "timeout", "timed out"),
+        ("block", "timeout", "timed out"),
+    ],
+)
+async def test_a_tool_that_raises_or_hangs_is_reported_to_the_model(tokenizer, tool, kind, message):
+    config = EpisodeConfig(max_completion_length=512, max_turns=5, tool_timeout_s=0.3)
+    backend = scripted(tokenizer, [call(tool, x=1), "Sorry."])
+    started = time.perf_counter()
+    [episode] = await engine(tokenizer, backend, environment_factory=Flaky, config=config).run(
+        [ROW]
+    )
+    assert time.perf_counter() - started < 2.5
+    assert episode.finish is Finish.STOP
+    assert episode.stats.tool_errors == {kind: 1}
+    assert message in episode.messages[2]["content"]
+
+
+async def test_several_calls_in_one_turn_all_run_and_answer_in_order(tokenizer):
+    turn = call("increment", step=3) + "\n" + call("increment", step=4)
+    [episode] = await engine(tokenizer, scripted(tokenizer, [turn, "Done."])).run([ROW])
+    replies = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert sorted(replies) == ["3", "7"]
+    assert episode.stats.tool_calls == 2 and episode.env_reward == 1.0
+
+
+async def test_max_turns_cuts_the_episode_off(tokenizer):
+    config = EpisodeConfig(max_completion_length=512, max_turns=2)
+    backend = scripted(tokenizer, [call("increment", step=1)])
+    [episode] = await engine(tokenizer, backend, config=config).run([ROW])
+    assert episode.finish is Finish.MAX_TURNS and episode.finish.truncated
+    assert episode.stats.turns == 2
+    assert episode.messages[-1]["role"] == "tool"
+    assert episode.loss_mask[-1] == 1  # the last tool turn is recorded, not tokenised
+
+
+async def test_the_token_budget_counts_tool_tokens_and_is_passed_to_the_generator(tokenizer):
+    config = EpisodeConfig(max_completion_length=60, max_turns=10)
+    backend = scripted(tokenizer, [call("increment", step=1)])
+    [episode] = await engine(tokenizer, backend, config=config).run([ROW])
+    assert episode.finish is Finish.LENGTH
+    assert len(episode.completion_ids) <= 60
+    budgets = [params.max_tokens for _, params in backend.requests]
+    assert budgets[0] == 60
+    assert budgets[1] == 60 - (len(backend.requests[1][0]) - len(episode.prompt_ids))
+
+
+async def test_a_turn_cut_by_the_budget_ends_the_episode_with_length(tokenizer):
+    config = EpisodeConfig(max_completion_length=5, max_turns=10)
+    [episode] = await engine(
+        tokenizer, scripted(tokenizer, ["A long answer that goes on."]), config=config
+    ).run([ROW])
+    assert episode.finish is Finish.LENGTH
+    assert episode.loss_mask == [1] * 5
+
+
+class StopsAtSeven(Counter):
+    def increment(self, step: int) -> int:
+        """Add step; the episode ends when the target is reached.
+
+        Args:
+            step: Value to add.
+        """
+        value = super().increment(step)
+        self.done = value == self.target
+        return value
+
+
+async def test_an_environment_that_sets_done_ends_the_episode(tokenizer):
+    backend = scripted(tokenizer, [call("increment", step=7), "never sampled"])
+    [episode] = await engine(tokenizer, backend, environment_factory=StopsAtSeven).run([ROW])
+    assert episode.finish is Finish.ENV_DONE and not episode.finish.truncated
+    assert len(backend.requests) == 1
+
+
+class Seeded(Counter):
+    def reset(self, target: int, seed: int) -> str:
+        self.seed = seed
+        return super().reset(target)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_group_members_share_row_and_seed_and_every_environment_is_closed(tokenizer):
+    rows = [ROW, {"prompt": "Reach 2.", "target": 2}]
+    backend = scripted(tokenizer, ["Ok."])
+    episodes = await engine(tokenizer, backend, environment_factory=Seeded).run(rows, 3, seed=10)
+    assert [(e.group, e.index) for e in episodes] == [
+        (g, i) for i, g in enumerate([0, 0, 0, 1, 1, 1])
+    ]
+    assert [e.environment.seed for e in episodes] == [10, 10, 10, 11, 11, 11]
+    assert [e.row["target"] for e in episodes] == [7, 7, 7, 2, 2, 2]
+    assert all(e.environment.closed for e in episodes)
+    assert len({id(e.environment) for e in episodes}) == 6
+
+
+async def test_sixteen_episodes_with_slow_tools_run_concurrently(tokenizer):
+    class Slow(Counter):
+        async def increment(self, step: int) -> int:
+            """Add step, slowly.
+
+            Args:
+                step: Value to add.
+            """
+            await anyio.sleep(0.5)
+            return super().increment(step)
+
+    backend = scripted(tokenizer, [call("increment", step=7), "Done."])
+    started = time.perf_counter()
+    episodes = await engine(tokenizer, backend, environment_factory=Slow).run([ROW] * 16)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 2.0, f"16 x 0.5 s tools took {elapsed:.2f} s: episodes were serialised"
+    assert all(e.env_reward == 1.0 for e in episodes)
+
+
+async def test_a_slow_episode_does_not_stall_the_others(tokenizer):
+    class Mixed(Counter):
+        async def increment(self, step: int) -> int:
+            """Add step; slow when the target is 9.
+
+            Args:
+                step: Value to add.
+            """
+            await anyio.sleep(1.5 if self.target == 9 else 0.0)
+            return super().increment(step)
+
+    backend = scripted(tokenizer, [call("increment", step=1), call("increment", step=1), "Done."])
+    finished: dict[int, float] = {}
+    eng = engine(tokenizer, backend, environment_factory=Mixed)
+    started = time.perf_counter()
+
+    async def run(row, key):
+        await eng.run([row])
+        finished[key] = time.perf_counter() - started
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, {"prompt": "slow", "target": 9}, 9)
+        tg.start_soon(run, {"prompt": "fast", "target": 2}, 2)
+    assert finished[2] < 0.5 < 3.0 < finished[9] + 0.1
+
+
+async def test_a_failing_reset_names_the_environment_and_the_row(tokenizer):
+    with pytest.raises(EnvironmentResetError, match=r"Counter.*'target'"):
+        await engine(tokenizer, scripted(tokenizer, ["Ok."])).run([{"prompt": "no target"}])
+
+
+async def test_a_prompt_over_the_limit_is_refused_with_its_length(tokenizer):
+    config = EpisodeConfig(max_prompt_length=10)
+    with pytest.raises(PromptTooLongError, match="over the limit"):
+        await engine(tokenizer, scripted(tokenizer, ["Ok."]), config=config).run([ROW])
+
+
+def test_a_template_that_drops_tools_is_refused_at_start_up(tokenizer):
+    with pytest.raises(ToolTemplateError, match="chatml_tools"):
+        RolloutEngine(scripted(tokenizer, ["Ok."]), tokenizer, environment_factory=Counter)
+
+
+async def test_a_template_that_rewrites_history_is_refused_loudly(tokenizer):
+    # Like templates that strip past reasoning: an assistant's text shows only in the last turn.
+    drifting = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role != 'assistant' or loop.last %}{{ m.content }}{% endif %}"
+        "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+        "{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if tools %}{{ tools | tojson }}{% endif %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    backend = scripted(tokenizer, ["Let me think. " + call("increment", step=7), "Done."])
+    eng = RolloutEngine(
+        backend,
+        tokenizer,
+        environment_factory=Counter,
+        chat_template=drifting,
+        tool_call_parser="hermes",
+    )
+    with pytest.raises(TemplateDriftError, match="never saw"):
+        await eng.run([ROW])
+
+
+async def test_plain_tool_functions_work_without_an_environment(tokenizer):
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: First factor.
+            b: Second factor.
+        """
+        return a * b
+
+    backend = scripted(tokenizer, [call("multiply", a=6, b=7), "42"])
+    eng = RolloutEngine(backend, tokenizer, tools=[multiply], chat_template="chatml_tools")
+    [episode] = await eng.run([{"prompt": "What is 6 times 7?"}])
+    assert episode.messages[2] == {"role": "tool", "name": "multiply", "content": "42"}
+    assert episode.env_reward is None and episode.environment is None

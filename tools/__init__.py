@@ -1,0 +1,22 @@
+"""Tools the model can call: schemas from typed docstringed callables, safe calls, built-ins.
+
+`as_tool(fn)` turns a typed, Google-docstringed function, async function or bound method into a
+`Tool` whose schema the chat template shows the model. `await call_tool(tools, name, arguments,
+timeout_s)` validates the model's arguments and calls the tool, and never raises for a failure
+the model caused: it returns a `ToolResult` with `error` set and a message the model can act on.
+This package imports nothing from `environments`, `rollout` or `agentgrpo`.
+"""
+
+from tools.calculator import calculator
+from tools.call import ToolErrorKind, ToolResult, call_tool
+from tools.schema import Tool, ToolDefinitionError, as_tool
+
+__all__ = [
+    "Tool",
+    "ToolDefinitionError",
+    "ToolErrorKind",
+    "ToolResult",
+    "as_tool",
+    "calculator",
+    "call_tool",
+]

@@ -1,0 +1,319 @@
+"""Call a tool the way the model asked, turning every failure the model caused into data.
+
+Contract of `call_tool`:
+
+- It never raises for a failure the model caused: an unknown tool name, arguments that do not
+  match the schema, an exception inside the tool, or a timeout. Each becomes a `ToolResult`
+  with `error` set and `content` an error message written for the model to read and correct
+  itself. Cancellation from outside (and any other `BaseException`) propagates untouched.
+- Arguments are checked against the schema's `parameters` before the call: required ones are
+  present, no unknown ones, and each value has its JSON type (see `_coerce`). Integral floats
+  given for an `integer` become `int`; arrays given for a `tuple[...]` hint become tuples.
+- Sync tools run in a worker thread (`anyio.to_thread.run_sync(..., abandon_on_cancel=True)`),
+  so a hung sync tool never blocks the event loop; on timeout its thread is abandoned, not
+  killed, and keeps running until the function returns. Async tools are awaited. Both run
+  under `anyio.fail_after(timeout_s)` when `timeout_s` is not None.
+- The value returned becomes `content`: `str` as is, `None` as `""`, dict/list/tuple as JSON,
+  anything else with `str()`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import json
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from tools.schema import Tool
+
+_JSON_NOUNS = {
+    "integer": "an integer",
+    "number": "a number",
+    "string": "a string",
+    "boolean": "a boolean",
+    "array": "an array",
+    "object": "an object",
+    "null": "null",
+}
+_MAX_SHOWN_CHARS = 80  # how much of a bad value the error message quotes back
+
+
+class ToolErrorKind(StrEnum):
+    """Why a tool call failed; `ToolResult.error` is None when it did not."""
+
+    UNKNOWN_TOOL = "unknown_tool"
+    BAD_ARGUMENTS = "bad_arguments"
+    EXCEPTION = "exception"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """The outcome of one tool call, ready to become a tool message.
+
+    Attributes:
+        name: The tool name the model asked for (even when no such tool exists).
+        content: The tool's output as text, or an error message for the model when `error`
+            is set.
+        error: Why the call failed, or None if it succeeded.
+        seconds: Wall time of the whole call, validation included, in seconds.
+
+    """
+
+    name: str
+    content: str
+    error: ToolErrorKind | None
+    seconds: float
+
+
+async def call_tool(
+    tools: Mapping[str, Tool],
+    name: str,
+    arguments: Mapping[str, Any],
+    timeout_s: float | None,
+) -> ToolResult:
+    """Validate the arguments, call the tool under a timeout, and return its result as text.
+
+    Args:
+        tools: The tools the model may call, by name.
+        name: The tool name the model asked for.
+        arguments: The arguments the model gave, already parsed from JSON.
+        timeout_s: Wall-clock limit for the tool in seconds; None for no limit.
+
+    Returns:
+        The result; `error` is set (and `content` explains it to the model) on any failure
+        the model caused. Never raises for those.
+
+    """
+    start_s = time.perf_counter()
+
+    def result(content: str, error: ToolErrorKind | None = None) -> ToolResult:
+        return ToolResult(name, content, error, time.perf_counter() - start_s)
+
+    tool = tools.get(name)
+    if tool is None:
+        return result(_unknown_tool_message(name, list(tools)), ToolErrorKind.UNKNOWN_TOOL)
+    problems, kwargs = _check_arguments(tool, arguments)
+    if problems:
+        return result("\n".join(problems), ToolErrorKind.BAD_ARGUMENTS)
+    scope = None
+    try:
+        with anyio.fail_after(timeout_s) as scope:
+            value = await _invoke(tool, kwargs)
+        return result(_to_text(value))
+    except Exception as exc:
+        if isinstance(exc, TimeoutError) and scope is not None and scope.cancelled_caught:
+            message = f"Error: {name}() timed out after {float(timeout_s or 0)} s"
+            return result(message, ToolErrorKind.TIMEOUT)
+        detail = f": {exc}" if str(exc) else ""
+        return result(
+            f"Error: {name}() raised {type(exc).__name__}{detail}", ToolErrorKind.EXCEPTION
+        )
+
+
+async def _invoke(tool: Tool, kwargs: dict[str, Any]) -> Any:
+    """Await an async tool; run a sync one in a worker thread the timeout can abandon."""
+    if inspect.iscoroutinefunction(tool.fn):
+        return await tool.fn(**kwargs)
+    value = await anyio.to_thread.run_sync(
+        functools.partial(tool.fn, **kwargs), abandon_on_cancel=True
+    )
+    if inspect.isawaitable(value):  # e.g. a partial or lambda wrapping an async function
+        value = await value
+    return value
+
+
+def _to_text(value: Any) -> str:
+    """Render a tool's return value as the text of the tool message."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if isinstance(value, dict | list | tuple):
+        return json.dumps(value, ensure_ascii=False, default=str)
+    return str(value)
+
+
+def _unknown_tool_message(name: str, available: list[str]) -> str:
+    """Tell the model the tool does not exist, the nearest name, and what does exist."""
+    message = f"Error: unknown tool {name!r}."
+    close = difflib.get_close_matches(str(name), available, n=1)
+    if close:
+        message += f" Did you mean {close[0]!r}?"
+    return message + f" Available tools: {', '.join(available) or 'none'}."
+
+
+def _check_arguments(tool: Tool, arguments: Any) -> tuple[list[str], dict[str, Any]]:
+    """Check `arguments` against the tool's schema; return (problems, arguments to pass)."""
+    head = f"Error: {tool.name}()"
+    if not isinstance(arguments, Mapping):
+        return [f"{head} arguments must be a JSON object, got {_show(arguments)}."], {}
+    parameters = tool.schema.get("function", {}).get("parameters") or {}
+    properties = parameters.get("properties")
+    problems: list[str] = []
+    kwargs: dict[str, Any] = {}
+    for arg in parameters.get("required", []):
+        if arg not in arguments:
+            expected = _describe(properties.get(arg, {}) if properties else {}, article=False)
+            problems.append(f"{head} is missing required argument {arg!r} ({expected}).")
+    for arg, value in arguments.items():
+        if properties is not None and arg not in properties:
+            close = difflib.get_close_matches(str(arg), list(properties), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            problems.append(f"{head} got unexpected argument {arg!r}.{hint}")
+            continue
+        try:
+            kwargs[arg] = _coerce(value, (properties or {}).get(arg, {}), repr(arg))
+        except _Mismatch as mismatch:
+            problems.append(f"{head} argument {mismatch}.")
+    return problems, kwargs
+
+
+class _Mismatch(Exception):
+    """A value does not have the JSON type its schema asks for; the message says how."""
+
+
+def _coerce(value: Any, schema: Mapping[str, Any], where: str) -> Any:
+    """Return `value` if it fits `schema` (integral floats made int), else raise `_Mismatch`.
+
+    Checks `type` (a name or a list of names), `nullable`, `anyOf`, `enum`, and recursively
+    `items`, `prefixItems` and `additionalProperties`. Anything else in the schema, and any
+    type name not listed in `_JSON_NOUNS` (e.g. "image"), is accepted unchecked.
+    """
+    if value is None and schema.get("nullable"):
+        return None
+    if "anyOf" in schema:
+        value = _coerce_any_of(value, schema, where)
+    elif "type" in schema:
+        value = _coerce_type(value, schema, where)
+    if "enum" in schema and not any(_same_json(value, option) for option in schema["enum"]):
+        options = ", ".join(json.dumps(option) for option in schema["enum"])
+        raise _Mismatch(f"{where} must be one of {options}, got {_show(value)}")
+    return value
+
+
+def _coerce_any_of(value: Any, schema: Mapping[str, Any], where: str) -> Any:
+    """Return `value` coerced by the first `anyOf` branch it fits."""
+    for branch in schema["anyOf"]:
+        try:
+            return _coerce(value, branch, where)
+        except _Mismatch:
+            continue
+    raise _Mismatch(f"{where} must be {_describe(schema)}, got {_show(value)}")
+
+
+def _coerce_type(value: Any, schema: Mapping[str, Any], where: str) -> Any:
+    """Return `value` coerced to the first of the schema's `type` names it fits."""
+    names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    if any(type_name not in _JSON_NOUNS for type_name in names):
+        return value  # a type we do not check ("image", "audio", ...): accept it
+    for type_name in names:
+        if _fits(value, type_name):
+            return _coerce_inside(value, type_name, schema, where)
+    raise _Mismatch(f"{where} must be {_describe(schema)}, got {_show(value)}")
+
+
+def _fits(value: Any, type_name: str) -> bool:
+    """Whether `value`, as parsed from JSON, has the JSON type `type_name`."""
+    match type_name:
+        case "integer":
+            is_integral_float = isinstance(value, float) and value.is_integer()
+            return (isinstance(value, int) and not isinstance(value, bool)) or is_integral_float
+        case "number":
+            return isinstance(value, int | float) and not isinstance(value, bool)
+        case "string":
+            return isinstance(value, str)
+        case "boolean":
+            return isinstance(value, bool)
+        case "array":
+            return isinstance(value, list | tuple)
+        case "object":
+            return isinstance(value, Mapping)
+        case _:  # "null"
+            return value is None
+
+
+def _coerce_inside(value: Any, type_name: str, schema: Mapping[str, Any], where: str) -> Any:
+    """Coerce an integral float to int, and check the items of arrays and objects."""
+    if type_name == "integer":
+        return int(value)
+    if type_name == "array" and "prefixItems" in schema:
+        slots = schema["prefixItems"]
+        if len(value) != len(slots):
+            raise _Mismatch(f"{where} must have exactly {len(slots)} items, got {len(value)}")
+        pairs = enumerate(zip(value, slots, strict=True))
+        return tuple(_coerce(v, s, f"{where}[{i}]") for i, (v, s) in pairs)
+    if type_name == "array" and "items" in schema:
+        return [_coerce(v, schema["items"], f"{where}[{i}]") for i, v in enumerate(value)]
+    if type_name == "object" and isinstance(schema.get("additionalProperties"), Mapping):
+        item_schema = schema["additionalProperties"]
+        return {k: _coerce(v, item_schema, f"{where}[{k!r}]") for k, v in value.items()}
+    return value
+
+
+def _same_json(value: Any, option: Any) -> bool:
+    """Equality as JSON sees it: `true` is not `1`, but `1` is `1.0`."""
+    return value == option and isinstance(value, bool) == isinstance(option, bool)
+
+
+def _describe(schema: Mapping[str, Any], article: bool = True) -> str:
+    """Say in words what a schema accepts: "an integer", "integer or null", ..."""
+    if "enum" in schema:
+        return "one of " + ", ".join(json.dumps(option) for option in schema["enum"])
+    if "anyOf" in schema:
+        parts = [_describe(branch, article) for branch in schema["anyOf"]]
+    elif "type" in schema:
+        names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        parts = [_describe_type(type_name, schema, article) for type_name in names]
+    else:
+        parts = ["any value"]
+    if schema.get("nullable") and "null" not in parts:
+        parts.append("null")
+    return " or ".join(parts)
+
+
+def _describe_type(type_name: str, schema: Mapping[str, Any], article: bool) -> str:
+    """One JSON type in words; an array says what its items must be."""
+    words = _JSON_NOUNS.get(type_name, type_name) if article else type_name
+    if type_name == "array" and "items" in schema:
+        words += f" of {_describe(schema['items'], article=False)}"
+    return words
+
+
+def _show(value: Any) -> str:
+    """Quote a bad value back to the model with its JSON type: `"3" (string)`."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    if len(text) > _MAX_SHOWN_CHARS:
+        text = text[: _MAX_SHOWN_CHARS - 3] + "..."
+    return f"{text} ({_json_type_name(value)})"
+
+
+def _json_type_name(value: Any) -> str:
+    """The JSON type of a parsed value, or its Python type name if it is not JSON."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number" if math.isfinite(value) else "non-finite number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list | tuple):
+        return "array"
+    if isinstance(value, Mapping):
+        return "object"
+    return type(value).__name__
