@@ -68,6 +68,7 @@ def class_tools(cls: type) -> dict[str, Tool]:
 
     Raises:
         EnvironmentSpecError: A tool method lacks type hints or a usable docstring.
+
     """
     placeholder = _Unbound()
     return {

@@ -18,6 +18,7 @@ class GenerationBackend(Protocol):
     Attributes:
         context_limit: The most tokens (prompt and completion together) one sequence may hold,
             or None when the backend sets no limit.
+
     """
 
     context_limit: int | None

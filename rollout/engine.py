@@ -11,14 +11,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
-from environments import check_environment, class_tools, close_environment
-from tools import Tool, as_tool
 
+from environments import check_environment, class_tools, close_environment
 from rollout.backend import GenerationBackend
 from rollout.episode import EpisodeConfig, EpisodeContext, run_episode
 from rollout.parsers import Parser, detect_parser, get_parser, tokenizer_parser
 from rollout.template import ChatRenderer, load_template
 from rollout.types import Episode, ParsedTurn
+from tools import Tool, as_tool
 
 
 class RolloutEngine:
@@ -39,6 +39,7 @@ class RolloutEngine:
     Raises:
         ToolTemplateError: There are tools but the template cannot show them.
         EnvironmentSpecError: The environment class breaks the contract.
+
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class RolloutEngine:
         Returns:
             Episodes grouped by row: episode `g * num_generations + k` is the k-th member of
             group `g`, whose members all reset from `rows[g]` with seed `seed + g`.
+
         """
         episodes: list[Episode | None] = [None] * (len(rows) * num_generations)
         limiter = anyio.CapacityLimiter(self.max_concurrent_episodes)

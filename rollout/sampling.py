@@ -30,9 +30,11 @@ def sample_tokens(
         tokens_B (long) and logprobs_B (float32).
 
     >>> logits = torch.tensor([[0.0, 2.0, 1.0]])
-    >>> tokens, logprobs = sample_tokens(logits, torch.tensor([0.0]), torch.tensor([0]), torch.tensor([1.0]))
+    >>> greedy = (torch.tensor([0.0]), torch.tensor([0]), torch.tensor([1.0]))
+    >>> tokens, logprobs = sample_tokens(logits, *greedy)
     >>> tokens.tolist(), round(logprobs.item(), 4)
     ([1], -0.4076)
+
     """
     greedy_B = temperature_B == 0
     scaled_B_V = logits_B_V / torch.where(greedy_B, 1.0, temperature_B).unsqueeze(-1)

@@ -25,6 +25,7 @@ class ScriptedBackend:
         stop_token_ids: Ids that end a turn.
         delay_s: Simulated generation latency per request.
         context_limit: Reported context limit (None: unlimited).
+
     """
 
     def __init__(

@@ -41,7 +41,7 @@ class TemplateDriftError(RuntimeError):
 
 
 class _GenerationBlock(Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text in HF templates; render the body."""
+    """`{% generation %}...{% endgeneration %}` marks assistant text; render its body."""
 
     tags = {"generation"}  # noqa: RUF012  (jinja reads this class attribute)
 
@@ -81,6 +81,7 @@ def load_template(tokenizer: Any, chat_template: str | None = None) -> str:
         chat_template: None, the name of a built-in template (`"chatml_tools"`: ChatML with
             Hermes-style tool calls, for ChatML models whose own template ignores tools, such as
             SmolLM2), or jinja source text.
+
     """
     if chat_template is None:
         if not getattr(tokenizer, "chat_template", None):
@@ -108,6 +109,7 @@ class ChatRenderer:
             tokens, which templates may reference as `bos_token`, `eos_token`, ...).
         template: jinja source, as returned by `load_template`.
         tools: Tool schemas (`{"type": "function", "function": {...}}`) shown to the model.
+
     """
 
     def __init__(self, tokenizer: Any, template: str, tools: Sequence[Mapping[str, Any]] = ()):
@@ -155,6 +157,7 @@ class ChatRenderer:
         Raises:
             TemplateDriftError: the template renders earlier turns differently once turns are
                 added, or does not end assistant turns with `stop_text`.
+
         """
         before = self.render(messages, generation_prompt=False)
         after = self.render([*messages, *new_messages], generation_prompt=True)

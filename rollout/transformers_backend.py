@@ -37,6 +37,7 @@ class TransformersBackend:
         max_batch_size: The most requests generated together.
         batch_wait_s: How long the next batch waits for more requests before it starts.
         seed: Seed of the sampling generator.
+
     """
 
     def __init__(
@@ -126,7 +127,9 @@ class TransformersBackend:
             next_B, logprob_B = sample_tokens(
                 out.logits[:, -1, :].float(), temperature_B, top_k_B, top_p_B, self._generator
             )
-            for b, (token, logprob) in enumerate(zip(next_B.tolist(), logprob_B.tolist())):
+            for b, (token, logprob) in enumerate(
+                zip(next_B.tolist(), logprob_B.tolist(), strict=True)
+            ):
                 if done[b]:
                     continue
                 tokens[b].append(token)

@@ -89,8 +89,11 @@ class ParsedTurn:
 
 @dataclass(frozen=True)
 class EpisodeStats:
-    """Counts for one episode. `tool_errors` maps an error kind (`parse`, `unknown_tool`,
-    `bad_arguments`, `exception`, `timeout`) to how often it happened."""
+    """Counts for one episode.
+
+    `tool_errors` maps an error kind (`parse`, `unknown_tool`, `bad_arguments`, `exception`,
+    `timeout`) to how often it happened.
+    """
 
     turns: int
     tool_calls: int

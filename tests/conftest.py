@@ -2,11 +2,55 @@
 
 from __future__ import annotations
 
+import json
+
+import anyio
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from agentgrpo.default_model import default_model_path
+from environments import Counter
+from rollout import Episode, EpisodeConfig, RolloutEngine, ScriptedBackend
+
+COUNTER_ROW = {"prompt": "Make the counter reach 7.", "target": 7}
+
+
+def tool_call(name: str, **arguments) -> str:
+    """A Hermes-style tool call as the model writes it."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+COUNTER_TURNS = [tool_call("increment", step=3), tool_call("increment", step=4), "Done."]
+
+# What the chatml_tools template adds after the model's <|im_end|> for a tool result.
+TOOL_TURN = (
+    "\n<|im_start|>tool\n<tool_response>{}</tool_response><|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def counter_segments(tokenizer) -> list[tuple[list[int], int]]:
+    """The completion of the COUNTER_TURNS episode as (token ids, loss mask) segments, by hand."""
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    eos = [tokenizer.eos_token_id]
+    return [
+        (encode(COUNTER_TURNS[0]) + eos, 1),
+        (encode(TOOL_TURN.format(3)), 0),
+        (encode(COUNTER_TURNS[1]) + eos, 1),
+        (encode(TOOL_TURN.format(7)), 0),
+        (encode(COUNTER_TURNS[2]) + eos, 1),
+    ]
+
+
+def scripted_backend(tokenizer, turns: list[str], delay_s: float = 0.0) -> ScriptedBackend:
+    """Answer turn k of every episode with turns[k] (k = tool responses seen so far)."""
+    eos = tokenizer.eos_token_id
+
+    def respond(context: list[int]) -> list[int]:
+        k = tokenizer.decode(context).count("<tool_response>")
+        return tokenizer.encode(turns[min(k, len(turns) - 1)], add_special_tokens=False) + [eos]
+
+    return ScriptedBackend(respond, [eos], delay_s=delay_s)
 
 
 @pytest.fixture
@@ -26,10 +70,9 @@ def tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tokenizer):
+def tiny_llama(tokenizer, seed: int = 0) -> LlamaForCausalLM:
     """A randomly initialised 2-layer Llama (hidden 64) over SmolLM2's vocabulary: 3.2M params."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -44,3 +87,67 @@ def tiny_model(tokenizer):
         tie_word_embeddings=True,
     )
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    return tiny_llama(tokenizer)
+
+
+def scripted_episode(tokenizer, turns: list[str], row=COUNTER_ROW) -> Episode:
+    """The Counter episode the engine records when the model says `turns` (k-th after k tools)."""
+    engine = RolloutEngine(
+        scripted_backend(tokenizer, turns),
+        tokenizer,
+        environment_factory=Counter,
+        chat_template="chatml_tools",
+        config=EpisodeConfig(max_completion_length=512),
+    )
+    [episode] = anyio.run(engine.run, [row])
+    return episode
+
+
+def teach(model, episode: Episode, lr: float, max_steps: int) -> None:
+    """Fit `model` to the episode's sampled (mask-1) tokens until greedy decoding reproduces them.
+
+    This is how a test gets a real model that calls tools: the engine then runs the real forward
+    passes, parsing and tool calls on what the model actually generates.
+    """
+    ids_1_T = torch.tensor([episode.prompt_ids + episode.completion_ids])
+    mask_T = torch.tensor([0] * len(episode.prompt_ids) + episode.loss_mask, dtype=torch.bool)
+    targets = ids_1_T[0, 1:][mask_T[1:]]
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(max_steps):
+        logits = model(ids_1_T).logits[0, :-1][mask_T[1:]]
+        loss = torch.nn.functional.cross_entropy(logits, targets)
+        if bool((logits.argmax(-1) == targets).all()) and loss.item() < 0.05:
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    else:
+        raise AssertionError(f"the model did not learn the episode in {max_steps} steps")
+    model.eval()
+
+
+@pytest.fixture(scope="session")
+def counter_episode(tokenizer) -> Episode:
+    """A two-round Counter episode (increment 3, increment 4, 'Done.') as the engine records it."""
+    return scripted_episode(tokenizer, COUNTER_TURNS)
+
+
+@pytest.fixture(scope="session")
+def tool_calling_tiny_model(tokenizer, counter_episode):
+    """The tiny Llama, taught to play `counter_episode` (about 10-20 s on 2 cores)."""
+    model = tiny_llama(tokenizer, seed=1)
+    teach(model, counter_episode, lr=1e-2, max_steps=400)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tool_calling_smollm2(smollm2_path, counter_episode):
+    """The real SmolLM2-135M-Instruct, taught the same episode (it never calls tools zero-shot)."""
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    teach(model, counter_episode, lr=3e-5, max_steps=40)
+    return model

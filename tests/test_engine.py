@@ -2,43 +2,26 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import anyio
 import pytest
-from environments import Counter, EnvironmentResetError
+from conftest import COUNTER_ROW, COUNTER_TURNS, counter_segments, scripted_backend, tool_call
 
+from environments import Counter, EnvironmentResetError
 from rollout import (
     EpisodeConfig,
     Finish,
     PromptTooLongError,
     RolloutEngine,
-    ScriptedBackend,
     TemplateDriftError,
     ToolTemplateError,
 )
 
 pytestmark = pytest.mark.anyio
 
-TOOL_TURN = (
-    "\n<|im_start|>tool\n<tool_response>{}</tool_response><|im_end|>\n<|im_start|>assistant\n"
-)
-
-
-def call(name: str, **arguments) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
-
-
-def scripted(tokenizer, turns: list[str], delay_s: float = 0.0) -> ScriptedBackend:
-    """Answer turn k of every episode with turns[k] (k = tool responses seen so far)."""
-    eos = tokenizer.eos_token_id
-
-    def respond(context: list[int]) -> list[int]:
-        k = tokenizer.decode(context).count("<tool_response>")
-        return tokenizer.encode(turns[min(k, len(turns) - 1)], add_special_tokens=False) + [eos]
-
-    return ScriptedBackend(respond, [eos], delay_s=delay_s)
+call = tool_call
+scripted = scripted_backend
 
 
 def engine(tokenizer, backend, **kwargs) -> RolloutEngine:
@@ -47,23 +30,12 @@ def engine(tokenizer, backend, **kwargs) -> RolloutEngine:
     return RolloutEngine(backend, tokenizer, chat_template="chatml_tools", config=config, **kwargs)
 
 
-ROW = {"prompt": "Make the counter reach 7.", "target": 7}
+ROW = COUNTER_ROW
 
 
 async def test_tool_response_tokens_are_masked_out_of_the_loss_token_by_token(tokenizer):
-    turns = [call("increment", step=3), call("increment", step=4), "Done."]
-    backend = scripted(tokenizer, turns)
-    [episode] = await engine(tokenizer, backend).run([ROW])
-
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    eos = [tokenizer.eos_token_id]
-    segments = [
-        (encode(turns[0]) + eos, 1),
-        (encode(TOOL_TURN.format(3)), 0),
-        (encode(turns[1]) + eos, 1),
-        (encode(TOOL_TURN.format(7)), 0),
-        (encode(turns[2]) + eos, 1),
-    ]
+    [episode] = await engine(tokenizer, scripted(tokenizer, COUNTER_TURNS)).run([ROW])
+    segments = counter_segments(tokenizer)
     assert episode.completion_ids == [t for ids, _ in segments for t in ids]
     assert episode.loss_mask == [m for ids, m in segments for _ in ids]
     assert episode.finish is Finish.STOP
@@ -74,11 +46,15 @@ async def test_tool_response_tokens_are_masked_out_of_the_loss_token_by_token(to
 async def test_sampler_logprobs_stay_with_their_tokens_and_are_zero_where_masked(tokenizer):
     backend = scripted(tokenizer, [call("increment", step=7), "Done."])
     [episode] = await engine(tokenizer, backend).run([ROW])
-    sampled = [lp for lp, m in zip(episode.sampler_logprobs, episode.loss_mask) if m]
+    sampled = [lp for lp, m in zip(episode.sampler_logprobs, episode.loss_mask, strict=True) if m]
     turns = [call("increment", step=7), "Done."]
     turn_lengths = [len(tokenizer.encode(t, add_special_tokens=False)) + 1 for t in turns]
     assert sampled == [-(k + 1) / 100 for n in turn_lengths for k in range(n)]
-    assert all(lp == 0.0 for lp, m in zip(episode.sampler_logprobs, episode.loss_mask) if not m)
+    assert all(
+        lp == 0.0
+        for lp, m in zip(episode.sampler_logprobs, episode.loss_mask, strict=True)
+        if not m
+    )
 
 
 async def test_the_generator_sees_exactly_the_tokens_the_episode_keeps(tokenizer):

@@ -1,0 +1,45 @@
+"""The import direction of DESIGN.md: tools <- environments <- rollout <- agentgrpo."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ["tools", "environments", "rollout", "agentgrpo"]
+
+
+def imported_packages(path: Path) -> set[str]:
+    """Top-level names a module imports (absolute imports only; relative ones stay inside)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_a_layer_imports_only_the_layers_to_its_left(layer):
+    forbidden = set(LAYERS[LAYERS.index(layer) + 1 :])
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imported_packages(path) & forbidden)
+        for path in (ROOT / layer).rglob("*.py")
+    }
+    assert {p: names for p, names in offenders.items() if names} == {}
+
+
+def test_every_layer_is_a_real_package():
+    assert all((ROOT / layer / "__init__.py").is_file() for layer in LAYERS)
+
+
+@pytest.mark.parametrize("package", LAYERS)
+def test_importing_a_layer_never_imports_vllm(package):
+    code = f"import sys, {package}; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
