@@ -14,10 +14,10 @@ import argparse
 
 import anyio
 import torch
-from environments import Counter
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentgrpo.default_model import default_model_path
+from environments import Counter
 from rollout import EpisodeConfig, RolloutEngine, TransformersBackend
 
 

@@ -82,21 +82,28 @@ class _State:
 async def run_episode(
     ctx: EpisodeContext, row: Mapping[str, Any], seed: int, group: int, index: int
 ) -> Episode:
-    """Play one episode of `row` against a fresh environment, which is always closed."""
-    env = ctx.environment_factory() if ctx.environment_factory else None
+    """Play one episode of `row` against a fresh environment, which is always closed.
+
+    The environment's own code (constructor, `reset`, `reward`, `close`) runs in a worker thread,
+    like sync tools, so a slow environment never stalls the other episodes.
+    """
+    messages = prompt_messages(row)
+    env = None
+    if ctx.environment_factory is not None:
+        env = await anyio.to_thread.run_sync(ctx.environment_factory)
     try:
-        messages = prompt_messages(row)
         if env is not None:
-            observation = reset_environment(env, row, seed)
+            observation = await anyio.to_thread.run_sync(reset_environment, env, row, seed)
             if observation:
                 messages[-1] = _append_text(messages[-1], observation)
         tools = {**ctx.tools, **_bind(ctx.environment_tools, env)}
         state = _start(ctx, messages, row)
         finish = await _play(ctx, state, tools, env)
-        reward = read_reward(env) if env is not None else None
+        reward = await anyio.to_thread.run_sync(read_reward, env) if env is not None else None
     finally:
         if env is not None:
-            close_environment(env)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(close_environment, env)
     return Episode(
         prompt_ids=state.tokens.prompt_ids,
         completion_ids=state.tokens.completion_ids,

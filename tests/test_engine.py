@@ -14,6 +14,7 @@ from rollout import (
     Finish,
     PromptTooLongError,
     RolloutEngine,
+    ScriptedBackend,
     TemplateDriftError,
     ToolTemplateError,
 )
@@ -330,3 +331,32 @@ async def test_plain_tool_functions_work_without_an_environment(tokenizer):
     [episode] = await eng.run([{"prompt": "What is 6 times 7?"}])
     assert episode.messages[2] == {"role": "tool", "name": "multiply", "content": "42"}
     assert episode.env_reward is None and episode.environment is None
+
+
+async def test_a_slow_reset_does_not_stall_the_other_episodes(tokenizer):
+    class SlowStart(Counter):
+        def reset(self, target: int) -> str:
+            time.sleep(0.5)  # e.g. starting a sandbox: blocking, in the environment's own code
+            return super().reset(target)
+
+    backend = scripted(tokenizer, ["Ok."])
+    started = time.perf_counter()
+    episodes = await engine(tokenizer, backend, environment_factory=SlowStart).run([ROW] * 8)
+    assert time.perf_counter() - started < 2.0
+    assert all(e.finish is Finish.STOP for e in episodes)
+
+
+async def test_the_environment_is_closed_even_when_the_episode_fails(tokenizer):
+    closed = []
+
+    class Recorded(Counter):
+        def close(self) -> None:
+            closed.append(self)
+
+    def broken(context):
+        raise ConnectionError("the generation server went away")
+
+    eng = engine(tokenizer, ScriptedBackend(broken, [0]), environment_factory=Recorded)
+    with pytest.raises(ConnectionError, match="went away"):
+        await eng.run([ROW] * 3)
+    assert len(closed) == 3
