@@ -46,7 +46,8 @@ Example:
     ['text']
     >>> tools["say"].fn(text="hi")
     'hi'
-    >>> read_reward(env), is_done(env)
+    >>> import anyio
+    >>> anyio.run(read_reward, env), is_done(env)
     (1.0, False)
     >>> resolve_environment("env:Counter") is Counter
     True

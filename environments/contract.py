@@ -15,7 +15,7 @@ from environments.errors import EnvironmentSpecError
 from tools import Tool, ToolDefinitionError, as_tool
 
 RESERVED_NAMES: frozenset[str] = frozenset(
-    {"reset", "reward", "close", "dataset", "demonstrations", "done"}
+    {"reset", "reward", "get_reward", "close", "dataset", "demonstrations", "done"}
 )
 """Names with a meaning in the contract; never exposed to the model as tools."""
 

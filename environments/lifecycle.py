@@ -2,7 +2,8 @@
 
 Each function wraps one optional or required member of the contract, so the rollout engine never
 inspects user classes itself and every user mistake surfaces as one error that names the class.
-All four are synchronous, like the contract's methods.
+They are synchronous, like the contract's methods, except `read_reward`, which also accepts an
+``async def`` reward and so is awaited.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import anyio
 
 from environments.errors import EnvironmentResetError, EnvironmentRewardError, EnvironmentSpecError
 
@@ -65,37 +68,58 @@ def reset_environment(env: object, row: Mapping[str, Any], seed: int | None) -> 
     return text
 
 
-def read_reward(env: object) -> float | None:
-    """Read the episode reward from the environment's state; None if it has no ``reward()``.
+async def read_reward(env: object) -> float | None:
+    """Read the episode reward from the environment's state; None if it defines no reward.
+
+    The reward method is ``reward()`` (agentgrpo's name) or ``get_reward()`` (TRL's), sync or
+    ``async def``. A sync one runs in a worker thread, so a slow scorer never blocks the event
+    loop.
 
     Args:
         env: The environment at the end of its episode (before `close_environment`).
 
     Returns:
-        ``float(env.reward())``, finite; None when the class defines no ``reward``.
+        The method's value as a finite float; None when the class defines neither method.
 
     Raises:
-        EnvironmentRewardError: ``reward`` is not a method, raised (chained), or returned
-            something that is not a finite number (a string, None, NaN, inf, a coroutine).
-            A reward that fails is never scored 0.0: that would train on a wrong signal.
+        EnvironmentSpecError: The class defines both ``reward`` and ``get_reward``.
+        EnvironmentRewardError: The method is not callable, raised (chained), or returned
+            something that is not a finite number (a string, None, NaN, inf). A reward that
+            fails is never scored 0.0: that would train on a wrong signal.
 
     """
-    reward = getattr(env, "reward", None)
-    if reward is None:
+    method = _reward_method(env)
+    if method is None:
         return None
     name = type(env).__qualname__
-    if not callable(reward):
-        raise EnvironmentRewardError(
-            f"{name}.reward must be a method `def reward(self) -> float`, "
-            f"not {type(reward).__name__}"
-        )
     try:
-        value = reward()
+        if inspect.iscoroutinefunction(method):
+            value = await method()
+        else:
+            value = await anyio.to_thread.run_sync(method)
     except Exception as error:
         raise EnvironmentRewardError(
-            f"{name}.reward() raised {type(error).__name__}: {error}"
+            f"{name}.{method.__name__}() raised {type(error).__name__}: {error}"
         ) from error
     return _finite_float(value, name)
+
+
+def _reward_method(env: object) -> Callable[[], Any] | None:
+    present = [m for m in ("reward", "get_reward") if getattr(env, m, None) is not None]
+    name = type(env).__qualname__
+    if len(present) == 2:
+        raise EnvironmentSpecError(
+            f"{name} defines both reward() and get_reward(); keep one (they mean the same)"
+        )
+    if not present:
+        return None
+    method = getattr(env, present[0])
+    if not callable(method):
+        raise EnvironmentRewardError(
+            f"{name}.{present[0]} must be a method `def {present[0]}(self) -> float`, "
+            f"not {type(method).__name__}"
+        )
+    return method
 
 
 def is_done(env: object) -> bool:

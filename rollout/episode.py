@@ -87,19 +87,20 @@ async def run_episode(
     The environment's own code (constructor, `reset`, `reward`, `close`) runs in a worker thread,
     like sync tools, so a slow environment never stalls the other episodes.
     """
-    messages = prompt_messages(row)
+    messages = prompt_messages(row) if "prompt" in row else []
     env = None
     if ctx.environment_factory is not None:
         env = await anyio.to_thread.run_sync(ctx.environment_factory)
     try:
         if env is not None:
             observation = await anyio.to_thread.run_sync(reset_environment, env, row, seed)
-            if observation:
-                messages[-1] = _append_text(messages[-1], observation)
+            messages = _with_observation(messages, observation, env)
+        if not messages:
+            raise ValueError(f"a task row needs a 'prompt' column; this one has {sorted(row)}")
         tools = {**ctx.tools, **_bind(ctx.environment_tools, env)}
         state = _start(ctx, messages, row)
         finish = await _play(ctx, state, tools, env)
-        reward = await anyio.to_thread.run_sync(read_reward, env) if env is not None else None
+        reward = await read_reward(env) if env is not None else None
     finally:
         if env is not None:
             with anyio.CancelScope(shield=True):
@@ -123,8 +124,6 @@ async def run_episode(
 
 def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The conversation a row starts with: its `prompt`, a string or a list of messages."""
-    if "prompt" not in row:
-        raise KeyError(f"a task row needs a 'prompt' column; this one has {sorted(row)}")
     prompt = row["prompt"]
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
@@ -134,10 +133,26 @@ def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def _append_text(message: dict[str, Any], text: str) -> dict[str, Any]:
-    """The message with `text` added on a new line (the environment's reset observation)."""
-    content = message.get("content") or ""
-    return {**message, "content": f"{content}\n{text}" if content else text}
+def _with_observation(
+    messages: list[dict[str, Any]], observation: str | None, env: Any
+) -> list[dict[str, Any]]:
+    """Add reset's text: on a new line of the last user message, or as the prompt itself.
+
+    A row without a `prompt` column leaves the environment to state the task (TRL's
+    environment-owned data): then `reset` must return the text.
+    """
+    if not messages:
+        if not observation:
+            raise ValueError(
+                f"the row has no 'prompt' column, so {type(env).__qualname__}.reset() must return "
+                "the task's text; it returned nothing"
+            )
+        return [{"role": "user", "content": observation}]
+    if not observation:
+        return messages
+    content = messages[-1].get("content") or ""
+    last = {**messages[-1], "content": f"{content}\n{observation}" if content else observation}
+    return [*messages[:-1], last]
 
 
 def _bind(tools: Mapping[str, Tool], env: Any) -> dict[str, Tool]:

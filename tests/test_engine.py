@@ -360,3 +360,34 @@ async def test_the_environment_is_closed_even_when_the_episode_fails(tokenizer):
     with pytest.raises(ConnectionError, match="went away"):
         await eng.run([ROW] * 3)
     assert len(closed) == 3
+
+
+class IncrementEnv:  # TRL-style: the environment owns the task and scores itself
+    def reset(self, **kwargs) -> str | None:
+        self.counter, self.target = 0, 7
+        return "Increment the counter to 7." if kwargs.get("say", True) else None
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """Increment the counter.
+
+        Args:
+            step: Value to add.
+        """
+        self.counter += step
+        return self.counter
+
+
+async def test_without_a_prompt_column_the_reset_text_is_the_prompt(tokenizer):
+    backend = scripted(tokenizer, [call("increment", step=7), "Done."])
+    [episode] = await engine(tokenizer, backend, environment_factory=IncrementEnv).run([{}])
+    assert episode.messages[0] == {"role": "user", "content": "Increment the counter to 7."}
+    assert episode.env_reward == 1.0
+
+
+async def test_a_row_without_prompt_needs_reset_to_return_the_task(tokenizer):
+    eng = engine(tokenizer, scripted(tokenizer, ["Ok."]), environment_factory=IncrementEnv)
+    with pytest.raises(ValueError, match="must return the task's text"):
+        await eng.run([{"say": False}])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import textwrap
 
+import anyio
 import pytest
 
 from environments import (
@@ -471,12 +472,16 @@ def test_reset_must_return_text_or_none(returned):
 # read_reward, is_done, close_environment
 
 
+def reward_of(env) -> float | None:
+    return anyio.run(read_reward, env)
+
+
 def test_reward_is_none_without_a_reward_method():
     class Plain:
         def reset(self) -> None:
             pass
 
-    assert read_reward(Plain()) is None
+    assert reward_of(Plain()) is None
 
 
 @pytest.mark.parametrize(("returned", "expected"), [(1, 1.0), (0.25, 0.25), (True, 1.0)])
@@ -485,7 +490,7 @@ def test_reward_is_converted_to_float(returned, expected):
         def reward(self) -> object:
             return returned
 
-    value = read_reward(Scored())
+    value = reward_of(Scored())
     assert value == expected
     assert type(value) is float
 
@@ -496,7 +501,7 @@ def test_a_reward_that_raises_is_an_error_naming_the_class():
             raise ZeroDivisionError("no moves")
 
     with pytest.raises(EnvironmentRewardError, match=r"Judge\.reward\(\) raised ZeroDivision"):
-        read_reward(Judge())
+        reward_of(Judge())
 
 
 @pytest.mark.parametrize(
@@ -515,19 +520,37 @@ def test_a_reward_that_is_not_a_finite_number_is_an_error(returned, expected):
             return returned
 
     with pytest.raises(EnvironmentRewardError) as caught:
-        read_reward(Judge())
+        reward_of(Judge())
     assert "Judge.reward() returned" in str(caught.value)
     assert expected in str(caught.value)
 
 
-def test_an_async_reward_is_refused_without_a_never_awaited_warning(recwarn):
+def test_an_async_reward_is_awaited():
     class Judge:
         async def reward(self) -> float:
             return 1.0
 
-    with pytest.raises(EnvironmentRewardError, match="synchronously"):
-        read_reward(Judge())
-    assert not [w for w in recwarn if "never awaited" in str(w.message)]
+    assert reward_of(Judge()) == 1.0
+
+
+def test_trl_style_get_reward_is_read_like_reward():
+    class IncrementEnv:
+        def get_reward(self) -> float:
+            return 0.5
+
+    assert reward_of(IncrementEnv()) == 0.5
+
+
+def test_defining_both_reward_and_get_reward_is_an_error():
+    class Both:
+        def reward(self) -> float:
+            return 1.0
+
+        def get_reward(self) -> float:
+            return 1.0
+
+    with pytest.raises(EnvironmentSpecError, match="both reward"):
+        reward_of(Both())
 
 
 def test_done_defaults_to_false_and_follows_the_attribute():
@@ -565,12 +588,12 @@ def test_counter_rewards_exactly_reaching_the_target():
     env = Counter()
     assert reset_environment(env, {"target": 7, "prompt": []}, seed=0) == "The counter is at 0."
     increment = environment_tools(env)["increment"].fn
-    assert read_reward(env) == 0.0
+    assert reward_of(env) == 0.0
     assert increment(step=4) == 4
     assert increment(step=3) == 7
-    assert read_reward(env) == 1.0
+    assert reward_of(env) == 1.0
     assert increment(step=1) == 8
-    assert read_reward(env) == 0.0
+    assert reward_of(env) == 0.0
 
 
 def test_counter_reset_starts_over():
