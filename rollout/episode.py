@@ -50,9 +50,9 @@ class EpisodeConfig:
     top_p: float = 1.0
     top_k: int = 0
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, seed: int | None) -> SamplingParams:
         """Sampling parameters for one turn with `max_tokens` left."""
-        return SamplingParams(max_tokens, self.temperature, self.top_p, self.top_k)
+        return SamplingParams(max_tokens, self.temperature, self.top_p, self.top_k, seed)
 
 
 @dataclass
@@ -73,6 +73,7 @@ class _State:
     messages: list[dict[str, Any]]
     tokens: TokenRow
     prompt_text: str
+    sample_seed: int
     turns: int = 0
     tool_calls: int = 0
     tool_errors: Tally = field(default_factory=Tally)
@@ -83,6 +84,10 @@ async def run_episode(
     ctx: EpisodeContext, row: Mapping[str, Any], seed: int, group: int, index: int
 ) -> Episode:
     """Play one episode of `row` against a fresh environment, which is always closed.
+
+    `seed` is the group's: the environment resets with it, and each turn samples with a seed
+    derived from it, the episode's `index` and the turn, so an episode is reproducible however
+    its requests are batched with others.
 
     The environment's own code (constructor, `reset`, `reward`, `close`) runs in a worker thread,
     like sync tools, so a slow environment never stalls the other episodes.
@@ -98,7 +103,7 @@ async def run_episode(
         if not messages:
             raise ValueError(f"a task row needs a 'prompt' column; this one has {sorted(row)}")
         tools = {**ctx.tools, **_bind(ctx.environment_tools, env)}
-        state = _start(ctx, messages, row)
+        state = _start(ctx, messages, row, sample_seed=hash((seed, index)))
         finish = await _play(ctx, state, tools, env)
         reward = await read_reward(env) if env is not None else None
     finally:
@@ -160,7 +165,9 @@ def _bind(tools: Mapping[str, Tool], env: Any) -> dict[str, Tool]:
     return {name: dataclasses.replace(t, fn=getattr(env, name)) for name, t in tools.items()}
 
 
-def _start(ctx: EpisodeContext, messages: list[dict[str, Any]], row: Mapping) -> _State:
+def _start(
+    ctx: EpisodeContext, messages: list[dict[str, Any]], row: Mapping, sample_seed: int
+) -> _State:
     prompt_text = ctx.renderer.render(messages, generation_prompt=True)
     prompt_ids = ctx.renderer.encode(prompt_text)
     limit = ctx.config.max_prompt_length
@@ -171,7 +178,7 @@ def _start(ctx: EpisodeContext, messages: list[dict[str, Any]], row: Mapping) ->
             f"(max_prompt_length={limit}, model context={context}). Shorten the prompt or raise "
             f"the limit. Row: {_show(row)}"
         )
-    return _State(messages, TokenRow(prompt_ids), prompt_text)
+    return _State(messages, TokenRow(prompt_ids), prompt_text, sample_seed)
 
 
 async def _play(ctx: EpisodeContext, state: _State, tools: Mapping[str, Tool], env: Any) -> Finish:
@@ -190,7 +197,9 @@ async def _turn(
     ctx: EpisodeContext, state: _State, tools: Mapping[str, Tool], env: Any, budget: int
 ) -> Finish | None:
     """One model turn and its tool calls; returns a Finish if the episode ends here."""
-    completion = await ctx.backend.generate(state.tokens.context_ids, ctx.config.sampling(budget))
+    turn_seed = hash((state.sample_seed, state.turns)) % 2**62
+    params = ctx.config.sampling(budget, turn_seed)
+    completion = await ctx.backend.generate(state.tokens.context_ids, params)
     state.tokens.append_sampled(completion.token_ids, completion.logprobs)
     state.turns += 1
     decode = ctx.renderer.tokenizer.decode

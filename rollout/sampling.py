@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -10,21 +12,23 @@ def sample_tokens(
     temperature_B: torch.Tensor,
     top_k_B: torch.Tensor,
     top_p_B: torch.Tensor,
-    generator: torch.Generator | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and return it with its logprob.
 
     Rows with temperature 0 take the argmax. Other rows sample from softmax(logits / T) after
-    top-k (k = 0: off) and top-p (p = 1: off) filtering. The returned logprob is
-    log softmax(logits / T) at the token, before filtering: the same quantity a training forward
-    pass computes from the same logits and temperature (T = 1 for greedy rows).
+    top-k (k = 0: off) and top-p (p = 1: off) filtering, by the Gumbel-max trick with noise from
+    the row's own generator, so a row's draw does not depend on the other rows of the batch.
+    The returned logprob is log softmax(logits / T) at the token, before filtering: the same
+    quantity a training forward pass computes from the same logits and temperature (T = 1 for
+    greedy rows).
 
     Args:
         logits_B_V: Next-token logits, float32.
         temperature_B: Per-row temperature.
         top_k_B: Per-row top-k (int).
         top_p_B: Per-row top-p.
-        generator: Random generator for reproducible draws.
+        generators: One random generator (or None: the global one) per row.
 
     Returns:
         tokens_B (long) and logprobs_B (float32).
@@ -40,9 +44,24 @@ def sample_tokens(
     scaled_B_V = logits_B_V / torch.where(greedy_B, 1.0, temperature_B).unsqueeze(-1)
     logprobs_B_V = torch.log_softmax(scaled_B_V, dim=-1)
     filtered_B_V = _filter_top_p(_filter_top_k(scaled_B_V, top_k_B), top_p_B)
-    drawn_B = torch.multinomial(torch.softmax(filtered_B_V, dim=-1), 1, generator=generator)[:, 0]
+    noise_B_V = _gumbel_noise(logits_B_V, generators)
+    drawn_B = (filtered_B_V + noise_B_V).argmax(dim=-1)
     tokens_B = torch.where(greedy_B, scaled_B_V.argmax(dim=-1), drawn_B)
     return tokens_B, logprobs_B_V.gather(-1, tokens_B.unsqueeze(-1))[:, 0]
+
+
+def _gumbel_noise(
+    logits_B_V: torch.Tensor, generators: Sequence[torch.Generator | None] | None
+) -> torch.Tensor:
+    """Gumbel(0, 1) noise, row by row from each row's generator: argmax(x + noise) ~ softmax(x)."""
+    rows = len(logits_B_V)
+    generators = generators or [None] * rows
+    vocab = logits_B_V.shape[-1]
+    uniform_B_V = torch.stack(
+        [torch.rand(vocab, generator=g, device=logits_B_V.device) for g in generators]
+    )
+    tiny = torch.finfo(uniform_B_V.dtype).tiny
+    return -torch.log(-torch.log(uniform_B_V.clamp(min=tiny)))
 
 
 def _filter_top_k(logits_B_V: torch.Tensor, top_k_B: torch.Tensor) -> torch.Tensor:

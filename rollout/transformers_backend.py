@@ -36,7 +36,7 @@ class TransformersBackend:
         pad_token_id: Id used for left padding and for rows that already stopped.
         max_batch_size: The most requests generated together.
         batch_wait_s: How long the next batch waits for more requests before it starts.
-        seed: Seed of the sampling generator.
+        seed: Seeds the requests that carry no seed of their own.
 
     """
 
@@ -57,7 +57,7 @@ class TransformersBackend:
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.context_limit: int | None = getattr(model.config, "max_position_embeddings", None)
-        self._generator = torch.Generator(device=model.device).manual_seed(seed)
+        self._seeds = torch.Generator().manual_seed(seed)
         self._pending: list[_Request] = []
         self._lock = anyio.Lock()
 
@@ -112,6 +112,7 @@ class TransformersBackend:
         temperature_B = torch.tensor([p.temperature for p in params], device=device)
         top_k_B = torch.tensor([p.top_k for p in params], device=device)
         top_p_B = torch.tensor([p.top_p for p in params], device=device)
+        generators = [self._row_generator(p.seed, device) for p in params]
         out = self.model(
             input_ids=ids_B_T,
             attention_mask=mask_B_T,
@@ -125,7 +126,7 @@ class TransformersBackend:
         done = [False] * len(prompts)
         for _ in range(max(p.max_tokens for p in params)):
             next_B, logprob_B = sample_tokens(
-                out.logits[:, -1, :].float(), temperature_B, top_k_B, top_p_B, self._generator
+                out.logits[:, -1, :].float(), temperature_B, top_k_B, top_p_B, generators
             )
             for b, (token, logprob) in enumerate(
                 zip(next_B.tolist(), logprob_B.tolist(), strict=True)
@@ -150,6 +151,12 @@ class TransformersBackend:
                 use_cache=True,
             )
         return [Completion(t, lp, s) for t, lp, s in zip(tokens, logprobs, stopped, strict=True)]
+
+    def _row_generator(self, seed: int | None, device: torch.device) -> torch.Generator:
+        """A request's own random stream: its draws do not depend on the rest of the batch."""
+        if seed is None:
+            seed = int(torch.randint(2**62, (1,), generator=self._seeds))
+        return torch.Generator(device=device).manual_seed(seed)
 
     def _left_pad(
         self, prompts: Sequence[list[int]], device: torch.device

@@ -30,13 +30,15 @@ class Finish(StrEnum):
 class SamplingParams:
     """How one generation request samples.
 
-    `temperature=0` means greedy. `top_k=0` and `top_p=1.0` switch those filters off.
+    `temperature=0` means greedy. `top_k=0` and `top_p=1.0` switch those filters off. `seed`
+    makes the request's draws reproducible whatever else is batched with it (None: unseeded).
     """
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import anyio
 import pytest
 import torch
@@ -64,6 +66,18 @@ async def test_sampled_logprobs_equal_a_forward_pass_at_the_sampling_temperature
 
 
 @pytest.mark.anyio
+async def test_a_seeded_request_samples_the_same_tokens_alone_or_in_any_batch(tiny_model):
+    backend = TransformersBackend(tiny_model, stop_token_ids=[2], pad_token_id=2)
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=42)
+    others = [SamplingParams(max_tokens=n, temperature=1.0) for n in (4, 12)]
+    alone = await backend.generate(PROMPTS[0], seeded)
+    batched = await generate_concurrently(backend, PROMPTS, [seeded, *others])
+    assert batched[0].token_ids == alone.token_ids
+    different_seed = replace(seeded, seed=43)
+    assert (await backend.generate(PROMPTS[0], different_seed)).token_ids != alone.token_ids
+
+
+@pytest.mark.anyio
 async def test_a_failing_batch_fails_every_request_in_it(tiny_model, monkeypatch):
     backend = TransformersBackend(tiny_model, stop_token_ids=[2], pad_token_id=2)
 
@@ -87,9 +101,7 @@ def test_top_k_never_samples_outside_the_k_most_likely_tokens():
     torch.manual_seed(0)
     logits = torch.randn(1, 50).repeat(200, 1)
     top3 = set(logits[0].topk(3).indices.tolist())
-    tokens, _ = sample_tokens(
-        logits, torch.ones(200), torch.full((200,), 3), torch.ones(200), torch.Generator()
-    )
+    tokens, _ = sample_tokens(logits, torch.ones(200), torch.full((200,), 3), torch.ones(200))
     assert set(tokens.tolist()) <= top3
 
 
