@@ -7,7 +7,7 @@ keeps memory and environment count in check. Episodes of one group share their r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -33,6 +33,7 @@ class RolloutEngine:
         chat_template: None (the tokenizer's), a built-in name (`"chatml_tools"`), or jinja.
         tool_call_parser: A parser name (`"hermes"`, `"llama3_json"`) or None to use the
             tokenizer's response parser if it has one, else detect it from the template.
+        chat_template_kwargs: Extra template variables (e.g. `{"enable_thinking": False}`).
         config: Limits and sampling (`EpisodeConfig`).
         max_concurrent_episodes: The most episodes in flight at once.
 
@@ -51,6 +52,7 @@ class RolloutEngine:
         tools: Iterable[Callable[..., Any]] = (),
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         config: EpisodeConfig | None = None,
         max_concurrent_episodes: int = 256,
     ):
@@ -60,7 +62,7 @@ class RolloutEngine:
             raise ValueError(f"tools {clash} are both plain tools and environment methods")
         template = load_template(tokenizer, chat_template)
         schemas = [t.schema for t in (*plain.values(), *env_tools.values())]
-        renderer = ChatRenderer(tokenizer, template, schemas)
+        renderer = ChatRenderer(tokenizer, template, schemas, chat_template_kwargs)
         if schemas:
             renderer.check_tool_support()
         self.context = EpisodeContext(
@@ -75,9 +77,23 @@ class RolloutEngine:
         self.max_concurrent_episodes = max_concurrent_episodes
 
     async def run(
-        self, rows: Sequence[Mapping[str, Any]], num_generations: int = 1, seed: int = 0
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        num_generations: int = 1,
+        seed: int = 0,
+        on_group: Callable[[list[Episode]], Awaitable[None]] | None = None,
     ) -> list[Episode]:
         """Play `num_generations` episodes of each row, all concurrently.
+
+        A row whose `prompt` is a string is rendered as the user's message when the engine has
+        tools, and used as raw text (no chat template, TRL's standard format) when it has none.
+
+        Args:
+            rows: Task rows (`prompt`, plus the columns the environment's `reset` names).
+            num_generations: Episodes per row (the GRPO group size).
+            seed: Base seed; group `g` resets with `seed + g`.
+            on_group: Awaited with a group's episodes as soon as the last of them ends, while
+                other episodes still run (this is where rewards are scored).
 
         Returns:
             Episodes grouped by row: episode `g * num_generations + k` is the k-th member of
@@ -86,6 +102,7 @@ class RolloutEngine:
         """
         episodes: list[Episode | None] = [None] * (len(rows) * num_generations)
         limiter = anyio.CapacityLimiter(self.max_concurrent_episodes)
+        unfinished = [num_generations] * len(rows)
 
         async def play(group: int, member: int) -> None:
             index = group * num_generations + member
@@ -93,6 +110,10 @@ class RolloutEngine:
                 episodes[index] = await run_episode(
                     self.context, rows[group], seed + group, group, index
                 )
+            unfinished[group] -= 1
+            if unfinished[group] == 0 and on_group is not None:
+                start = group * num_generations
+                await on_group(episodes[start : start + num_generations])  # type: ignore[arg-type]
 
         try:
             async with anyio.create_task_group() as tasks:

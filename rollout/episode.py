@@ -67,6 +67,11 @@ class EpisodeContext:
     environment_factory: Callable[[], Any] | None = None
     environment_tools: Mapping[str, Tool] = field(default_factory=dict)
 
+    @property
+    def has_tools(self) -> bool:
+        """Whether episodes offer tools (plain ones or an environment's)."""
+        return bool(self.tools) or self.environment_factory is not None
+
 
 @dataclass
 class _State:
@@ -168,8 +173,13 @@ def _bind(tools: Mapping[str, Tool], env: Any) -> dict[str, Tool]:
 def _start(
     ctx: EpisodeContext, messages: list[dict[str, Any]], row: Mapping, sample_seed: int
 ) -> _State:
-    prompt_text = ctx.renderer.render(messages, generation_prompt=True)
-    prompt_ids = ctx.renderer.encode(prompt_text)
+    if isinstance(row.get("prompt"), str) and not ctx.has_tools:
+        # TRL's standard format: the text itself, tokenized as is, with no chat template.
+        prompt_text = row["prompt"]
+        prompt_ids = ctx.renderer.tokenizer.encode(prompt_text)
+    else:
+        prompt_text = ctx.renderer.render(messages, generation_prompt=True)
+        prompt_ids = ctx.renderer.encode(prompt_text)
     limit = ctx.config.max_prompt_length
     context = ctx.backend.context_limit
     if (limit and len(prompt_ids) > limit) or (context and len(prompt_ids) >= context):

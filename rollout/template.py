@@ -109,13 +109,21 @@ class ChatRenderer:
             tokens, which templates may reference as `bos_token`, `eos_token`, ...).
         template: jinja source, as returned by `load_template`.
         tools: Tool schemas (`{"type": "function", "function": {...}}`) shown to the model.
+        template_kwargs: Extra variables for the template (e.g. `{"enable_thinking": False}`).
 
     """
 
-    def __init__(self, tokenizer: Any, template: str, tools: Sequence[Mapping[str, Any]] = ()):
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: str,
+        tools: Sequence[Mapping[str, Any]] = (),
+        template_kwargs: Mapping[str, Any] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.template = template
         self.tools = [dict(t) for t in tools]
+        self.template_kwargs = dict(template_kwargs or {})
         self._compiled = _compile(template)
         self._special = {
             k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)
@@ -128,6 +136,7 @@ class ChatRenderer:
             tools=self.tools or None,
             add_generation_prompt=generation_prompt,
             **self._special,
+            **self.template_kwargs,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -208,7 +217,9 @@ class ChatRenderer:
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "name": "f", "content": _PROBE_RESULT},
         ]
-        probe = ChatRenderer(self.tokenizer, self.template, [*self.tools, probe_tool])
+        probe = ChatRenderer(
+            self.tokenizer, self.template, [*self.tools, probe_tool], self.template_kwargs
+        )
         try:
             text = probe.render(messages, generation_prompt=True)
         except jinja2.TemplateError as error:

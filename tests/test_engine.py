@@ -391,3 +391,37 @@ async def test_a_row_without_prompt_needs_reset_to_return_the_task(tokenizer):
     eng = engine(tokenizer, scripted(tokenizer, ["Ok."]), environment_factory=IncrementEnv)
     with pytest.raises(ValueError, match="must return the task's text"):
         await eng.run([{"say": False}])
+
+
+async def test_each_group_is_handed_over_as_soon_as_its_episodes_end(tokenizer):
+    class SlowForNine(Counter):
+        async def increment(self, step: int) -> int:
+            """Add step; slow when the target is 9.
+
+            Args:
+                step: Value to add.
+            """
+            await anyio.sleep(1.0 if self.target == 9 else 0.0)
+            return super().increment(step)
+
+    backend = scripted(tokenizer, [call("increment", step=1), "Done."])
+    handed: list[tuple[int, float]] = []
+    started = time.perf_counter()
+
+    async def on_group(episodes):
+        handed.append((episodes[0].row["target"], time.perf_counter() - started))
+        assert [e.group for e in episodes] == [episodes[0].group] * 2
+
+    rows = [{"prompt": "slow", "target": 9}, {"prompt": "fast", "target": 2}]
+    eng = engine(tokenizer, backend, environment_factory=SlowForNine)
+    await eng.run(rows, num_generations=2, on_group=on_group)
+    assert [target for target, _ in handed] == [2, 9]
+    assert handed[0][1] < 0.5 < 0.9 < handed[1][1]
+
+
+async def test_a_string_prompt_without_tools_is_raw_text_not_a_chat(tokenizer):
+    backend = scripted(tokenizer, ["blue."])
+    eng = RolloutEngine(backend, tokenizer, chat_template="chatml_tools")
+    [episode] = await eng.run([{"prompt": "The sky is"}])
+    assert episode.prompt_ids == tokenizer.encode("The sky is")
+    assert episode.finish is Finish.STOP
