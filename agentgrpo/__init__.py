@@ -1,6 +1,26 @@
 """agentgrpo: train LLM agents with GRPO on multi-turn, tool-calling episodes.
 
-The trainer layer. It sits on top of `rollout` (episodes), `environments` (tasks) and `tools`.
+`GRPOTrainer` and `GRPOConfig` accept what TRL's do, so a TRL script ports by changing its
+import. They are loaded on first use: importing transformers' training stack takes seconds, and
+`import agentgrpo` should not.
 """
 
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
+    from agentgrpo.trainer import GRPOTrainer
+
 __version__ = "0.1.0"
+__all__ = ["GRPOConfig", "GRPOTrainer"]
+
+_LAZY = {"GRPOConfig": "agentgrpo.config", "GRPOTrainer": "agentgrpo.trainer"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'agentgrpo' has no attribute {name!r}")

@@ -1,0 +1,120 @@
+"""Episodes as training tensors: prompts left-padded, completions right-padded, masks kept.
+
+Laying a batch out as [left-padded prompt | right-padded completion] puts every completion at the
+same columns, so one forward pass scores all of them with `logits[:, P - 1 : -1]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from rollout import Episode
+
+
+@dataclass(frozen=True)
+class TrainingBatch:
+    """A batch of B episodes, with P prompt and C completion columns (L = P + C).
+
+    Attributes:
+        input_ids_B_L: Prompt then completion token ids.
+        attention_mask_B_L: 1 on real tokens, 0 on padding.
+        position_ids_B_L: Positions counted over real tokens only (as at generation).
+        loss_mask_B_C: 1 where a completion token counts in the loss: sampled by the policy,
+            and not dropped (e.g. by `mask_truncated_completions`).
+        sampler_logprobs_B_C: The generator's logprob of each completion token (0 where masked).
+        advantages_B: One advantage per episode.
+        old_logprobs_B_C: Logprobs of the policy that generated the batch, when they can differ
+            from the current policy's (several updates per generation); else None.
+        ref_logprobs_B_C: Reference-model logprobs when `beta > 0`; else None.
+        num_items: Active (mask-1) tokens of the optimizer step this batch belongs to, summed
+            over all processes: the normaliser of the token-level losses.
+    """
+
+    input_ids_B_L: torch.Tensor
+    attention_mask_B_L: torch.Tensor
+    position_ids_B_L: torch.Tensor
+    loss_mask_B_C: torch.Tensor
+    sampler_logprobs_B_C: torch.Tensor
+    advantages_B: torch.Tensor
+    old_logprobs_B_C: torch.Tensor | None = None
+    ref_logprobs_B_C: torch.Tensor | None = None
+    num_items: float = 0.0
+
+    @property
+    def completion_width(self) -> int:
+        """C: the number of completion columns."""
+        return self.loss_mask_B_C.shape[1]
+
+    @property
+    def completion_ids_B_C(self) -> torch.Tensor:
+        """The completion columns of `input_ids_B_L`."""
+        return self.input_ids_B_L[:, -self.completion_width :]
+
+    def __len__(self) -> int:
+        return self.input_ids_B_L.shape[0]
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> TrainingBatch:
+        """The given rows, with the padding columns no selected row needs trimmed away."""
+        taken = {
+            f.name: value[rows]
+            if isinstance(value := getattr(self, f.name), torch.Tensor)
+            else value
+            for f in fields(self)
+        }
+        picked = TrainingBatch(**taken)
+        real_B_L = picked.attention_mask_B_L.bool()
+        first = int(real_B_L.any(0).nonzero()[0])  # leftmost column some row uses
+        completion_used = picked.attention_mask_B_L[:, -self.completion_width :].any(0)
+        last = int(completion_used.nonzero()[-1]) + 1 if completion_used.any() else 0
+        return picked._trim(first, self.completion_width - last)
+
+    def _trim(self, left: int, right: int) -> TrainingBatch:
+        """Drop `left` leading prompt columns and `right` trailing completion columns."""
+        end_L = self.input_ids_B_L.shape[1] - right
+        end_C = self.completion_width - right
+        changes = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.dim() == 2:
+                changes[f.name] = (
+                    value[:, left:end_L] if f.name.endswith("_B_L") else value[:, :end_C]
+                )
+        return replace(self, **changes)
+
+
+def collate_episodes(
+    episodes: Sequence[Episode],
+    advantages_B: torch.Tensor,
+    pad_token_id: int,
+    mask_truncated_completions: bool = False,
+) -> TrainingBatch:
+    """Lay episodes out as a `TrainingBatch` (no old/reference logprobs, num_items 0).
+
+    Args:
+        episodes: The episodes, in batch order.
+        advantages_B: Their advantages.
+        pad_token_id: Id written in padding positions (never attended to, never trained on).
+        mask_truncated_completions: Drop cut-off episodes (`finish.truncated`) from the loss.
+    """
+    width_P = max(len(e.prompt_ids) for e in episodes)
+    width_C = max(max(len(e.completion_ids) for e in episodes), 1)
+    batch = len(episodes)
+    ids_B_L = torch.full((batch, width_P + width_C), pad_token_id, dtype=torch.long)
+    attention_B_L = torch.zeros((batch, width_P + width_C), dtype=torch.long)
+    loss_mask_B_C = torch.zeros((batch, width_C))
+    sampler_B_C = torch.zeros((batch, width_C))
+    for b, episode in enumerate(episodes):
+        prompt, completion = episode.prompt_ids, episode.completion_ids
+        start, end = width_P - len(prompt), width_P + len(completion)
+        ids_B_L[b, start:end] = torch.tensor(prompt + completion)
+        attention_B_L[b, start:end] = 1
+        if not (mask_truncated_completions and episode.finish.truncated):
+            loss_mask_B_C[b, : len(completion)] = torch.tensor(episode.loss_mask, dtype=torch.float)
+        sampler_B_C[b, : len(completion)] = torch.tensor(episode.sampler_logprobs)
+    positions_B_L = (attention_B_L.cumsum(-1) - 1).clamp(min=0)
+    return TrainingBatch(
+        ids_B_L, attention_B_L, positions_B_L, loss_mask_B_C, sampler_B_C, advantages_B.float()
+    )

@@ -1,0 +1,784 @@
+"""The GRPO policy loss and its variants, as pure functions of per-token tensors.
+
+Every tensor is over completion positions of a padded batch: B sequences, T positions, V vocab.
+``mask_B_T`` (bool or 0/1 float) is 1 where a token counts in the loss: the policy sampled it and
+nothing else masked it out. Tool output, template tokens and padding are 0. Values at masked
+positions never reach the loss or its gradient, whatever they are (even inf or NaN).
+
+The loss is built in three steps, each its own function:
+
+1. an importance ratio r = pi_theta / pi_old per token (:func:`log_importance_ratio`), token-level
+   or sequence-level (GSPO);
+2. a per-token objective, returned as a *loss* (the negative objective): the clipped surrogate
+   (grpo, dr_grpo, dapo, bnpo, luspo), CISPO or SAPO; plus ``beta`` times the k3 KL to a
+   reference model;
+3. a normalisation that turns per-token losses into one scalar (:func:`aggregate`).
+
+``loss_type`` picks the objective and the normalisation together, in one table (``_LOSS_TYPES``)
+that is read in one place. ``"vespo"`` is not implemented; see ``_NOT_IMPLEMENTED``.
+
+The module imports only torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _masked_sum_per_row(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
+    """Sum over active positions of each row; masked positions contribute exactly 0."""
+    return torch.where(mask_B_T != 0, values_B_T * mask_B_T, 0.0).sum(dim=-1)
+
+
+def _masked_mean_per_row(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
+    """Mean over active positions of each row (0 for a row with none)."""
+    return _masked_sum_per_row(values_B_T, mask_B_T) / mask_B_T.sum(dim=-1).clamp(min=1)
+
+
+def _masked_mean(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
+    """Mean over all active positions of the batch (0 when there are none)."""
+    return _masked_sum_per_row(values_B_T, mask_B_T).sum() / mask_B_T.sum().clamp(min=1)
+
+
+# --------------------------------------------------------------------------- importance ratio
+
+
+def _token_log_ratio(log_ratio_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
+    return log_ratio_B_T
+
+
+def _sequence_log_ratio(log_ratio_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
+    return _masked_mean_per_row(log_ratio_B_T, mask_B_T).unsqueeze(-1).expand_as(log_ratio_B_T)
+
+
+_RATIO_LEVELS = {"token": _token_log_ratio, "sequence": _sequence_log_ratio}
+
+
+def log_importance_ratio(
+    logprobs_B_T: torch.Tensor,
+    old_logprobs_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    level: str = "token",
+) -> torch.Tensor:
+    """Log of the importance ratio pi_theta / pi_old, per token or per sequence.
+
+    Args:
+        logprobs_B_T: Log-probabilities of the sampled tokens under the current policy (with
+            grad), shape (B, T).
+        old_logprobs_B_T: The same under the policy that generated the batch (no grad), (B, T).
+        mask_B_T: 1 where the token counts, (B, T).
+        level: ``"token"``: ``logprobs - old`` at each active position, 0 at masked ones.
+            ``"sequence"`` (GSPO): the masked mean of ``logprobs - old`` over each sequence,
+            broadcast to all its positions (padding included; the mask removes them later).
+            The gradient flows through the mean, so each token gets 1/|y| of it.
+
+    Returns:
+        log_ratio_B_T: Shape (B, T).
+
+    Example:
+        >>> lp, old = torch.tensor([[-1.0, -2.0, 0.0]]), torch.tensor([[-1.2, -2.4, 5.0]])
+        >>> log_importance_ratio(lp, old, torch.tensor([[1, 1, 0]]), "sequence")
+        tensor([[0.3000, 0.3000, 0.3000]])
+
+    """
+    if level not in _RATIO_LEVELS:
+        raise ValueError(f"unknown importance sampling level {level!r}; expected token or sequence")
+    log_ratio_B_T = torch.where(mask_B_T != 0, logprobs_B_T - old_logprobs_B_T, 0.0)
+    return _RATIO_LEVELS[level](log_ratio_B_T, mask_B_T)
+
+
+# --------------------------------------------------------------------------- objectives
+
+
+class PolicyTerm(NamedTuple):
+    """A per-token policy loss and where a clip changed it.
+
+    Attributes:
+        loss_B_T: Per-token loss (negative objective), (B, T).
+        clipped_low_B_T: Bool, where the ratio hit the low bound and that cut the gradient.
+        clipped_high_B_T: Bool, where the ratio hit the high bound and that cut the gradient.
+
+    """
+
+    loss_B_T: torch.Tensor
+    clipped_low_B_T: torch.Tensor
+    clipped_high_B_T: torch.Tensor
+
+
+def clipped_surrogate_loss(
+    log_ratio_B_T: torch.Tensor,
+    advantages_B_1: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None = None,
+) -> PolicyTerm:
+    """PPO's clipped surrogate, negated: ``-min(r A, clamp(r, 1 - eps_low, 1 + eps_high) A)``.
+
+    Clipping removes the incentive to move r further out of ``[1 - eps_low, 1 + eps_high]``: a
+    token with A > 0 and r above the range, or A < 0 and r below it, has zero gradient.
+    With ``delta`` (two-sided GRPO, INTELLECT-2) the unclipped term uses ``min(r, delta)``, so a
+    token with A < 0 and a huge ratio can no longer give an unbounded loss.
+
+    Args:
+        log_ratio_B_T: Log importance ratio, (B, T), token- or sequence-level.
+        advantages_B_1: Advantages, broadcastable to (B, T).
+        epsilon_low: Lower clip width (ratio floor ``1 - epsilon_low``).
+        epsilon_high: Upper clip width (ratio ceiling ``1 + epsilon_high``).
+        delta: Cap on r in the unclipped term, or None for standard clipping.
+
+    Returns:
+        The per-token loss; ``clipped_low`` is r < 1 - eps_low with A < 0, ``clipped_high`` is
+        r > 1 + eps_high with A > 0.
+
+    Example:
+        >>> log_ratio, advantage = torch.tensor([[1.5]]).log(), torch.tensor([[1.0]])
+        >>> term = clipped_surrogate_loss(log_ratio, advantage, 0.2, 0.2)
+        >>> term.loss_B_T, term.clipped_high_B_T
+        (tensor([[-1.2000]]), tensor([[True]]))
+
+    """
+    ratio_B_T = log_ratio_B_T.exp()
+    unclipped_B_T = ratio_B_T if delta is None else ratio_B_T.clamp(max=delta)
+    clipped_B_T = ratio_B_T.clamp(1 - epsilon_low, 1 + epsilon_high)
+    loss_B_T = -torch.minimum(unclipped_B_T * advantages_B_1, clipped_B_T * advantages_B_1)
+    return PolicyTerm(
+        loss_B_T,
+        (ratio_B_T < 1 - epsilon_low) & (advantages_B_1 < 0),
+        (ratio_B_T > 1 + epsilon_high) & (advantages_B_1 > 0),
+    )
+
+
+def cispo_loss(
+    log_ratio_B_T: torch.Tensor,
+    advantages_B_1: torch.Tensor,
+    logprobs_B_T: torch.Tensor,
+    epsilon_max: float,
+) -> PolicyTerm:
+    """CISPO (MiniMax-M1, ScaleRL): clip the importance *weight*, keep every token's gradient.
+
+    ``loss = -sg(min(r, epsilon_max)) * A * logprobs``: the weight is detached, so the gradient
+    is ``-w A grad(logprobs)`` and no token is dropped, however far off-policy.
+
+    Args:
+        log_ratio_B_T: Log importance ratio, (B, T).
+        advantages_B_1: Advantages, broadcastable to (B, T).
+        logprobs_B_T: Current log-probabilities (the gradient flows through these), (B, T).
+        epsilon_max: Absolute cap on the weight (not a width around 1), e.g. 5.0.
+
+    Returns:
+        The per-token loss; ``clipped_high`` is where the weight was capped with A > 0 (the
+        same tokens the clipped surrogate's metric counts); ``clipped_low`` is never set.
+
+    """
+    ratio_B_T = log_ratio_B_T.exp()
+    weight_B_T = ratio_B_T.clamp(max=epsilon_max).detach()
+    return PolicyTerm(
+        -weight_B_T * advantages_B_1 * logprobs_B_T,
+        torch.zeros_like(ratio_B_T, dtype=torch.bool),
+        (ratio_B_T > epsilon_max) & (advantages_B_1 > 0),
+    )
+
+
+def sapo_loss(
+    log_ratio_B_T: torch.Tensor,
+    advantages_B_1: torch.Tensor,
+    temperature_pos: float,
+    temperature_neg: float,
+) -> PolicyTerm:
+    """SAPO: a smooth gate instead of a hard clip, ``loss = -g(r) A``.
+
+    ``g(r) = sigmoid(tau (r - 1)) * 4 / tau``, with ``tau = temperature_pos`` where A > 0 and
+    ``temperature_neg`` elsewhere. ``g'(1) = 1``, so on-policy the gradient is the vanilla
+    policy gradient; off-policy it fades smoothly (faster for larger tau). Note ``g(1) = 2/tau``:
+    the loss *value* is not ``-A`` on-policy, only its gradient matches.
+
+    Args:
+        log_ratio_B_T: Log importance ratio, (B, T).
+        advantages_B_1: Advantages, broadcastable to (B, T).
+        temperature_pos: tau for tokens with positive advantage.
+        temperature_neg: tau for tokens with zero or negative advantage.
+
+    Returns:
+        The per-token loss; no hard clip, so both clip indicators are all False.
+
+    Example:
+        >>> sapo_loss(torch.zeros(1, 1), torch.tensor([[1.0]]), 1.0, 1.05).loss_B_T
+        tensor([[-2.]])
+
+    """
+    ratio_B_T = log_ratio_B_T.exp()
+    tau_B_T = torch.where(advantages_B_1 > 0, temperature_pos, temperature_neg).to(ratio_B_T)
+    gate_B_T = torch.sigmoid(tau_B_T * (ratio_B_T - 1)) * 4 / tau_B_T
+    no_clip_B_T = torch.zeros_like(ratio_B_T, dtype=torch.bool)
+    return PolicyTerm(-gate_B_T * advantages_B_1, no_clip_B_T, no_clip_B_T)
+
+
+def kl_k3(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref): ``exp(d) - d - 1``, ``d = ref - logp``.
+
+    Non-negative, 0 where the two agree, and unbiased for tokens sampled from pi_theta.
+
+    Args:
+        logprobs_B_T: Current log-probabilities, (B, T).
+        ref_logprobs_B_T: Reference-model log-probabilities of the same tokens, (B, T).
+
+    Returns:
+        kl_B_T: Shape (B, T).
+
+    Example:
+        >>> kl_k3(torch.tensor([0.5, 0.25]).log(), torch.tensor([0.5, 0.5]).log())
+        tensor([0.0000, 0.3069])
+
+    """
+    log_ref_over_policy_B_T = ref_logprobs_B_T - logprobs_B_T
+    return log_ref_over_policy_B_T.exp() - log_ref_over_policy_B_T - 1
+
+
+# --------------------------------------------------------------------------- normalisation
+# Each normaliser turns per-token losses (B, T) and a float mask (B, T) into the scalar loss.
+# num_items and max_completion_length are passed to all of them; each uses what it needs.
+
+Normaliser = Callable[
+    [torch.Tensor, torch.Tensor, "float | torch.Tensor | None", "int | None"], torch.Tensor
+]
+
+
+def _per_sequence_mean(loss_B_T, mask_B_T, num_items, max_completion_length):
+    """grpo: mean over sequences of each sequence's token mean (a length bias: see GRPOConfig)."""
+    return _masked_mean_per_row(loss_B_T, mask_B_T).mean()
+
+
+def _local_token_mean(loss_B_T, mask_B_T, num_items, max_completion_length):
+    """bnpo: mean over the active tokens of this micro-batch only."""
+    return _masked_mean(loss_B_T, mask_B_T)
+
+
+def _over_max_length(loss_B_T, mask_B_T, num_items, max_completion_length):
+    """dr_grpo: token sum over a constant, B * max_completion_length."""
+    if max_completion_length is None:
+        raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
+    total = _masked_sum_per_row(loss_B_T, mask_B_T).sum()
+    return total / (loss_B_T.shape[0] * max_completion_length)
+
+
+def _over_num_items(loss_B_T, mask_B_T, num_items, max_completion_length):
+    """dapo, cispo, sapo: token sum over the active tokens of the whole accumulated batch."""
+    if num_items is None:
+        raise ValueError("this loss_type needs num_items (active tokens in the whole batch)")
+    return _masked_sum_per_row(loss_B_T, mask_B_T).sum() / num_items
+
+
+def _length_scaled_over_num_items(loss_B_T, mask_B_T, num_items, max_completion_length):
+    """luspo: each sequence's loss times its token count, summed, over num_items.
+
+    A sequence's loss is its mean per-token loss (GSPO; with a sequence-level ratio every token
+    holds the same value). Scaling it by the length |y_i| undoes GSPO's 1/|y_i| weight on each
+    token's gradient; dividing by num_items then gives every token dapo's gradient scale. (The
+    product equals the masked token sum; it is written out because it is the definition.)
+    """
+    if num_items is None:
+        raise ValueError("loss_type 'luspo' needs num_items (active tokens in the whole batch)")
+    length_B = mask_B_T.sum(dim=-1)
+    return (_masked_mean_per_row(loss_B_T, mask_B_T) * length_B).sum() / num_items
+
+
+# --------------------------------------------------------------------------- the loss types
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """What the policy loss needs from the training config; checked once, on construction.
+
+    Attributes:
+        loss_type: One of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo: picks the per-token
+            objective and the normalisation together (see :func:`aggregate`).
+        epsilon_low: Clip width below 1 for the clipped surrogate (ratio floor 1 - epsilon_low).
+        epsilon_high: Clip width above 1 for the clipped surrogate (ratio ceiling
+            1 + epsilon_high; DAPO uses 0.28). For cispo it is the absolute weight cap
+            epsilon_max instead (ScaleRL uses 5.0), so it must then exceed 1.
+        delta: Two-sided GRPO (INTELLECT-2): cap on the ratio in the unclipped term, > 1
+            (advised > 1 + epsilon_high). None for standard clipping. Clipped-surrogate types only.
+        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO); luspo needs sequence.
+        beta: Weight of the k3 KL to the reference model; 0 turns it off.
+        use_bias_correction_kl: Multiply the per-token KL by the (differentiable) importance
+            ratio, which makes its gradient the unbiased reverse-KL gradient (DeepSeek-V3.2).
+            Changes the gradient even on-policy, where the ratio's value is 1.
+        sapo_temperature_pos: SAPO's tau for tokens with positive advantage.
+        sapo_temperature_neg: SAPO's tau for the other tokens.
+        max_completion_length: The constant dr_grpo divides by (per sequence); required there.
+        entropy_coef: Weight of the entropy bonus: the loss gets ``- entropy_coef * mean
+            entropy`` over active tokens, the same for every loss_type.
+
+    """
+
+    loss_type: str = "dapo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    beta: float = 0.0
+    use_bias_correction_kl: bool = True
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    max_completion_length: int | None = None
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.loss_type in _NOT_IMPLEMENTED:
+            raise ValueError(
+                f"loss_type {self.loss_type!r} is not implemented: "
+                f"{_NOT_IMPLEMENTED[self.loss_type]}"
+            )
+        if self.loss_type not in _LOSS_TYPES:
+            raise ValueError(
+                f"unknown loss_type {self.loss_type!r}; expected one of {sorted(_LOSS_TYPES)}"
+            )
+        if self.importance_sampling_level not in _RATIO_LEVELS:
+            raise ValueError(
+                f"unknown importance_sampling_level {self.importance_sampling_level!r}; "
+                f"expected one of {sorted(_RATIO_LEVELS)}"
+            )
+        if not 0 <= self.epsilon_low <= 1 or self.epsilon_high < 0:
+            raise ValueError(
+                f"need 0 <= epsilon_low <= 1 and epsilon_high >= 0, "
+                f"got {self.epsilon_low} and {self.epsilon_high}"
+            )
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        _LOSS_TYPES[self.loss_type].check(self)
+
+
+def _check_clipped(config: LossConfig) -> None:
+    if config.delta is not None and config.delta <= 1:
+        raise ValueError(f"delta caps the ratio and must be > 1, got {config.delta}")
+
+
+def _check_dr_grpo(config: LossConfig) -> None:
+    _check_clipped(config)
+    if config.max_completion_length is None or config.max_completion_length < 1:
+        raise ValueError("loss_type 'dr_grpo' needs max_completion_length >= 1")
+
+
+def _check_luspo(config: LossConfig) -> None:
+    _check_clipped(config)
+    if config.importance_sampling_level != "sequence":
+        raise ValueError("loss_type 'luspo' needs importance_sampling_level='sequence'")
+
+
+def _check_no_delta(config: LossConfig) -> None:
+    if config.delta is not None:
+        raise ValueError(
+            f"delta applies to the clipped surrogate; loss_type {config.loss_type!r} has none"
+        )
+
+
+def _check_cispo(config: LossConfig) -> None:
+    _check_no_delta(config)
+    if config.epsilon_high <= 1:
+        raise ValueError(
+            "for loss_type 'cispo', epsilon_high is the absolute cap on the importance weight "
+            f"(e.g. 5.0) and must be > 1, got {config.epsilon_high}"
+        )
+
+
+def _check_sapo(config: LossConfig) -> None:
+    _check_no_delta(config)
+    if config.sapo_temperature_pos <= 0 or config.sapo_temperature_neg <= 0:
+        raise ValueError("SAPO temperatures must be > 0")
+
+
+def _clipped(log_ratio_B_T, advantages_B_1, logprobs_B_T, config: LossConfig) -> PolicyTerm:
+    return clipped_surrogate_loss(
+        log_ratio_B_T, advantages_B_1, config.epsilon_low, config.epsilon_high, config.delta
+    )
+
+
+def _cispo(log_ratio_B_T, advantages_B_1, logprobs_B_T, config: LossConfig) -> PolicyTerm:
+    return cispo_loss(log_ratio_B_T, advantages_B_1, logprobs_B_T, config.epsilon_high)
+
+
+def _sapo(log_ratio_B_T, advantages_B_1, logprobs_B_T, config: LossConfig) -> PolicyTerm:
+    return sapo_loss(
+        log_ratio_B_T, advantages_B_1, config.sapo_temperature_pos, config.sapo_temperature_neg
+    )
+
+
+class _LossType(NamedTuple):
+    objective: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossConfig], PolicyTerm]
+    normalise: Normaliser
+    check: Callable[[LossConfig], None]
+
+
+# The one place a loss_type string becomes behaviour.
+_LOSS_TYPES: dict[str, _LossType] = {
+    "grpo": _LossType(_clipped, _per_sequence_mean, _check_clipped),
+    "bnpo": _LossType(_clipped, _local_token_mean, _check_clipped),
+    "dr_grpo": _LossType(_clipped, _over_max_length, _check_dr_grpo),
+    "dapo": _LossType(_clipped, _over_num_items, _check_clipped),
+    "cispo": _LossType(_cispo, _over_num_items, _check_cispo),
+    "sapo": _LossType(_sapo, _over_num_items, _check_sapo),
+    "luspo": _LossType(_clipped, _length_scaled_over_num_items, _check_luspo),
+}
+
+_NOT_IMPLEMENTED = {
+    "vespo": (
+        "its documented parameters (a power k and a decay lambda per advantage sign, a 'Gamma "
+        "weighting' of sequence-level importance weights) do not pin down the weight function "
+        "(its normalisation, whether the power is k or k - 1, whether it is detached), and a "
+        "guessed loss would be wrong silently"
+    ),
+}
+
+
+def normalises_by_num_items(loss_type: str) -> bool:
+    """Whether a loss type divides by `num_items`, the active tokens of the global batch.
+
+    Such a loss is a share of the whole optimizer step's loss; the others are means over one
+    micro-batch. The trainer scales the two kinds differently under accumulation and DDP.
+    """
+    return _LOSS_TYPES[loss_type].normalise in (_over_num_items, _length_scaled_over_num_items)
+
+
+def aggregate(
+    per_token_loss_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    loss_type: str,
+    *,
+    num_items: float | torch.Tensor | None = None,
+    max_completion_length: int | None = None,
+) -> torch.Tensor:
+    """Reduce per-token losses to the scalar loss, normalised as ``loss_type`` defines.
+
+    ``"grpo"``: mean over sequences of (masked sum / masked count), count clamped to >= 1.
+    ``"bnpo"``: masked sum / masked count of this micro-batch (clamped to >= 1).
+    ``"dr_grpo"``: masked sum / (B * max_completion_length).
+    ``"dapo"``, ``"cispo"``, ``"sapo"``: masked sum / num_items.
+    ``"luspo"``: sum over sequences of (sequence mean * sequence token count) / num_items.
+
+    Args:
+        per_token_loss_B_T: Per-token loss, (B, T).
+        mask_B_T: 1 where the token counts, (B, T); values elsewhere are ignored, NaN included.
+        loss_type: See above.
+        num_items: Active (mask-1) tokens in the *whole* batch of this optimizer step: every
+            gradient-accumulation micro-batch on every process. Summing this function's result
+            over one process's micro-batches then gives that process's share of the global token
+            mean; undoing the data-parallel gradient average (multiplying by the number of
+            processes) is the trainer's job. Needed by dapo, cispo, sapo, luspo.
+        max_completion_length: Needed by dr_grpo.
+
+    Returns:
+        A scalar tensor.
+
+    Raises:
+        ValueError: On an unknown loss_type or a missing argument it needs.
+
+    Example:
+        >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+        >>> mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+        >>> aggregate(loss, mask, "grpo"), aggregate(loss, mask, "dapo", num_items=10)
+        (tensor(2.7500), tensor(0.7000))
+
+    """
+    if loss_type not in _LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {sorted(_LOSS_TYPES)}")
+    mask_B_T = mask_B_T.to(per_token_loss_B_T.dtype)
+    return _LOSS_TYPES[loss_type].normalise(
+        per_token_loss_B_T, mask_B_T, num_items, max_completion_length
+    )
+
+
+# --------------------------------------------------------------------------- the policy loss
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """The scalar loss and what to log about it.
+
+    Attributes:
+        loss: Scalar tensor to call ``backward()`` on.
+        metrics: Detached scalars over this call's active tokens: ``clip_ratio/low_mean``,
+            ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (fraction of active tokens
+            clipped on the low side with A < 0, the high side with A > 0, either);
+            ``kl`` (mean of the per-token KL term, bias-corrected if configured) when a
+            reference is given; ``entropy`` (mean entropy) when entropies are given.
+
+    The entropy bonus and the grpo, bnpo and dr_grpo normalisers are means over this
+    micro-batch; the dapo, cispo, sapo and luspo losses are shares of the global batch (they
+    divide by num_items), so the trainer scales the two kinds differently under accumulation.
+
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _clip_metrics(term: PolicyTerm, mask_B_T: torch.Tensor) -> dict[str, torch.Tensor]:
+    def fraction(flags_B_T: torch.Tensor) -> torch.Tensor:
+        return _masked_mean(flags_B_T.to(mask_B_T.dtype), mask_B_T).detach()
+
+    return {
+        "clip_ratio/low_mean": fraction(term.clipped_low_B_T),
+        "clip_ratio/high_mean": fraction(term.clipped_high_B_T),
+        "clip_ratio/region_mean": fraction(term.clipped_low_B_T | term.clipped_high_B_T),
+    }
+
+
+def _per_token_loss(
+    logprobs_B_T: torch.Tensor,
+    old_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    config: LossConfig,
+    ref_logprobs_B_T: torch.Tensor | None,
+    sampler_weights_B_T: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``objective(r, A) * sampler_weights + beta * kl`` per token, with its metrics."""
+    active_B_T = mask_B_T != 0
+
+    def zero_padding(values_B_T: torch.Tensor) -> torch.Tensor:
+        # Padding garbage (inf, NaN) must reach neither the loss nor the gradient, e.g. through a
+        # sequence-level mean; torch.where gives exactly 0 gradient to what it does not select.
+        return torch.where(active_B_T, values_B_T, 0.0)
+
+    logprobs_B_T = zero_padding(logprobs_B_T)
+    mask_B_T = mask_B_T.to(logprobs_B_T.dtype)
+    log_ratio_B_T = log_importance_ratio(
+        logprobs_B_T, zero_padding(old_logprobs_B_T), mask_B_T, config.importance_sampling_level
+    )
+    advantages_B_1 = advantages_B.to(logprobs_B_T.dtype).unsqueeze(-1)
+    objective = _LOSS_TYPES[config.loss_type].objective
+    term = objective(log_ratio_B_T, advantages_B_1, logprobs_B_T, config)
+    metrics = _clip_metrics(term, mask_B_T)
+    per_token_B_T = term.loss_B_T
+    if sampler_weights_B_T is not None:
+        per_token_B_T = per_token_B_T * zero_padding(sampler_weights_B_T.detach())
+    if ref_logprobs_B_T is not None:
+        kl_B_T = kl_k3(logprobs_B_T, zero_padding(ref_logprobs_B_T))
+        if config.use_bias_correction_kl:
+            kl_B_T = kl_B_T * log_ratio_B_T.exp()
+        per_token_B_T = per_token_B_T + config.beta * kl_B_T
+        metrics["kl"] = _masked_mean(kl_B_T, mask_B_T).detach()
+    return per_token_B_T, metrics
+
+
+def policy_loss(
+    logprobs_B_T: torch.Tensor,
+    old_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    config: LossConfig,
+    *,
+    ref_logprobs_B_T: torch.Tensor | None = None,
+    sampler_weights_B_T: torch.Tensor | None = None,
+    num_items: float | torch.Tensor | None = None,
+    entropy_B_T: torch.Tensor | None = None,
+) -> LossOutput:
+    """The GRPO loss of one micro-batch: policy term, KL penalty, normalisation, entropy bonus.
+
+    ``per_token = objective(r, A) * sampler_weights + beta * kl``, reduced by :func:`aggregate`
+    for ``config.loss_type``, minus ``entropy_coef`` times the mean active-token entropy.
+
+    Args:
+        logprobs_B_T: Current log-probabilities of the completion tokens (with grad), (B, T).
+        old_logprobs_B_T: Under the policy that sampled the batch; ``logprobs_B_T.detach()`` on
+            the first pass over it.
+        advantages_B: One advantage per sequence, (B,).
+        mask_B_T: 1 where the token counts. Masked positions get exactly zero gradient and no
+            say in the loss, whatever any input holds there (inf and NaN included).
+        config: The checked loss settings.
+        ref_logprobs_B_T: Reference-model log-probabilities; required when beta > 0.
+        sampler_weights_B_T: Weights on the *policy term only* (not the KL; detached here):
+            :func:`sampler_correction`'s, times any policy-only mask the trainer folds in
+            (``off_policy_sequence_mask``, :func:`top_entropy_mask`), so that the KL and the
+            normalisers still count every completion token.
+        num_items: Active tokens of the whole accumulated batch; see :func:`aggregate`.
+        entropy_B_T: Per-token entropies; with grad when ``entropy_coef != 0``.
+
+    Returns:
+        The loss (see :class:`LossOutput` for which parts are micro-batch means) and metrics.
+
+    """
+    if config.beta > 0 and ref_logprobs_B_T is None:
+        raise ValueError(f"beta={config.beta} > 0 needs ref_logprobs_B_T")
+    if config.entropy_coef != 0 and entropy_B_T is None:
+        raise ValueError(f"entropy_coef={config.entropy_coef} needs entropy_B_T")
+    per_token_B_T, metrics = _per_token_loss(
+        logprobs_B_T,
+        old_logprobs_B_T,
+        advantages_B,
+        mask_B_T,
+        config,
+        ref_logprobs_B_T,
+        sampler_weights_B_T,
+    )
+    mask_B_T = mask_B_T.to(per_token_B_T.dtype)
+    loss = _LOSS_TYPES[config.loss_type].normalise(
+        per_token_B_T, mask_B_T, num_items, config.max_completion_length
+    )
+    if entropy_B_T is not None:
+        mean_entropy = _masked_mean(torch.where(mask_B_T != 0, entropy_B_T, 0.0), mask_B_T)
+        metrics["entropy"] = mean_entropy.detach()
+        loss = loss - config.entropy_coef * mean_entropy if config.entropy_coef else loss
+    return LossOutput(loss, metrics)
+
+
+# --------------------------------------------------------------------------- sampler mismatch
+
+
+def _truncate(ratio_B_T: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    return ratio_B_T.clamp(low, high)
+
+
+def _zero_outside(ratio_B_T: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    return torch.where((ratio_B_T >= low) & (ratio_B_T <= high), ratio_B_T, 0.0)
+
+
+_CONSTRAINTS = {"truncate": _truncate, "mask": _zero_outside}
+
+
+@torch.no_grad()
+def sampler_correction(
+    old_logprobs_B_T: torch.Tensor,
+    sampler_logprobs_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    mode: str,
+    clip_max: float | None,
+    clip_min: float | None = None,
+) -> torch.Tensor:
+    """Importance weights for the gap between the generator's and the trainer's logprobs.
+
+    The generator (vLLM, say) samples with slightly different numerics than the trainer, so
+    ``exp(old - sampler)`` is not exactly 1. These weights multiply the policy term.
+
+    Args:
+        old_logprobs_B_T: The trainer's log-probabilities of the sampled tokens, (B, T).
+        sampler_logprobs_B_T: The generator's log-probabilities of the same tokens, (B, T).
+        mask_B_T: 1 where the token counts, (B, T).
+        mode: ``"<granularity>_<constraint>"``. Granularity ``token``: ratio per token;
+            ``sequence``: ``exp`` of the masked mean of ``old - sampler``, broadcast.
+            Constraint ``truncate``: clamp to [clip_min, clip_max]; ``mask``: 0 where the ratio
+            is outside [clip_min, clip_max] (bounds inclusive).
+        clip_max: Upper bound C_max, or None for none.
+        clip_min: Lower bound C_min, or None for none.
+
+    Returns:
+        weights_B_T: Detached, 0 at masked positions.
+
+    Example:
+        >>> old, sampler = torch.tensor([[0.0, 0.0]]), torch.tensor([[-2.0, 0.0]])
+        >>> sampler_correction(old, sampler, torch.tensor([[1, 0]]), "token_mask", clip_max=3.0)
+        tensor([[0., 0.]])
+
+    """
+    granularity, _, constraint = mode.partition("_")
+    if granularity not in _RATIO_LEVELS or constraint not in _CONSTRAINTS:
+        modes = [f"{g}_{c}" for g in _RATIO_LEVELS for c in _CONSTRAINTS]
+        raise ValueError(f"unknown sampler correction mode {mode!r}; expected one of {modes}")
+    active_B_T = mask_B_T != 0
+    log_ratio_B_T = log_importance_ratio(
+        torch.where(active_B_T, old_logprobs_B_T, 0.0),
+        torch.where(active_B_T, sampler_logprobs_B_T, 0.0),
+        mask_B_T.to(old_logprobs_B_T.dtype),
+        granularity,
+    )
+    low = 0.0 if clip_min is None else clip_min
+    high = float("inf") if clip_max is None else clip_max
+    weights_B_T = _CONSTRAINTS[constraint](log_ratio_B_T.exp(), low, high)
+    return torch.where(active_B_T, weights_B_T, 0.0)
+
+
+@torch.no_grad()
+def off_policy_sequence_mask(
+    logprobs_B_T: torch.Tensor,
+    sampler_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """Which sequences to keep under DeepSeek-V3.2's off-policy sequence masking (eq. 9).
+
+    A sequence is dropped when its advantage is negative *and* the policy has drifted from the
+    sampler on it: the masked mean of ``sampler - logprobs`` (a per-token KL(sampler || policy)
+    estimate) exceeds ``threshold``. Pushing down a sample the policy no longer produces is the
+    update that destabilises training; positive samples are always kept.
+
+    Args:
+        logprobs_B_T: Current policy log-probabilities, (B, T).
+        sampler_logprobs_B_T: The generator's log-probabilities, (B, T).
+        advantages_B: One advantage per sequence, (B,).
+        mask_B_T: 1 where the token counts, (B, T).
+        threshold: The delta of eq. 9, > 0 (e.g. 0.5).
+
+    Returns:
+        keep_B: Bool, False for dropped sequences. Apply it to the policy term (e.g. multiply
+        it into ``sampler_weights_B_T``).
+
+    """
+    drift_B = _masked_mean_per_row(sampler_logprobs_B_T - logprobs_B_T, mask_B_T)
+    return ~((advantages_B < 0) & (drift_B > threshold))
+
+
+# --------------------------------------------------------------------------- entropy
+
+
+def entropy_from_logits(logits_B_T_V: torch.Tensor, chunk_size: int = 4) -> torch.Tensor:
+    """Entropy (nats) of the next-token distribution at each position.
+
+    Computed ``chunk_size`` sequences at a time in float32, so the float32 copy of the logits
+    never exceeds one chunk (the saved activations for backward are not reduced). Logits must be
+    finite.
+
+    Args:
+        logits_B_T_V: Logits, (B, T, V), any float dtype.
+        chunk_size: Sequences per chunk.
+
+    Returns:
+        entropy_B_T: float32, (B, T); differentiable.
+
+    Example:
+        >>> entropy_from_logits(torch.zeros(1, 1, 4))
+        tensor([[1.3863]])
+
+    """
+    entropies = []
+    for logits_b_T_V in logits_B_T_V.split(chunk_size):
+        logp_b_T_V = logits_b_T_V.float().log_softmax(dim=-1)
+        entropies.append(-(logp_b_T_V.exp() * logp_b_T_V).sum(dim=-1))
+    return torch.cat(entropies)
+
+
+def top_entropy_mask(
+    entropy_B_T: torch.Tensor, mask_B_T: torch.Tensor, quantile: float
+) -> torch.Tensor:
+    """Keep only the highest-entropy active tokens ("Beyond the 80/20 Rule").
+
+    ``quantile`` is rho, the fraction kept: a token is kept when it is active and its entropy is
+    >= the (1 - rho)-quantile (linear interpolation) of the active tokens' entropies. rho = 1
+    keeps every active token; rho = 0 keeps only the highest (ties all kept).
+
+    Args:
+        entropy_B_T: Per-token entropies, (B, T).
+        mask_B_T: 1 where the token counts, (B, T); only these tokens set the threshold.
+        quantile: rho in [0, 1].
+
+    Returns:
+        mask_B_T: The narrower mask, in ``mask_B_T``'s dtype.
+
+    Example:
+        >>> top_entropy_mask(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.ones(1, 4), 0.5)
+        tensor([[0., 0., 1., 1.]])
+
+    """
+    if not 0 <= quantile <= 1:
+        raise ValueError(f"quantile must be in [0, 1], got {quantile}")
+    active_B_T = mask_B_T != 0
+    if not active_B_T.any():
+        return mask_B_T.clone()
+    threshold = torch.quantile(entropy_B_T.detach()[active_B_T].float(), 1 - quantile)
+    return (active_B_T & (entropy_B_T.detach() >= threshold)).to(mask_B_T.dtype)

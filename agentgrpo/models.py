@@ -1,0 +1,85 @@
+"""Loading the policy, its tokenizer and the reference model, as GRPOTrainer's arguments allow."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+
+def load_policy(model: str | PreTrainedModel, args: Any, peft_config: Any = None) -> Any:
+    """The model to train: a hub id or local path is loaded, a model is used as given.
+
+    Args:
+        model: A hub id or local folder, a `PreTrainedModel`, or a `PeftModel`.
+        args: The `GRPOConfig` (`model_init_kwargs`, `disable_dropout`, `cast_lm_head_to_fp32`,
+            `gradient_checkpointing`).
+        peft_config: A PEFT config; the model is wrapped with it (LoRA and friends).
+    """
+    if isinstance(model, str):
+        kwargs = dict(args.model_init_kwargs or {})
+        kwargs.setdefault("dtype", "auto")
+        model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    elif args.model_init_kwargs:
+        raise ValueError(
+            "model_init_kwargs only applies when model is a name or path; "
+            "the model you passed is already loaded"
+        )
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    if args.disable_dropout:
+        disable_dropout(model)
+    if args.cast_lm_head_to_fp32:
+        cast_lm_head_to_fp32(model)
+    if args.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()  # checkpointed LoRA needs grads at the inputs
+    return model
+
+
+def load_tokenizer(model: Any, processing_class: Any = None) -> Any:
+    """The tokenizer to use: the one given, else the model's own, with a pad token set."""
+    if processing_class is None:
+        name = getattr(model, "name_or_path", None) or model.config._name_or_path
+        processing_class = AutoTokenizer.from_pretrained(name)
+    if processing_class.pad_token is None:
+        processing_class.pad_token = processing_class.eos_token
+    return processing_class
+
+
+def reference_model(model: Any, args: Any) -> Any | None:
+    """A frozen copy of the starting policy, needed only when `beta > 0`.
+
+    With PEFT there is no copy: the reference is the base model with the adapter disabled.
+    """
+    if args.beta == 0.0 or _is_peft(model):
+        return None
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability to 0, so two forward passes give the same logprobs."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def cast_lm_head_to_fp32(model: Any) -> None:
+    """Compute the output projection in float32 (ScaleRL); needs an untied head."""
+    if model.config.get_text_config().tie_word_embeddings:
+        raise ValueError(
+            "cast_lm_head_to_fp32 needs a model whose lm_head is not tied to its input "
+            "embeddings (tie_word_embeddings=False); this one ties them"
+        )
+    head = model.get_output_embeddings()
+    head.float()
+    head.register_forward_pre_hook(lambda _, args: (args[0].float(),))
+
+
+def _is_peft(model: Any) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")

@@ -1,0 +1,502 @@
+"""Calling user reward functions the way TRL's GRPOTrainer does, with loud user errors.
+
+The calling convention. Each reward function is called once per batch of N completions, with
+keyword arguments:
+
+- ``prompts``, ``completions``, ``completion_ids``: one entry per completion (text or message
+  lists; token ids);
+- every dataset column except ``prompt``, as a list with one entry per completion;
+- ``trainer_state``, ``log_extra(column, values)``, ``log_metric(name, value)``;
+- ``environments`` (one environment instance per completion), only when the batch has them.
+
+A function receives only the arguments it names (verifiers style: ``def f(completions,
+answer)``), or all of them when it takes ``**kwargs`` (TRL style). A named parameter that is not
+available and has no default is a user error (`ValueError`). It returns a list (or tuple) with
+one float per completion, or None where the reward does not apply to that sample; None becomes
+NaN in the reward matrix. ``async def`` functions are awaited; sync ones run in worker threads,
+so all the functions of a batch run concurrently.
+
+Failures the user caused stop the run with `RewardFunctionError`, naming the function and the
+row: a function that raises (to name the row, it is called again on one completion at a time,
+with the loggers switched off, until one raises), returns something other than a list, returns
+the wrong number of rewards, or returns a value that is not a finite number for some sample.
+A reward that fails is never scored 0.0: that would train on a wrong signal.
+
+Reward models. A ``transformers`` sequence-classification model (or a path or hub id to load one
+with ``num_labels=1``) is wrapped into a reward function that scores prompt + completion with its
+tokenizer and returns ``logits[:, 0]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+
+_SHOWN_CHARS = 60  # per row value, in error messages
+_SHOWN_COMPLETION_CHARS = 200
+
+#: The arguments every reward function may name, besides the dataset columns.
+TRAINER_ARGUMENTS = (
+    "prompts",
+    "completions",
+    "completion_ids",
+    "trainer_state",
+    "log_extra",
+    "log_metric",
+    "environments",
+)
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, or returned something that is not one reward per completion."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """A reward function and the name its rewards are logged under (unique in a trainer)."""
+
+    name: str
+    fn: Callable[..., Any]
+
+
+def _ignore(*args: Any) -> None:
+    """The default `log_extra` / `log_metric`: drop what is logged."""
+
+
+@dataclass(frozen=True)
+class RewardBatch:
+    """The N completions one `score` call rates, and everything a reward function may ask for.
+
+    Attributes:
+        prompts: One prompt per completion (text, or a list of messages).
+        completions: One completion per completion slot (text, or a list of messages).
+        completion_ids: The completion's token ids, one list per completion.
+        rows: The dataset row each completion answers (shown in error messages).
+        columns: Column name to one value per completion, passed as keyword arguments. None
+            (the default) takes every column of `rows` except ``prompt``; a row lacking a column
+            gives None there.
+        environments: One environment instance per completion, or None when there are none
+            (then ``environments`` is not an argument functions may name).
+        trainer_state: The trainer's state (``transformers.TrainerState``), passed as is.
+        log_extra: ``log_extra(column, values)``: log a column of N values beside the samples.
+        log_metric: ``log_metric(name, value)``: log a scalar metric for this step.
+
+    Raises:
+        ValueError: The lengths disagree, or a column is named like a trainer argument.
+
+    """
+
+    prompts: Sequence[Any]
+    completions: Sequence[Any]
+    completion_ids: Sequence[Sequence[int]]
+    rows: Sequence[Mapping[str, Any]]
+    columns: Mapping[str, Sequence[Any]] | None = None
+    environments: Sequence[Any] | None = None
+    trainer_state: Any = None
+    log_extra: Callable[[str, list[Any]], None] = _ignore
+    log_metric: Callable[[str, float], None] = _ignore
+
+    def __post_init__(self) -> None:
+        if self.columns is None:
+            names = dict.fromkeys(key for row in self.rows for key in row if key != "prompt")
+            columns = {name: [row.get(name) for row in self.rows] for name in names}
+            object.__setattr__(self, "columns", columns)
+        n = len(self.completions)
+        lengths = {"prompts": len(self.prompts), "completion_ids": len(self.completion_ids)}
+        lengths["rows"] = len(self.rows)
+        lengths |= {f"column {name!r}": len(v) for name, v in self._columns.items()}
+        if self.environments is not None:
+            lengths["environments"] = len(self.environments)
+        wrong = {what: length for what, length in lengths.items() if length != n}
+        if wrong:
+            raise ValueError(f"RewardBatch has {n} completions but lengths {wrong}")
+        clashes = sorted(set(self._columns) & set(TRAINER_ARGUMENTS))
+        if clashes:
+            raise ValueError(
+                f"dataset columns {clashes} have the names of reward function arguments the "
+                "trainer passes; rename the columns"
+            )
+
+    @property
+    def _columns(self) -> Mapping[str, Sequence[Any]]:
+        assert self.columns is not None  # set in __post_init__
+        return self.columns
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    def keyword_arguments(self) -> dict[str, Any]:
+        """Every argument a reward function may name, each list a fresh copy."""
+        arguments = {
+            "prompts": list(self.prompts),
+            "completions": list(self.completions),
+            "completion_ids": list(self.completion_ids),
+            **{name: list(values) for name, values in self._columns.items()},
+            "trainer_state": self.trainer_state,
+            "log_extra": self.log_extra,
+            "log_metric": self.log_metric,
+        }
+        if self.environments is not None:
+            arguments["environments"] = list(self.environments)
+        return arguments
+
+    def select(self, indices: Sequence[int]) -> RewardBatch:
+        """The sub-batch of the completions at `indices`."""
+
+        def pick(values: Sequence[Any]) -> list[Any]:
+            return [values[i] for i in indices]
+
+        return dataclasses.replace(
+            self,
+            prompts=pick(self.prompts),
+            completions=pick(self.completions),
+            completion_ids=pick(self.completion_ids),
+            rows=pick(self.rows),
+            columns={name: pick(values) for name, values in self._columns.items()},
+            environments=None if self.environments is None else pick(self.environments),
+        )
+
+
+async def score(funcs: Sequence[RewardFunction], batch: RewardBatch) -> torch.Tensor:
+    """Run every reward function on the batch, concurrently, and collect their rewards.
+
+    Args:
+        funcs: The reward functions, from `reward_functions`.
+        batch: The completions to score and the arguments the functions may name.
+
+    Returns:
+        ``rewards_N_F``: float32, one row per completion and one column per function, in the
+        order of `funcs`; NaN where a function returned None (not applicable).
+
+    Raises:
+        ValueError: A function names a parameter that is not available (before any runs).
+        RewardFunctionError: A function raised or returned something other than one finite
+            number (or None) per completion; the first such function in `funcs` order is
+            reported, with the offending row.
+
+    """
+    calls = [(func, _arguments_for(func, batch.keyword_arguments())) for func in funcs]
+    outcomes: list[Any] = [None] * len(calls)
+
+    async def run(k: int) -> None:
+        func, kwargs = calls[k]
+        try:
+            outcomes[k] = await _call(func.fn, kwargs)
+        except Exception as error:
+            outcomes[k] = _Raised(error)
+
+    async with anyio.create_task_group() as group:
+        for k in range(len(calls)):
+            group.start_soon(run, k)
+
+    rewards_F_N = []
+    for func, outcome in zip(funcs, outcomes, strict=True):
+        if isinstance(outcome, _Raised):
+            raise await _raised_error(func, batch, outcome.error) from outcome.error
+        rewards_F_N.append(_checked_rewards(func, outcome, batch))
+    if not rewards_F_N:
+        return torch.empty(len(batch), 0)
+    return torch.tensor(rewards_F_N, dtype=torch.float32).T.contiguous()
+
+
+def check_arguments(funcs: Sequence[RewardFunction], available: Collection[str]) -> None:
+    """Fail early if a function names a parameter that will not be available.
+
+    Args:
+        funcs: The reward functions.
+        available: The argument names the trainer will pass: `TRAINER_ARGUMENTS` (without
+            ``environments`` when there are none) and the dataset columns other than ``prompt``.
+
+    Raises:
+        ValueError: Naming the function, the parameter and the available names.
+
+    """
+    placeholder = dict.fromkeys(available)
+    for func in funcs:
+        _arguments_for(func, placeholder)
+
+
+def reward_functions(funcs: Any, processing_classes: Any = None) -> list[RewardFunction]:
+    """Turn what a user passes as ``reward_funcs`` into named reward functions.
+
+    Args:
+        funcs: One, or a list, of: callables (named by ``__name__``, or the class name of a
+            callable object); `RewardFunction`s (kept as they are); sequence-classification
+            reward models, as a ``transformers.PreTrainedModel`` or a path/hub id (loaded with
+            ``AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)``), named
+            by the last component of ``config._name_or_path`` (the class name if empty).
+        processing_classes: None, or one tokenizer per entry of `funcs` (by position; None
+            entries allowed, and entries for callables are ignored). A reward model without one
+            loads ``AutoTokenizer.from_pretrained(config._name_or_path)``.
+
+    Returns:
+        One `RewardFunction` per entry; a repeated name gets a suffix (``f``, ``f_2``, ...).
+
+    Raises:
+        TypeError: An entry is neither callable, a model, nor a str.
+        ValueError: `processing_classes` does not match `funcs` in length, or a reward model's
+            tokenizer cannot be found.
+
+    Example:
+        >>> def correct(completions, answer):
+        ...     return [float(c == a) for c, a in zip(completions, answer)]
+        >>> [f.name for f in reward_functions([correct, correct, len])]
+        ['correct', 'correct_2', 'len']
+
+    """
+    funcs = list(funcs) if isinstance(funcs, list | tuple) else [funcs]
+    if processing_classes is None:
+        processing_classes = [None] * len(funcs)
+    elif not isinstance(processing_classes, list | tuple):
+        processing_classes = [processing_classes]
+    if len(processing_classes) != len(funcs):
+        raise ValueError(
+            f"{len(processing_classes)} processing classes for {len(funcs)} reward functions; "
+            "give one per reward function (None for plain functions)"
+        )
+    named = [_named(f, pc) for f, pc in zip(funcs, processing_classes, strict=True)]
+    seen: set[str] = set()
+    unique = []
+    for func in named:
+        name, k = func.name, 1
+        while name in seen:
+            k += 1
+            name = f"{func.name}_{k}"
+        seen.add(name)
+        unique.append(dataclasses.replace(func, name=name))
+    return unique
+
+
+# --- calling ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Raised:
+    error: Exception
+
+
+async def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """Await an async function; run a sync one in a worker thread."""
+    # The second test catches callable objects whose class defines `async def __call__`.
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+        return await fn(**kwargs)
+    value = await anyio.to_thread.run_sync(functools.partial(fn, **kwargs))
+    if inspect.isawaitable(value):  # e.g. a lambda or partial around an async function
+        value = await value
+    return value
+
+
+def _arguments_for(func: RewardFunction, available: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments `func` asks for: the ones it names, or all with ``**kwargs``."""
+    try:
+        parameters = list(inspect.signature(func.fn).parameters.values())
+    except (TypeError, ValueError):  # no introspectable signature: pass everything
+        return dict(available)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(available)
+    chosen = {}
+    for p in parameters:
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            continue
+        by_keyword = p.kind is not inspect.Parameter.POSITIONAL_ONLY
+        if by_keyword and p.name in available:
+            chosen[p.name] = available[p.name]
+        elif p.default is p.empty:
+            how = "is not available" if by_keyword else "is positional-only"
+            raise ValueError(
+                f"reward function {func.name!r} has a parameter {p.name!r} that {how}: reward "
+                f"arguments are passed by keyword, and the available ones are "
+                f"{', '.join(available)}. Rename the parameter, give it a default, or add the "
+                "dataset column."
+            )
+    return chosen
+
+
+# --- checking what came back --------------------------------------------------------------
+
+
+def _checked_rewards(func: RewardFunction, value: Any, batch: RewardBatch) -> list[float]:
+    """The function's rewards as floats (NaN for None), or a loud error saying what is wrong."""
+    n = len(batch)
+    first_row = _show_row(batch.rows[0]) if n else "{}"
+    if not isinstance(value, list | tuple):
+        hint = " (convert it with .tolist())" if hasattr(value, "tolist") else ""
+        raise RewardFunctionError(
+            f"reward function {func.name!r} returned {type(value).__name__}{hint}; it must "
+            f"return a list with one float (or None) per completion. First row: {first_row}"
+        )
+    if len(value) != n:
+        raise RewardFunctionError(
+            f"reward function {func.name!r} returned {len(value)} rewards for {n} completions; "
+            f"return one per completion (None where it does not apply). First row: {first_row}"
+        )
+    return [_checked_reward(func, value[i], batch, i) for i in range(n)]
+
+
+def _checked_reward(func: RewardFunction, value: Any, batch: RewardBatch, i: int) -> float:
+    """One reward as a float: None is NaN, bool is 0/1; a string, NaN or inf is an error."""
+    if value is None:
+        return math.nan
+    number = None
+    if not isinstance(value, str | bytes) and hasattr(value, "__float__"):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+    if number is not None and math.isfinite(number):
+        return number
+    what = "not a number" if number is None else "not finite"
+    raise RewardFunctionError(
+        f"reward function {func.name!r} returned {_short(value, _SHOWN_CHARS)} "
+        f"({type(value).__name__}, {what}) for completion {i} of {len(batch)}; a reward must be "
+        "a finite float, or None where it does not apply. "
+        f"Row: {_show_row(batch.rows[i])}. "
+        f"Completion: {_short(batch.completions[i], _SHOWN_COMPLETION_CHARS)}"
+    )
+
+
+async def _raised_error(
+    func: RewardFunction, batch: RewardBatch, error: Exception
+) -> RewardFunctionError:
+    """Describe the exception, with the first row that raises on its own if there is one."""
+    what = f"reward function {func.name!r} raised {type(error).__name__}: {error}"
+    i = await _first_failing_row(func, batch)
+    if i is None:
+        return RewardFunctionError(
+            f"{what} (on the batch of {len(batch)} completions; no single completion raises "
+            f"alone). First row: {_show_row(batch.rows[0]) if len(batch) else '{}'}"
+        )
+    return RewardFunctionError(
+        f"{what} (completion {i} of {len(batch)} raises alone). Row: {_show_row(batch.rows[i])}. "
+        f"Completion: {_short(batch.completions[i], _SHOWN_COMPLETION_CHARS)}"
+    )
+
+
+async def _first_failing_row(func: RewardFunction, batch: RewardBatch) -> int | None:
+    """Call `func` on one completion at a time, loggers off; the first index that raises."""
+    quiet = dataclasses.replace(batch, log_extra=_ignore, log_metric=_ignore)
+    for i in range(len(batch)):
+        kwargs = _arguments_for(func, quiet.select([i]).keyword_arguments())
+        try:
+            await _call(func.fn, kwargs)
+        except Exception:
+            return i
+    return None
+
+
+def _short(value: Any, limit: int) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _show_row(row: Mapping[str, Any]) -> str:
+    """The row as ``{column: repr}``, each value cut to a readable length."""
+    return "{" + ", ".join(f"{k!r}: {_short(v, _SHOWN_CHARS)}" for k, v in row.items()) + "}"
+
+
+# --- naming and reward models -------------------------------------------------------------
+
+
+def _named(func: Any, processing_class: Any) -> RewardFunction:
+    if isinstance(func, RewardFunction):
+        return func
+    if isinstance(func, str) or _is_model(func):
+        model = _load_model(func) if isinstance(func, str) else func
+        tokenizer = processing_class or _load_tokenizer(model)
+        return RewardFunction(_model_name(model), _SequenceClassifierReward(model, tokenizer))
+    if not callable(func):
+        raise TypeError(
+            f"a reward function must be a callable, a sequence-classification model or a model "
+            f"path, not {type(func).__name__}"
+        )
+    inner = func.func if isinstance(func, functools.partial) else func
+    name = getattr(inner, "__name__", None) or type(inner).__name__
+    return RewardFunction(name, func)
+
+
+def _is_model(func: Any) -> bool:
+    if not isinstance(func, torch.nn.Module):
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(func, PreTrainedModel)
+
+
+def _load_model(path: str) -> Any:
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+
+
+def _load_tokenizer(model: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    source = model.config._name_or_path
+    if not source:
+        raise ValueError(
+            f"the reward model {type(model).__name__} has no config._name_or_path to load its "
+            "tokenizer from; pass it in processing_classes"
+        )
+    return AutoTokenizer.from_pretrained(source)
+
+
+def _model_name(model: Any) -> str:
+    source = str(model.config._name_or_path or "").rstrip("/")
+    return PurePath(source).name if source else type(model).__name__
+
+
+class _SequenceClassifierReward:
+    """A sequence-classification model as a reward function: ``logits[:, 0]`` of prompt+completion.
+
+    Text prompts and completions are concatenated; conversational ones (message lists) are
+    rendered with the tokenizer's chat template as one conversation. The batch is right-padded;
+    sequence-classification heads read the last non-pad token, so the model's config needs
+    ``pad_token_id``: a tokenizer without a pad token gets its eos token as pad, and a model
+    without ``pad_token_id`` gets the tokenizer's. The model is put in eval mode.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ValueError(
+                    f"the tokenizer of reward model {_model_name(model)!r} has no pad or eos "
+                    "token; set tokenizer.pad_token"
+                )
+            tokenizer.pad_token = tokenizer.eos_token
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+
+    def __call__(self, prompts: list[Any], completions: list[Any]) -> list[float]:
+        texts = [self._text(p, c) for p, c in zip(prompts, completions, strict=True)]
+        inputs = self.tokenizer(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            padding_side="right",
+            add_special_tokens=False,
+        ).to(self.model.device)
+        with torch.inference_mode():
+            logits_N_L = self.model(**inputs).logits
+        return logits_N_L[:, 0].float().tolist()
+
+    def _text(self, prompt: Any, completion: Any) -> str:
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return prompt + completion
+        messages = _as_messages(prompt, "user") + _as_messages(completion, "assistant")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def _as_messages(value: Any, role: str) -> list[dict[str, Any]]:
+    return [{"role": role, "content": value}] if isinstance(value, str) else list(value)

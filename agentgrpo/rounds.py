@@ -1,0 +1,93 @@
+"""One generation round: play the episodes, and score each group the moment it ends.
+
+Scoring runs inside the engine's `on_group` hook, so slow (for example I/O-bound, async) reward
+functions overlap with the generation of the groups still playing instead of adding to the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from agentgrpo.reward_calls import RewardBatch, RewardFunction, score
+from rollout import Episode, RolloutEngine
+
+
+@dataclass
+class Scorer:
+    """Rates a group's episodes with the reward functions and the environment's own reward.
+
+    Attributes:
+        funcs: The user's reward functions.
+        env_reward_name: Column name of the environment's `reward()`/`get_reward()` (its class
+            name), or None when the environment has no reward method.
+        text_completions: Completions are text (TRL's standard format) rather than messages.
+        decode: Token ids to text, for text completions.
+        trainer_state: Returns the current `TrainerState`, passed to reward functions.
+        log_extra, log_metric: Passed to reward functions.
+    """
+
+    funcs: Sequence[RewardFunction]
+    env_reward_name: str | None
+    text_completions: bool
+    decode: Callable[[list[int]], str]
+    trainer_state: Callable[[], Any]
+    log_extra: Callable[[str, list[Any]], None]
+    log_metric: Callable[[str, float], None]
+
+    @property
+    def names(self) -> list[str]:
+        """One name per reward column, in the column order of `score_group`'s result."""
+        return [f.name for f in self.funcs] + (
+            [self.env_reward_name] if self.env_reward_name else []
+        )
+
+    async def score_group(self, episodes: Sequence[Episode]) -> torch.Tensor:
+        """rewards_G_F: one column per name in `names`; NaN where a function returned None."""
+        prompts, completions = zip(*(self._views(e) for e in episodes), strict=True)
+        batch = RewardBatch(
+            prompts=list(prompts),
+            completions=list(completions),
+            completion_ids=[e.completion_ids for e in episodes],
+            rows=[e.row for e in episodes],
+            environments=[e.environment for e in episodes] if self.env_reward_name else None,
+            trainer_state=self.trainer_state(),
+            log_extra=self.log_extra,
+            log_metric=self.log_metric,
+        )
+        columns = [await score(list(self.funcs), batch)] if self.funcs else []
+        if self.env_reward_name:
+            columns.append(torch.tensor([[e.env_reward] for e in episodes], dtype=torch.float32))
+        return torch.cat(columns, dim=1) if columns else torch.zeros(len(episodes), 0)
+
+    def _views(self, episode: Episode) -> tuple[Any, Any]:
+        """The (prompt, completion) a reward function sees for an episode."""
+        if self.text_completions and isinstance(episode.row.get("prompt"), str):
+            return episode.row["prompt"], self.decode(episode.completion_ids)
+        first_reply = next(i for i, m in enumerate(episode.messages) if m["role"] == "assistant")
+        return episode.messages[:first_reply], episode.messages[first_reply:]
+
+
+async def play_round(
+    engine: RolloutEngine,
+    rows: Sequence[Mapping[str, Any]],
+    num_generations: int,
+    seed: int,
+    scorer: Scorer,
+) -> tuple[list[Episode], torch.Tensor]:
+    """Play `num_generations` episodes per row and score them group by group.
+
+    Returns:
+        The episodes (grouped, as `RolloutEngine.run` returns them) and rewards_N_F.
+    """
+    rewards_by_group: dict[int, torch.Tensor] = {}
+
+    async def on_group(episodes: list[Episode]) -> None:
+        rewards_by_group[episodes[0].group] = await scorer.score_group(episodes)
+
+    episodes = await engine.run(rows, num_generations, seed=seed, on_group=on_group)
+    rewards_N_F = torch.cat([rewards_by_group[g] for g in range(len(rows))])
+    return episodes, rewards_N_F

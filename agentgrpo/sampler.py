@@ -1,0 +1,71 @@
+"""Which dataset rows each process plays in each generation round.
+
+A generation round plays `prompts_per_process` rows per process (each `num_generations` times,
+so a group never spans processes) and feeds `repeats` micro-batches (`steps_per_generation` x
+`num_iterations`). The Trainer pulls one DataLoader batch per micro-batch, so the sampler yields
+each process's rows once per micro-batch; the trainer generates on the first and serves the rest
+from what it generated.
+
+Order, for a round with processes p0, p1 and two repeats: [p0 rows, p1 rows, p0 rows, p1 rows].
+accelerate hands batch k to process k % num_processes, so each process sees its own rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+class RoundSampler(torch.utils.data.Sampler[int]):
+    """Yields row indices round by round, as described in the module docstring.
+
+    Args:
+        num_rows: Rows in the dataset.
+        prompts_per_process: Rows each process plays per round (the DataLoader batch size).
+        num_processes: Processes taking part.
+        repeats: Micro-batches each round feeds.
+        shuffle: Shuffle the rows each epoch (seeded with `seed` and the epoch).
+        seed: Seed of the shuffle.
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        prompts_per_process: int,
+        num_processes: int,
+        repeats: int,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        self.rows_per_round = prompts_per_process * num_processes
+        if num_rows < self.rows_per_round:
+            raise ValueError(
+                f"the dataset has {num_rows} rows but one generation round needs "
+                f"{self.rows_per_round} prompts; add rows or lower the generation batch size"
+            )
+        self.num_rows = num_rows
+        self.prompts_per_process = prompts_per_process
+        self.num_processes = num_processes
+        self.repeats = repeats
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by the Trainer at each epoch, so every epoch has its own order."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(range(self.num_rows))
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_rows, generator=generator).tolist()
+        rounds = self.num_rows // self.rows_per_round  # an incomplete last round is dropped
+        for r in range(rounds):
+            chunk = order[r * self.rows_per_round : (r + 1) * self.rows_per_round]
+            for _ in range(self.repeats):
+                yield from chunk
+
+    def __len__(self) -> int:
+        return (self.num_rows // self.rows_per_round) * self.rows_per_round * self.repeats
