@@ -382,8 +382,9 @@ class GRPOTrainer(Trainer):
         logprobs_B_C, logits_B_C_V = completion_logprobs(model, batch, args.temperature, True)
         entropy_B_C = entropy_from_logits(logits_B_C_V.detach())
         del logits_B_C_V
-        old_B_C = batch.old_logprobs_B_C if batch.old_logprobs_B_C is not None else None
-        old_B_C = logprobs_B_C.detach() if old_B_C is None else old_B_C
+        old_B_C = batch.old_logprobs_B_C
+        if old_B_C is None:  # one update per round: the generating policy is the current one
+            old_B_C = logprobs_B_C.detach()
         output = policy_loss(
             logprobs_B_C,
             old_B_C,
