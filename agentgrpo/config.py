@@ -584,7 +584,7 @@ class GRPOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         # bf16 must be a bool before TrainingArguments sees it: it rejects bf16 without a GPU.
         if self.bf16 is None:
-            self.bf16 = not self.fp16 and _cuda_bf16_available()
+            self.bf16 = not self.fp16 and not self.use_cpu and _cuda_bf16_available()
         super().__post_init__()
         self._normalize()
         self._check_values()

@@ -4,7 +4,7 @@ The calling convention. Each reward function is called once per batch of N compl
 keyword arguments:
 
 - ``prompts``, ``completions``, ``completion_ids``: one entry per completion (text or message
-  lists; token ids);
+  lists; token ids); ``completions_ids`` is the same list as ``completion_ids``;
 - every dataset column except ``prompt``, as a list with one entry per completion;
 - ``trainer_state``, ``log_extra(column, values)``, ``log_metric(name, value)``;
 - ``environments`` (one environment instance per completion), only when the batch has them.
@@ -50,6 +50,7 @@ TRAINER_ARGUMENTS = (
     "prompts",
     "completions",
     "completion_ids",
+    "completions_ids",
     "trainer_state",
     "log_extra",
     "log_metric",
@@ -137,10 +138,15 @@ class RewardBatch:
 
     def keyword_arguments(self) -> dict[str, Any]:
         """Every argument a reward function may name, each list a fresh copy."""
+        completion_ids = list(self.completion_ids)
         arguments = {
             "prompts": list(self.prompts),
             "completions": list(self.completions),
-            "completion_ids": list(self.completion_ids),
+            "completion_ids": completion_ids,
+            # An alias: TRL's documentation names the argument `completions_ids` (its custom
+            # reward function Example 1) while its trainer passes `completion_ids`; offering
+            # both lets the documented code run unchanged.
+            "completions_ids": completion_ids,
             **{name: list(values) for name, values in self._columns.items()},
             "trainer_state": self.trainer_state,
             "log_extra": self.log_extra,
@@ -302,11 +308,9 @@ def _arguments_for(func: RewardFunction, available: Mapping[str, Any]) -> dict[s
         parameters = list(inspect.signature(func.fn).parameters.values())
     except (TypeError, ValueError):  # no introspectable signature: pass everything
         return dict(available)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return dict(available)
     chosen = {}
     for p in parameters:
-        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             continue
         by_keyword = p.kind is not inspect.Parameter.POSITIONAL_ONLY
         if by_keyword and p.name in available:
@@ -319,6 +323,8 @@ def _arguments_for(func: RewardFunction, available: Mapping[str, Any]) -> dict[s
                 f"{', '.join(available)}. Rename the parameter, give it a default, or add the "
                 "dataset column."
             )
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(available)  # TRL style: named parameters checked above, then everything
     return chosen
 
 

@@ -24,6 +24,7 @@ class Scorer:
         funcs: The user's reward functions.
         env_reward_name: Column name of the environment's `reward()`/`get_reward()` (its class
             name), or None when the environment has no reward method.
+        with_environments: Episodes have environments: reward functions may name them.
         text_completions: Completions are text (TRL's standard format) rather than messages.
         decode: Token ids to text, for text completions.
         trainer_state: Returns the current `TrainerState`, passed to reward functions.
@@ -32,6 +33,7 @@ class Scorer:
 
     funcs: Sequence[RewardFunction]
     env_reward_name: str | None
+    with_environments: bool
     text_completions: bool
     decode: Callable[[list[int]], str]
     trainer_state: Callable[[], Any]
@@ -53,7 +55,7 @@ class Scorer:
             completions=list(completions),
             completion_ids=[e.completion_ids for e in episodes],
             rows=[e.row for e in episodes],
-            environments=[e.environment for e in episodes] if self.env_reward_name else None,
+            environments=[e.environment for e in episodes] if self.with_environments else None,
             trainer_state=self.trainer_state(),
             log_extra=self.log_extra,
             log_metric=self.log_metric,

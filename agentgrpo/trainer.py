@@ -39,7 +39,7 @@ from agentgrpo.losses import (
 )
 from agentgrpo.metrics import episode_stats, round_metrics
 from agentgrpo.models import load_policy, load_tokenizer, reference_model
-from agentgrpo.reward_calls import reward_functions
+from agentgrpo.reward_calls import TRAINER_ARGUMENTS, check_arguments, reward_functions
 from agentgrpo.rounds import Scorer, play_round
 from agentgrpo.sampler import RoundSampler
 from rollout import Episode, EpisodeConfig, RolloutEngine, TransformersBackend
@@ -114,6 +114,7 @@ class GRPOTrainer(Trainer):
         self.engine = self._build_engine(tools or [], environment_factory)
         self.scorer = self._build_scorer(environment_factory)
         self._check_reward_weights()
+        self._check_reward_arguments(environment_factory is not None)
         self.loss_config = _loss_config(args)
         self._buffer: list[TrainingBatch] = []
         self._micro_index: int | None = None
@@ -160,6 +161,7 @@ class GRPOTrainer(Trainer):
         return Scorer(
             funcs=self.reward_funcs,
             env_reward_name=env_class.__name__ if scores_itself else None,
+            with_environments=factory is not None,
             text_completions=not self.engine.context.has_tools,
             decode=lambda ids: self.processing_class.decode(ids, skip_special_tokens=True),
             trainer_state=lambda: self.state,
@@ -174,6 +176,13 @@ class GRPOTrainer(Trainer):
                 f"reward_weights has {len(weights)} values but there are "
                 f"{len(self.scorer.names)} rewards ({', '.join(self.scorer.names)})"
             )
+
+    def _check_reward_arguments(self, with_environments: bool) -> None:
+        """Fail before the first rollout if a reward function names an argument never passed."""
+        if self.rollout_func is not None:
+            return  # its extra fields are known only once it runs
+        available = [a for a in TRAINER_ARGUMENTS if with_environments or a != "environments"]
+        check_arguments(self.reward_funcs, available + _columns(self.train_dataset))
 
     @property
     def _mode(self) -> str:
@@ -244,7 +253,16 @@ class GRPOTrainer(Trainer):
     def _generate_round(self, rows: list[Mapping[str, Any]], num_generations: int) -> list:
         """Play, score and batch one round; returns its micro-batches (one in eval)."""
         mode = self._mode
-        seed = hash((self.args.seed, mode, self.state.global_step, self.accelerator.process_index))
+        # Only ints: Python salts the hash of strings per interpreter, which would break
+        # reproducibility across runs (and checkpoint resumes).
+        seed = hash(
+            (
+                self.args.seed,
+                mode == "train",
+                self.state.global_step,
+                self.accelerator.process_index,
+            )
+        )
         with self._generation_weights():
             episodes, rewards_N_F = self._play(rows, num_generations, seed % 2**31)
         rewards_N = self._combined_rewards(rewards_N_F, num_generations)
@@ -398,9 +416,16 @@ class GRPOTrainer(Trainer):
             num_items=batch.num_items,
             entropy_B_T=entropy_B_C,
         )
-        for name, value in output.metrics.items():
-            self._metrics[self._mode][name].append(float(value))
+        self._record_loss_metrics(output.metrics)
         return output.loss * self._loss_scale()
+
+    def _record_loss_metrics(self, metrics: Mapping[str, torch.Tensor]) -> None:
+        """Average each loss metric over the processes (one gather for all of them)."""
+        names = sorted(metrics)
+        local_1_M = torch.stack([metrics[n].float().reshape(()) for n in names]).unsqueeze(0)
+        everyone_P_M = self.accelerator.gather(local_1_M.to(self.accelerator.device)).cpu()
+        for name, value in zip(names, everyone_P_M.nanmean(0).tolist(), strict=True):
+            self._metrics[self._mode][name].append(value)
 
     def _token_weights(
         self,
@@ -513,6 +538,14 @@ class GRPOTrainer(Trainer):
 def _model_name(model: Any) -> str:
     name = model if isinstance(model, str) else model.config._name_or_path
     return str(name).rstrip("/").split("/")[-1] or "model"
+
+
+def _columns(dataset: Any) -> list[str]:
+    """The dataset's columns other than `prompt` (they become reward function arguments)."""
+    names = getattr(dataset, "column_names", None)
+    if names is None:
+        names = list(dataset[0]) if len(dataset) else []
+    return [name for name in names if name != "prompt"]
 
 
 def _prompts_per_process(completions: int, num_generations: int, processes: int) -> int:

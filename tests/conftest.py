@@ -107,27 +107,41 @@ def scripted_episode(tokenizer, turns: list[str], row=COUNTER_ROW) -> Episode:
     return episode
 
 
-def teach(model, episode: Episode, lr: float, max_steps: int) -> None:
-    """Fit `model` to the episode's sampled (mask-1) tokens until greedy decoding reproduces them.
+def teach(model, episodes: list[Episode], lr: float, steps: int, until_learned: bool) -> None:
+    """Fit `model` to the episodes' sampled (mask-1) tokens, all in one batch per step.
 
-    This is how a test gets a real model that calls tools: the engine then runs the real forward
-    passes, parsing and tool calls on what the model actually generates.
+    With `until_learned`, stop as soon as greedy decoding reproduces every sampled token (and
+    fail if it never does); otherwise run all `steps` (demonstrations that disagree, such as
+    one call shown with several arguments, teach a distribution, not a sequence). This is how
+    a test gets a real model that calls tools; the engine then runs the real forward passes,
+    parsing and tool calls on what the model actually generates.
     """
-    ids_1_T = torch.tensor([episode.prompt_ids + episode.completion_ids])
-    mask_T = torch.tensor([0] * len(episode.prompt_ids) + episode.loss_mask, dtype=torch.bool)
-    targets = ids_1_T[0, 1:][mask_T[1:]]
+    width = max(len(e.prompt_ids) + len(e.completion_ids) for e in episodes)
+    ids_B_L = torch.zeros(len(episodes), width, dtype=torch.long)
+    mask_B_L = torch.zeros(len(episodes), width, dtype=torch.bool)
+    for b, e in enumerate(episodes):  # right-padded; padding is never a target
+        ids_B_L[b, : len(e.prompt_ids) + len(e.completion_ids)] = torch.tensor(
+            e.prompt_ids + e.completion_ids
+        )
+        mask_B_L[b, len(e.prompt_ids) : len(e.prompt_ids) + len(e.completion_ids)] = torch.tensor(
+            e.loss_mask
+        ).bool()
+    keep = width - min(len(e.prompt_ids) for e in episodes) + 1  # logits only where targets are
+    targets_mask = mask_B_L[:, -keep + 1 :]
+    targets = ids_B_L[:, -keep + 1 :][targets_mask]
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
-    for _ in range(max_steps):
-        logits = model(ids_1_T).logits[0, :-1][mask_T[1:]]
+    for _ in range(steps):
+        logits = model(ids_B_L, logits_to_keep=keep).logits[:, :-1][targets_mask]
         loss = torch.nn.functional.cross_entropy(logits, targets)
-        if bool((logits.argmax(-1) == targets).all()) and loss.item() < 0.05:
+        if until_learned and bool((logits.argmax(-1) == targets).all()) and loss.item() < 0.05:
             break
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     else:
-        raise AssertionError(f"the model did not learn the episode in {max_steps} steps")
+        if until_learned:
+            raise AssertionError(f"the model did not learn the episodes in {steps} steps")
     model.eval()
 
 
@@ -141,7 +155,7 @@ def counter_episode(tokenizer) -> Episode:
 def tool_calling_tiny_model(tokenizer, counter_episode):
     """The tiny Llama, taught to play `counter_episode` (about 10-20 s on 2 cores)."""
     model = tiny_llama(tokenizer, seed=1)
-    teach(model, counter_episode, lr=1e-2, max_steps=400)
+    teach(model, [counter_episode], lr=1e-2, steps=400, until_learned=True)
     return model
 
 
@@ -149,5 +163,5 @@ def tool_calling_tiny_model(tokenizer, counter_episode):
 def tool_calling_smollm2(smollm2_path, counter_episode):
     """The real SmolLM2-135M-Instruct, taught the same episode (it never calls tools zero-shot)."""
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
-    teach(model, counter_episode, lr=3e-5, max_steps=40)
+    teach(model, [counter_episode], lr=3e-5, steps=40, until_learned=True)
     return model

@@ -76,7 +76,7 @@ def test_a_function_with_kwargs_receives_every_column_but_prompt_and_the_trainer
 
     state = object()
     run_score([trl_style], make_batch(trainer_state=state))
-    assert set(seen) == {"prompts", "completion_ids", "answer", "level"} | {
+    assert set(seen) == {"prompts", "completion_ids", "completions_ids", "answer", "level"} | {
         "trainer_state",
         "log_extra",
         "log_metric",
@@ -84,6 +84,21 @@ def test_a_function_with_kwargs_receives_every_column_but_prompt_and_the_trainer
     assert seen["level"] == [1, 1, 2, 2]
     assert seen["trainer_state"] is state
     assert "prompt" not in seen and "environments" not in seen
+
+
+def test_completions_ids_as_trl_documents_it_is_an_alias_of_completion_ids():
+    # TRL's docs (custom reward function, Example 1) name it `completions_ids`.
+    def reward_func(completions_ids, **kwargs):
+        assert kwargs["completion_ids"] == completions_ids
+        return [float(len(ids)) for ids in completions_ids]
+
+    def named_only(completions_ids):
+        return [float(sum(ids)) for ids in completions_ids]
+
+    rewards_N_F = run_score([reward_func, named_only])
+    assert rewards_N_F[:, 0].tolist() == [2.0, 1.0, 3.0, 1.0]
+    assert rewards_N_F[:, 1].tolist() == [3.0, 3.0, 15.0, 7.0]
+    check_arguments(reward_functions([named_only]), TRAINER_ARGUMENTS)
 
 
 def test_environments_are_passed_when_the_batch_has_them():

@@ -1,0 +1,229 @@
+"""GRPOTrainer under `accelerate launch`: two DDP processes on CPU, and the example configs.
+
+The two-process run (about 30 s on 2 cores) launches `tests/distributed_train.py` once through
+`examples/accelerate/ddp.yaml`; every test of that run reads the JSON reports the processes
+wrote. Its model is the tiny Llama of conftest, saved to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import tiny_llama
+
+from agentgrpo.advantages import group_advantages
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "distributed_train.py"
+CONFIGS = ROOT / "examples" / "accelerate"
+NUM_GENERATIONS = 4  # as in distributed_train.py
+LAUNCH_TIMEOUT_S = 240
+
+# Logged values that are per process by nature: wall-clock timings.
+TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+# Logged from each process's own micro-batches in compute_loss, without a reduction (see
+# test_loss_metrics_are_reduced_over_processes).
+LOSS_METRICS = {"entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_launch(config: Path, num_processes: int, script_args: list[str], env: dict):
+    """Run `accelerate launch` in its own process group; kill the whole group on a timeout."""
+    command = [
+        *(sys.executable, "-m", "accelerate.commands.launch"),
+        *("--config_file", str(config)),
+        *("--num_processes", str(num_processes)),
+        *("--main_process_port", str(free_port())),
+        *(str(SCRIPT), *script_args),
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"accelerate launch ran past {LAUNCH_TIMEOUT_S} s:\n{output[-4000:]}")
+    return process.returncode, output
+
+
+def read_reports(out_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out_dir.glob("process_*.json"))]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tokenizer, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ddp_reports(tiny_model_dir, tmp_path_factory) -> list[dict]:
+    """The reports of processes 0 and 1 after two GRPO steps under DDP on CPU."""
+    out_dir = tmp_path_factory.mktemp("ddp")
+    returncode, output = accelerate_launch(
+        CONFIGS / "ddp.yaml",
+        num_processes=2,
+        script_args=[str(tiny_model_dir), str(out_dir), "--scale-rewards", "batch"],
+        # The CPU run must not see a GPU; one thread per process on a 2-core machine.
+        env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
+    )
+    assert returncode == 0, output[-6000:]
+    reports = read_reports(out_dir)
+    assert [r["process_index"] for r in reports] == [0, 1], output[-6000:]
+    return reports
+
+
+def test_both_processes_train_in_one_world_of_two(ddp_reports):
+    assert [r["world_size"] for r in ddp_reports] == [2, 2]
+    assert {r["distributed_type"] for r in ddp_reports} == {"DistributedType.MULTI_CPU"}
+    assert [len(r["rounds"]) for r in ddp_reports] == [2, 2]  # one round per optimizer step
+
+
+def test_processes_play_disjoint_rows_in_whole_groups(ddp_reports):
+    every_row = [row for r in ddp_reports for played in r["rounds"] for row in played["rows"]]
+    assert len(every_row) == len(set(every_row)) == 8  # 2 rounds x 2 processes x 2 rows
+    for round_index in range(2):
+        rounds = [r["rounds"][round_index] for r in ddp_reports]
+        rows_0, rows_1 = (set(r["rows"]) for r in rounds)
+        assert len(rows_0) == len(rows_1) == 2
+        assert not rows_0 & rows_1
+        for played in rounds:
+            # Episode k of a process belongs to group k // G, which plays that process's row.
+            expected = [
+                [group, row]
+                for group, row in enumerate(played["rows"])
+                for _ in range(NUM_GENERATIONS)
+            ]
+            assert played["episodes"] == expected
+
+
+def test_each_micro_batch_of_a_round_hands_the_process_the_same_rows(ddp_reports):
+    for report in ddp_reports:
+        round_rows = [r["rows"] for r in report["rounds"]]
+        # gradient_accumulation_steps=2: two micro-batches per round, both given the round's rows.
+        assert report["micro_batch_rows"] == [rows for rows in round_rows for _ in range(2)]
+
+
+def test_batch_scaled_advantages_use_the_rewards_of_both_processes(ddp_reports):
+    for round_index in range(2):
+        rounds = [r["rounds"][round_index] for r in ddp_reports]
+        everyone_N = torch.tensor(rounds[0]["rewards"] + rounds[1]["rewards"])
+        expected_N = group_advantages(everyone_N, NUM_GENERATIONS, scale="batch")
+        recorded_N = torch.tensor(rounds[0]["advantages"] + rounds[1]["advantages"])
+        torch.testing.assert_close(recorded_N, expected_N)
+
+
+def test_weights_move_and_stay_identical_on_both_processes(ddp_reports):
+    before_0, before_1 = (r["weights_before"] for r in ddp_reports)
+    after_0, after_1 = (r["weights_after"] for r in ddp_reports)
+    assert before_0 == before_1
+    assert after_0 == after_1
+    assert all(after_0[name] != before_0[name] for name in before_0)  # every tensor trained
+
+
+def test_logged_reward_metrics_are_reduced_over_both_processes(ddp_reports):
+    history_0, history_1 = (r["log_history"] for r in ddp_reports)
+    steps_0 = [log for log in history_0 if "reward" in log]
+    steps_1 = [log for log in history_1 if "reward" in log]
+    assert len(steps_0) == len(steps_1) == 2
+    for round_index, (log_0, log_1) in enumerate(zip(steps_0, steps_1, strict=True)):
+        assert log_0.keys() == log_1.keys()
+        shared = {k for k in log_0 if k not in TIMINGS | LOSS_METRICS}
+        assert {k: log_0[k] for k in shared} == {k: log_1[k] for k in shared}
+        # The mean over both processes' 16 completions, not over one process's 8.
+        rewards = [r for report in ddp_reports for r in report["rounds"][round_index]["rewards"]]
+        assert log_0["reward"] == pytest.approx(sum(rewards) / len(rewards), rel=1e-5)
+        assert log_0["reward/length_reward/mean"] == pytest.approx(log_0["reward"], rel=1e-5)
+
+
+def test_loss_metrics_are_reduced_over_processes(ddp_reports):
+    history_0, history_1 = (r["log_history"] for r in ddp_reports)
+    for log_0, log_1 in zip(history_0, history_1, strict=True):
+        for name in LOSS_METRICS & log_0.keys():
+            assert log_0[name] == log_1[name], name
+
+
+# ---------------------------------------------------------------------- the example configs
+
+# Top-level keys accelerate's config loader requires, or needs to launch more than one process.
+REQUIRED_KEYS = {"compute_environment", "distributed_type", "mixed_precision", "num_processes"}
+
+
+@pytest.mark.parametrize("name", ["ddp", "deepspeed_zero2", "deepspeed_zero3"])
+def test_example_config_loads_and_names_how_to_launch_it(name):
+    path = CONFIGS / f"{name}.yaml"
+    config = yaml.safe_load(path.read_text())
+    assert not REQUIRED_KEYS - config.keys()  # none missing
+    assert config["compute_environment"] == "LOCAL_MACHINE"
+    assert not config.get("use_cpu")  # use_cpu / --cpu would launch a single process
+    expected = f"accelerate launch --config_file examples/accelerate/{name}.yaml"
+    assert expected in path.read_text()
+    # accelerate's own loader rejects unknown keys and fills in defaults.
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    assert load_config_from_file(str(path)).distributed_type == config["distributed_type"]
+
+
+def test_ddp_config_is_multi_process_data_parallel():
+    config = yaml.safe_load((CONFIGS / "ddp.yaml").read_text())
+    assert config["distributed_type"] == "MULTI_GPU"
+    assert config["num_processes"] >= 2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_configs_select_their_zero_stage_in_bf16_without_offload(stage):
+    config = yaml.safe_load((CONFIGS / f"deepspeed_zero{stage}.yaml").read_text())
+    deepspeed = config["deepspeed_config"]
+    assert config["distributed_type"] == "DEEPSPEED"
+    assert config["mixed_precision"] == "bf16"
+    assert deepspeed["zero_stage"] == stage
+    assert deepspeed["offload_optimizer_device"] == deepspeed["offload_param_device"] == "none"
+    assert deepspeed["zero3_init_flag"] is (stage == 3)
+    # Left to GRPOConfig ("auto"); a value here that differed from it would stop the Trainer.
+    assert not {"gradient_accumulation_steps", "gradient_clipping"} & deepspeed.keys()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_zero2_config_trains_on_one_gpu(tiny_model_dir, tmp_path):
+    returncode, output = accelerate_launch(
+        CONFIGS / "deepspeed_zero2.yaml",
+        num_processes=1,
+        script_args=[str(tiny_model_dir), str(tmp_path), "--gpu"],
+        env={},
+    )
+    assert returncode == 0, output[-6000:]
+    [report] = read_reports(tmp_path)
+    assert report["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert report["world_size"] == 1
+    steps = [log for log in report["log_history"] if "loss" in log]
+    assert len(steps) == 2
+    assert all(torch.isfinite(torch.tensor(log["loss"])) for log in steps)
+    before, after = report["weights_before"], report["weights_after"]
+    assert any(after[name] != before[name] for name in before)
