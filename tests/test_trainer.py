@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import scripted_episode, teach, tiny_llama, tool_call
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.reward_calls import RewardFunctionError
@@ -94,18 +95,34 @@ def test_mean_reward_rises_on_a_tool_calling_environment(tokenizer, tmp_path):
 ROW_5 = {"prompt": [{"role": "user", "content": "Make the counter reach 5."}], "target": 5}
 
 
+class StopAfter(TrainerCallback):
+    """Interrupts a run after `step` optimizer steps, with a checkpoint: a crash, politely."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = True
+            control.should_training_stop = True
+
+
 def test_resuming_from_a_checkpoint_gives_the_same_weights(tokenizer, tmp_path):
-    def run(output_dir, max_steps, resume=None):
-        args = config(output_dir, max_steps=max_steps, save_strategy="steps", save_steps=2)
+    def run(output_dir, callbacks=(), resume=None):
         trainer = GRPOTrainer(
-            tiny_llama(tokenizer), low_token_share, args, PROMPTS, processing_class=tokenizer
+            tiny_llama(tokenizer),
+            low_token_share,
+            config(output_dir, max_steps=4),
+            PROMPTS,
+            processing_class=tokenizer,
+            callbacks=list(callbacks),
         )
         trainer.train(resume_from_checkpoint=resume)
         return trainer.model
 
-    straight = run(tmp_path / "straight", 4)
-    run(tmp_path / "interrupted", 2)  # stops after step 2, checkpoint-2 on disk
-    resumed = run(tmp_path / "interrupted", 4, resume=str(tmp_path / "interrupted/checkpoint-2"))
+    straight = run(tmp_path / "straight")
+    run(tmp_path / "interrupted", callbacks=[StopAfter(2)])
+    resumed = run(tmp_path / "interrupted", resume=str(tmp_path / "interrupted/checkpoint-2"))
     for (name, a), (_, b) in zip(
         straight.named_parameters(), resumed.named_parameters(), strict=True
     ):
