@@ -584,7 +584,7 @@ class GRPOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         # bf16 must be a bool before TrainingArguments sees it: it rejects bf16 without a GPU.
         if self.bf16 is None:
-            self.bf16 = not self.fp16 and not self.use_cpu and _cuda_bf16_available()
+            self.bf16 = default_bf16(self.fp16, self.use_cpu)
         super().__post_init__()
         self._normalize()
         self._check_values()
@@ -767,6 +767,14 @@ class GRPOConfig(TrainingArguments):
 
 
 _SCALE_REWARDS_ALIASES = {"true": "group", "false": "none"}
+
+
+def default_bf16(fp16: bool, use_cpu: bool) -> bool:
+    """What `bf16=None` means: on when a CUDA GPU that supports it trains, off on CPU.
+
+    On CPU training stays float32, which on these machines is both faster and exact.
+    """
+    return not fp16 and not use_cpu and _cuda_bf16_available()
 
 
 def _cuda_bf16_available() -> bool:

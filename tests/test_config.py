@@ -163,10 +163,16 @@ def test_bf16_resolves_to_false_on_a_machine_without_a_cuda_gpu(make):
     assert make().bf16 is False
 
 
-def test_bf16_resolves_to_true_where_cuda_supports_bf16(make, monkeypatch):
+def test_bf16_defaults_on_where_cuda_supports_it_and_off_on_cpu(monkeypatch):
     monkeypatch.setattr(config_module, "_cuda_bf16_available", lambda: True)
-    # use_cpu lets TrainingArguments accept bf16 on this machine; the resolution is what we test.
-    assert make(use_cpu=True).bf16 is True
+    assert config_module.default_bf16(fp16=False, use_cpu=False) is True
+    assert config_module.default_bf16(fp16=True, use_cpu=False) is False
+    assert config_module.default_bf16(fp16=False, use_cpu=True) is False
+
+
+def test_use_cpu_keeps_float32_even_on_a_machine_with_a_bf16_gpu(make, monkeypatch):
+    monkeypatch.setattr(config_module, "_cuda_bf16_available", lambda: True)
+    assert make(use_cpu=True).bf16 is False
 
 
 def test_an_explicit_bf16_is_kept(make):
