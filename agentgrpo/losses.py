@@ -36,7 +36,7 @@ def _masked_sum_per_row(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> tor
     return torch.where(mask_B_T != 0, values_B_T * mask_B_T, 0.0).sum(dim=-1)
 
 
-def _masked_mean_per_row(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
+def masked_mean_per_row(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
     """Mean over active positions of each row (0 for a row with none)."""
     return _masked_sum_per_row(values_B_T, mask_B_T) / mask_B_T.sum(dim=-1).clamp(min=1)
 
@@ -54,10 +54,11 @@ def _token_log_ratio(log_ratio_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> tor
 
 
 def _sequence_log_ratio(log_ratio_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
-    return _masked_mean_per_row(log_ratio_B_T, mask_B_T).unsqueeze(-1).expand_as(log_ratio_B_T)
+    return masked_mean_per_row(log_ratio_B_T, mask_B_T).unsqueeze(-1).expand_as(log_ratio_B_T)
 
 
 _RATIO_LEVELS = {"token": _token_log_ratio, "sequence": _sequence_log_ratio}
+IMPORTANCE_LEVELS = tuple(_RATIO_LEVELS)  # "token", "sequence"
 
 
 def log_importance_ratio(
@@ -251,7 +252,7 @@ Normaliser = Callable[
 
 def _per_sequence_mean(loss_B_T, mask_B_T, num_items, max_completion_length):
     """grpo: mean over sequences of each sequence's token mean (a length bias: see GRPOConfig)."""
-    return _masked_mean_per_row(loss_B_T, mask_B_T).mean()
+    return masked_mean_per_row(loss_B_T, mask_B_T).mean()
 
 
 def _local_token_mean(loss_B_T, mask_B_T, num_items, max_completion_length):
@@ -285,7 +286,7 @@ def _length_scaled_over_num_items(loss_B_T, mask_B_T, num_items, max_completion_
     if num_items is None:
         raise ValueError("loss_type 'luspo' needs num_items (active tokens in the whole batch)")
     length_B = mask_B_T.sum(dim=-1)
-    return (_masked_mean_per_row(loss_B_T, mask_B_T) * length_B).sum() / num_items
+    return (masked_mean_per_row(loss_B_T, mask_B_T) * length_B).sum() / num_items
 
 
 # --------------------------------------------------------------------------- the loss types
@@ -626,159 +627,3 @@ def policy_loss(
         metrics["entropy"] = mean_entropy.detach()
         loss = loss - config.entropy_coef * mean_entropy if config.entropy_coef else loss
     return LossOutput(loss, metrics)
-
-
-# --------------------------------------------------------------------------- sampler mismatch
-
-
-def _truncate(ratio_B_T: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    return ratio_B_T.clamp(low, high)
-
-
-def _zero_outside(ratio_B_T: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    return torch.where((ratio_B_T >= low) & (ratio_B_T <= high), ratio_B_T, 0.0)
-
-
-_CONSTRAINTS = {"truncate": _truncate, "mask": _zero_outside}
-
-
-@torch.no_grad()
-def sampler_correction(
-    old_logprobs_B_T: torch.Tensor,
-    sampler_logprobs_B_T: torch.Tensor,
-    mask_B_T: torch.Tensor,
-    mode: str,
-    clip_max: float | None,
-    clip_min: float | None = None,
-) -> torch.Tensor:
-    """Importance weights for the gap between the generator's and the trainer's logprobs.
-
-    The generator (vLLM, say) samples with slightly different numerics than the trainer, so
-    ``exp(old - sampler)`` is not exactly 1. These weights multiply the policy term.
-
-    Args:
-        old_logprobs_B_T: The trainer's log-probabilities of the sampled tokens, (B, T).
-        sampler_logprobs_B_T: The generator's log-probabilities of the same tokens, (B, T).
-        mask_B_T: 1 where the token counts, (B, T).
-        mode: ``"<granularity>_<constraint>"``. Granularity ``token``: ratio per token;
-            ``sequence``: ``exp`` of the masked mean of ``old - sampler``, broadcast.
-            Constraint ``truncate``: clamp to [clip_min, clip_max]; ``mask``: 0 where the ratio
-            is outside [clip_min, clip_max] (bounds inclusive).
-        clip_max: Upper bound C_max, or None for none.
-        clip_min: Lower bound C_min, or None for none.
-
-    Returns:
-        weights_B_T: Detached, 0 at masked positions.
-
-    Example:
-        >>> old, sampler = torch.tensor([[0.0, 0.0]]), torch.tensor([[-2.0, 0.0]])
-        >>> sampler_correction(old, sampler, torch.tensor([[1, 0]]), "token_mask", clip_max=3.0)
-        tensor([[0., 0.]])
-
-    """
-    granularity, _, constraint = mode.partition("_")
-    if granularity not in _RATIO_LEVELS or constraint not in _CONSTRAINTS:
-        modes = [f"{g}_{c}" for g in _RATIO_LEVELS for c in _CONSTRAINTS]
-        raise ValueError(f"unknown sampler correction mode {mode!r}; expected one of {modes}")
-    active_B_T = mask_B_T != 0
-    log_ratio_B_T = log_importance_ratio(
-        torch.where(active_B_T, old_logprobs_B_T, 0.0),
-        torch.where(active_B_T, sampler_logprobs_B_T, 0.0),
-        mask_B_T.to(old_logprobs_B_T.dtype),
-        granularity,
-    )
-    low = 0.0 if clip_min is None else clip_min
-    high = float("inf") if clip_max is None else clip_max
-    weights_B_T = _CONSTRAINTS[constraint](log_ratio_B_T.exp(), low, high)
-    return torch.where(active_B_T, weights_B_T, 0.0)
-
-
-@torch.no_grad()
-def off_policy_sequence_mask(
-    logprobs_B_T: torch.Tensor,
-    sampler_logprobs_B_T: torch.Tensor,
-    advantages_B: torch.Tensor,
-    mask_B_T: torch.Tensor,
-    threshold: float,
-) -> torch.Tensor:
-    """Which sequences to keep under DeepSeek-V3.2's off-policy sequence masking (eq. 9).
-
-    A sequence is dropped when its advantage is negative *and* the policy has drifted from the
-    sampler on it: the masked mean of ``sampler - logprobs`` (a per-token KL(sampler || policy)
-    estimate) exceeds ``threshold``. Pushing down a sample the policy no longer produces is the
-    update that destabilises training; positive samples are always kept.
-
-    Args:
-        logprobs_B_T: Current policy log-probabilities, (B, T).
-        sampler_logprobs_B_T: The generator's log-probabilities, (B, T).
-        advantages_B: One advantage per sequence, (B,).
-        mask_B_T: 1 where the token counts, (B, T).
-        threshold: The delta of eq. 9, > 0 (e.g. 0.5).
-
-    Returns:
-        keep_B: Bool, False for dropped sequences. Apply it to the policy term (e.g. multiply
-        it into ``sampler_weights_B_T``).
-
-    """
-    drift_B = _masked_mean_per_row(sampler_logprobs_B_T - logprobs_B_T, mask_B_T)
-    return ~((advantages_B < 0) & (drift_B > threshold))
-
-
-# --------------------------------------------------------------------------- entropy
-
-
-def entropy_from_logits(logits_B_T_V: torch.Tensor, chunk_size: int = 4) -> torch.Tensor:
-    """Entropy (nats) of the next-token distribution at each position.
-
-    Computed ``chunk_size`` sequences at a time in float32, so the float32 copy of the logits
-    never exceeds one chunk (the saved activations for backward are not reduced). Logits must be
-    finite.
-
-    Args:
-        logits_B_T_V: Logits, (B, T, V), any float dtype.
-        chunk_size: Sequences per chunk.
-
-    Returns:
-        entropy_B_T: float32, (B, T); differentiable.
-
-    Example:
-        >>> entropy_from_logits(torch.zeros(1, 1, 4))
-        tensor([[1.3863]])
-
-    """
-    entropies = []
-    for logits_b_T_V in logits_B_T_V.split(chunk_size):
-        logp_b_T_V = logits_b_T_V.float().log_softmax(dim=-1)
-        entropies.append(-(logp_b_T_V.exp() * logp_b_T_V).sum(dim=-1))
-    return torch.cat(entropies)
-
-
-def top_entropy_mask(
-    entropy_B_T: torch.Tensor, mask_B_T: torch.Tensor, quantile: float
-) -> torch.Tensor:
-    """Keep only the highest-entropy active tokens ("Beyond the 80/20 Rule").
-
-    ``quantile`` is rho, the fraction kept: a token is kept when it is active and its entropy is
-    >= the (1 - rho)-quantile (linear interpolation) of the active tokens' entropies. rho = 1
-    keeps every active token; rho = 0 keeps only the highest (ties all kept).
-
-    Args:
-        entropy_B_T: Per-token entropies, (B, T).
-        mask_B_T: 1 where the token counts, (B, T); only these tokens set the threshold.
-        quantile: rho in [0, 1].
-
-    Returns:
-        mask_B_T: The narrower mask, in ``mask_B_T``'s dtype.
-
-    Example:
-        >>> top_entropy_mask(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.ones(1, 4), 0.5)
-        tensor([[0., 0., 1., 1.]])
-
-    """
-    if not 0 <= quantile <= 1:
-        raise ValueError(f"quantile must be in [0, 1], got {quantile}")
-    active_B_T = mask_B_T != 0
-    if not active_B_T.any():
-        return mask_B_T.clone()
-    threshold = torch.quantile(entropy_B_T.detach()[active_B_T].float(), 1 - quantile)
-    return (active_B_T & (entropy_B_T.detach() >= threshold)).to(mask_B_T.dtype)

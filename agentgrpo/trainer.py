@@ -28,20 +28,18 @@ from agentgrpo.batch import TrainingBatch, collate_episodes
 from agentgrpo.config import GRPOConfig
 from agentgrpo.data import episodes_from_rollout_func, rows_collator, training_rows
 from agentgrpo.logprobs import batched_logprobs, completion_logprobs
-from agentgrpo.losses import (
-    LossConfig,
-    entropy_from_logits,
-    normalises_by_num_items,
-    off_policy_sequence_mask,
-    policy_loss,
-    sampler_correction,
-    top_entropy_mask,
-)
+from agentgrpo.losses import LossConfig, normalises_by_num_items, policy_loss
 from agentgrpo.metrics import episode_stats, round_metrics
 from agentgrpo.models import load_policy, load_tokenizer, reference_model
 from agentgrpo.reward_calls import TRAINER_ARGUMENTS, check_arguments, reward_functions
 from agentgrpo.rounds import Scorer, play_round
 from agentgrpo.sampler import RoundSampler
+from agentgrpo.token_weights import (
+    entropy_from_logits,
+    off_policy_sequence_mask,
+    sampler_correction,
+    top_entropy_mask,
+)
 from rollout import Episode, EpisodeConfig, RolloutEngine, TransformersBackend
 
 

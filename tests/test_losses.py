@@ -12,13 +12,15 @@ from agentgrpo.losses import (
     aggregate,
     cispo_loss,
     clipped_surrogate_loss,
-    entropy_from_logits,
     kl_k3,
     log_importance_ratio,
-    off_policy_sequence_mask,
     policy_loss,
-    sampler_correction,
     sapo_loss,
+)
+from agentgrpo.token_weights import (
+    entropy_from_logits,
+    off_policy_sequence_mask,
+    sampler_correction,
     top_entropy_mask,
 )
 
