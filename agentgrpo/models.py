@@ -6,7 +6,7 @@ import copy
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
 
 def load_policy(model: str | PreTrainedModel, args: Any, peft_config: Any = None) -> Any:
@@ -83,3 +83,26 @@ def cast_lm_head_to_fp32(model: Any) -> None:
 
 def _is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+class SyncReference(TrainerCallback):
+    """`sync_ref_model`: every `every` steps, ref <- alpha * policy + (1 - alpha) * ref (TR-DPO).
+
+    Args:
+        reference: The reference model (a separate copy; PEFT runs have none to sync).
+        policy: The model being trained.
+        alpha: `ref_model_mixup_alpha`.
+        every: `ref_model_sync_steps`.
+    """
+
+    def __init__(
+        self, reference: torch.nn.Module, policy: torch.nn.Module, alpha: float, every: int
+    ):
+        self.reference, self.policy, self.alpha, self.every = reference, policy, alpha, every
+
+    @torch.no_grad()
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % self.every:
+            return
+        for ref, current in zip(self.reference.parameters(), self.policy.parameters(), strict=True):
+            ref.mul_(1.0 - self.alpha).add_(current.detach().to(ref.dtype), alpha=self.alpha)

@@ -30,7 +30,7 @@ from agentgrpo.data import episodes_from_rollout_func, rows_collator, training_r
 from agentgrpo.logprobs import batched_logprobs, completion_logprobs
 from agentgrpo.losses import LossConfig, normalises_by_num_items, policy_loss
 from agentgrpo.metrics import episode_stats, round_metrics
-from agentgrpo.models import load_policy, load_tokenizer, reference_model
+from agentgrpo.models import SyncReference, load_policy, load_tokenizer, reference_model
 from agentgrpo.reward_calls import TRAINER_ARGUMENTS, check_arguments, reward_functions
 from agentgrpo.rounds import Scorer, play_round
 from agentgrpo.sampler import RoundSampler
@@ -109,6 +109,8 @@ class GRPOTrainer(Trainer):
         self.model_accepts_loss_kwargs = False  # compute_loss normalises; Trainer divides by GA
         self._metrics: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.ref_model = reference_model(self.model, args)
+        if args.sync_ref_model:
+            self._sync_reference()
         self.engine = self._build_engine(tools or [], environment_factory)
         self.scorer = self._build_scorer(environment_factory)
         self._check_reward_weights()
@@ -120,6 +122,22 @@ class GRPOTrainer(Trainer):
         self._last_episodes: list[tuple[Episode, float]] = []
 
     # ------------------------------------------------------------------ set-up
+
+    def _sync_reference(self) -> None:
+        if self.ref_model is None:
+            raise ValueError(
+                "sync_ref_model mixes the policy into a separate reference model, but with PEFT "
+                "the reference is the base model under the adapter; turn sync_ref_model off"
+            )
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        self.add_callback(
+            SyncReference(
+                self.ref_model,
+                unwrapped,
+                self.args.ref_model_mixup_alpha,
+                self.args.ref_model_sync_steps,
+            )
+        )
 
     def _build_engine(self, tools: Sequence[Callable[..., Any]], factory: Any) -> RolloutEngine:
         args = self.args

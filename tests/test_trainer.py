@@ -283,3 +283,37 @@ def test_user_mistakes_are_refused_with_what_to_fix(tokenizer, tmp_path):
         )
     with pytest.raises(ValueError, match="train_dataset"):
         GRPOTrainer(model, low_token_share, config(tmp_path), processing_class=tokenizer)
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tokenizer, tmp_path):
+    args = config(
+        tmp_path,
+        beta=0.1,
+        sync_ref_model=True,
+        ref_model_mixup_alpha=1.0,
+        ref_model_sync_steps=1,
+        max_steps=1,
+    )
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer), low_token_share, args, PROMPTS, processing_class=tokenizer
+    )
+    start = trainer.ref_model.lm_head.weight.clone()
+    trainer.train()
+    assert not torch.equal(trainer.ref_model.lm_head.weight, start)  # alpha 1: ref := policy
+    assert torch.equal(trainer.ref_model.lm_head.weight, trainer.model.lm_head.weight)
+
+
+def test_an_untied_lm_head_can_be_cast_to_float32_and_dropout_disabled(tokenizer, tmp_path):
+    model = tiny_llama(tokenizer)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.config.attention_dropout = 0.1
+    args = config(tmp_path, cast_lm_head_to_fp32=True, disable_dropout=True, max_steps=1)
+    trainer = GRPOTrainer(model, low_token_share, args, PROMPTS, processing_class=tokenizer)
+    trainer.train()
+    assert trainer.model.lm_head.weight.dtype == torch.float32
+    assert trainer.state.global_step == 1
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        GRPOTrainer(
+            tiny_llama(tokenizer), low_token_share, args, PROMPTS, processing_class=tokenizer
+        )
