@@ -102,6 +102,7 @@ class SyncReference(TrainerCallback):
 
     @torch.no_grad()
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Mix the policy into the reference on every `every`-th optimizer step."""
         if state.global_step % self.every:
             return
         for ref, current in zip(self.reference.parameters(), self.policy.parameters(), strict=True):
