@@ -98,12 +98,13 @@ async def run_episode(
     like sync tools, so a slow environment never stalls the other episodes.
     """
     messages = prompt_messages(row) if "prompt" in row else []
-    env = None
+    env, observation = None, None
     if ctx.environment_factory is not None:
-        env = await anyio.to_thread.run_sync(ctx.environment_factory)
+        env, observation = await anyio.to_thread.run_sync(
+            _create_and_reset, ctx.environment_factory, row, seed
+        )
     try:
         if env is not None:
-            observation = await anyio.to_thread.run_sync(reset_environment, env, row, seed)
             messages = _with_observation(messages, observation, env)
         if not messages:
             raise ValueError(f"a task row needs a 'prompt' column; this one has {sorted(row)}")
@@ -130,6 +131,18 @@ async def run_episode(
         environment=env,
         error=state.error,
     )
+
+
+def _create_and_reset(
+    factory: Callable[[], Any], row: Mapping[str, Any], seed: int
+) -> tuple[Any, str | None]:
+    """Build and reset an environment in one worker-thread hop; close it if `reset` fails."""
+    env = factory()
+    try:
+        return env, reset_environment(env, row, seed)
+    except BaseException:
+        close_environment(env)
+        raise
 
 
 def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:

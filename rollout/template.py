@@ -125,6 +125,8 @@ class ChatRenderer:
         self.tools = [dict(t) for t in tools]
         self.template_kwargs = dict(template_kwargs or {})
         self._compiled = _compile(template)
+        # Group members render the same prompt and tool turns often repeat: encode each text once.
+        self._encoded = lru_cache(maxsize=4096)(self._encode_uncached)
         self._special = {
             k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)
         }
@@ -141,7 +143,10 @@ class ChatRenderer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text; the template, not the tokenizer, adds special tokens."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return list(self._encoded(text))
+
+    def _encode_uncached(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
     def tool_turn_ids(
         self,

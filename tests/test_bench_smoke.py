@@ -1,0 +1,18 @@
+"""The rollout benchmark still runs: `bench/rollout.py --quick` exits 0 and reports its ratio."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "rollout.py"
+
+
+def test_the_rollout_benchmark_runs_end_to_end_in_quick_mode():
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "engine/lock-step" in done.stdout
+    assert "ms per turn" in done.stdout
