@@ -54,9 +54,9 @@ from typing import Any
 
 import anyio
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
-from agentgrpo.default_model import default_model_path
+from agentgrpo.default_model import default_model_path, tiny_llama
 from environments import Counter, environment_tools, reset_environment
 from rollout import (
     ChatRenderer,
@@ -245,25 +245,6 @@ async def lock_step(
     return [e.tokens for e in episodes]
 
 
-def tiny_model(tokenizer: Any) -> LlamaForCausalLM:
-    """The tests' tiny model: a seeded random 2-layer Llama (hidden 64) over SmolLM2's vocab."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 @dataclasses.dataclass
 class Timing:
     """Medians over the repeats of one loop at one tool latency."""
@@ -304,7 +285,7 @@ def engine_vs_lock_step(
     script = Script(tokenizer)
     # The only stop id is outside the vocabulary: each request samples exactly max_tokens.
     real = BatchRecordingBackend(
-        tiny_model(tokenizer), [len(tokenizer)], tokenizer.pad_token_id, max_batch_size=episodes
+        tiny_llama(tokenizer), [len(tokenizer)], tokenizer.pad_token_id, max_batch_size=episodes
     )
     backend = RealComputeScriptedText(real, script)
     engine = RolloutEngine(

@@ -7,9 +7,9 @@ import json
 import anyio
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agentgrpo.default_model import default_model_path
+from agentgrpo.default_model import default_model_path, tiny_llama
 from environments import Counter
 from rollout import Episode, EpisodeConfig, RolloutEngine, ScriptedBackend
 
@@ -68,25 +68,6 @@ def smollm2_path():
 def tokenizer(smollm2_path):
     """SmolLM2's real tokenizer (ChatML, vocab 49152)."""
     return AutoTokenizer.from_pretrained(smollm2_path)
-
-
-def tiny_llama(tokenizer, seed: int = 0) -> LlamaForCausalLM:
-    """A randomly initialised 2-layer Llama (hidden 64) over SmolLM2's vocabulary: 3.2M params."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="session")

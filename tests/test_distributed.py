@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import tiny_llama
 
 from agentgrpo.advantages import group_advantages
+from agentgrpo.default_model import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed_train.py"

@@ -6,11 +6,12 @@ import json
 
 import pytest
 import torch
-from conftest import scripted_episode, teach, tiny_llama, tool_call
+from conftest import scripted_episode, teach, tool_call
 from datasets import Dataset
 from transformers import TrainerCallback
 
 from agentgrpo import GRPOConfig, GRPOTrainer
+from agentgrpo.default_model import tiny_llama
 from agentgrpo.reward_calls import RewardFunctionError
 from environments import Counter
 from rollout import ToolTemplateError

@@ -18,10 +18,10 @@ import warnings
 
 import pytest
 import torch
-from conftest import tiny_llama
 from datasets import Dataset
 
 from agentgrpo import GRPOConfig, GRPOTrainer
+from agentgrpo.default_model import tiny_llama
 from rollout import ToolTemplateError
 
 MAX_COMPLETION_LENGTH = 8
