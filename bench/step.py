@@ -20,20 +20,29 @@ Workload (the same for both, each framework in its own subprocess, one after the
   `max_turns=2`, TRL `max_tool_calling_iterations=1`), temperature 1.0, beta 0 (no reference
   model), loss `dapo`, lr 5e-5 constant, seed 0, transformers generation for both.
 - Warm start: zero-shot, this model never writes a tool call (0 of 16 sampled episodes when this
-  script was written; see /work/shared/MODELS.md), so neither trainer would run a tool. The
-  script first fine-tunes the model for 24 steps on the tool-call FORMAT only (demo prompts carry
-  no number, the demonstrated step is random; about 2 minutes, cached under agentgrpo's cache
-  directory) and both trainers start from that checkpoint. `--no-warm-start` uses the raw model.
+  script was written), so neither trainer would run a tool. The script first fine-tunes the
+  model for 24 steps on the tool-call FORMAT only (demo prompts carry no number, the
+  demonstrated step is random; 2-4 minutes, cached under agentgrpo's cache directory) and both
+  trainers start from that checkpoint. `--no-warm-start` uses the raw model.
+- Threads: `--threads` (default 1) torch threads in each child, the same for both. On a shared
+  2-core machine two threads per process made step times swing by 2x; one is stable.
+
+Budget edge at 48 tokens: a one-digit tool call is 27 tokens and its tool turn 21, exactly 48.
+agentgrpo ends such an episode there; TRL appends the tool turn, generates a post-tool turn and
+truncates it to nothing. `--max-completion-length 64` gives both room for the answer turn, so
+both do the same generation work.
 
 Per framework it reports the median seconds per optimizer step (first step dropped as warm-up),
-the part of it spent in `_prepare_inputs` (generation, tools, rewards), the peak RSS of its
-process (`ru_maxrss`, imports and model included), and the mean reward, tool calls per episode
-and model tokens per episode it saw. Then the agentgrpo/TRL ratios against the targets
+the part of it spent in `_prepare_inputs` (generation, tools, rewards) and in generation calls,
+the peak RSS of its process (`ru_maxrss`, imports and model included; also before training),
+the mean reward, tool calls per episode and model tokens per episode it saw, and every
+generation call of every timed step. Then the agentgrpo/TRL ratios against the targets
 (time <= 0.8, memory <= 1.0).
 
 TRL is needed only here, never by agentgrpo: `pip install --no-deps trl==1.16.0` (or unpack it
-and put it on PYTHONPATH). Run: `python bench/step.py` (about 5-8 minutes on 2 cores, plus the
-one-time warm start); `--steps`, `--repeats`, `--threads`, `--profile`.
+and put it on PYTHONPATH). Run: `python bench/step.py` (about 5 minutes per repeat on 2 cores,
+plus the one-time warm start); `--steps`, `--repeats`, `--threads`, `--max-completion-length`,
+`--model`, `--no-warm-start`, `--profile`.
 """
 
 from __future__ import annotations
