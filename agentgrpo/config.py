@@ -9,8 +9,8 @@ Decisions that differ from TRL, each for a reason given where it is made:
 
 - `bf16=None` means bf16 only on a CUDA GPU that supports it; on CPU, float32.
 - `sync_ref_model=True` with `beta=0.0` is rejected here rather than by the trainer.
-- Features agentgrpo lacks (adaptive entropy, transformers continuous batching) are refused,
-  never silently ignored.
+- Features agentgrpo lacks (adaptive entropy, transformers continuous batching, vLLM colocated
+  over several processes or tensor-parallel) are refused, never silently ignored.
 - An unknown keyword is a `TypeError` that names the nearest valid field.
 """
 
@@ -25,6 +25,7 @@ from transformers import TrainingArguments
 
 from rollout.parsers import get_parser
 from rollout.template import load_template
+from rollout.vllm_backend import check_sampling_overrides
 
 # Every loss TRL 1.16 names. Which of them agentgrpo implements is decided in one place, the loss
 # module's dispatch table, which refuses the others when the trainer is built; listing them all
@@ -276,7 +277,11 @@ class GRPOConfig(TrainingArguments):
     )
     vllm_structured_outputs_regex: str | None = field(
         default=None,
-        metadata={"help": "Constrain vLLM's output to this regex. None: unconstrained."},
+        metadata={"help": "Constrain each turn vLLM generates to this regex. None: unconstrained."},
+    )
+    vllm_guided_decoding_regex: str | None = field(
+        default=None,
+        metadata={"help": "Earlier TRL name of vllm_structured_outputs_regex; sets it."},
     )
     vllm_server_base_url: str | None = field(
         default=None,
@@ -581,6 +586,19 @@ class GRPOConfig(TrainingArguments):
         },
     )
 
+    # --- agentgrpo: warm start ------------------------------------------------------------------
+    warm_start_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Supervised steps on the environment's demonstrations() before GRPO, one "
+            "conversation per step (loss on the assistant turns only). Teaches a model that "
+            "never calls tools the call format. 0: no warm start."
+        },
+    )
+    warm_start_learning_rate: float = field(
+        default=5e-5, metadata={"help": "AdamW learning rate of the warm start."}
+    )
+
     def __post_init__(self) -> None:
         # bf16 must be a bool before TrainingArguments sees it: it rejects bf16 without a GPU.
         if self.bf16 is None:
@@ -619,6 +637,13 @@ class GRPOConfig(TrainingArguments):
             self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
         if self.pad_to_multiple_of == "auto":
             self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
+        if self.vllm_guided_decoding_regex is not None:
+            _require(
+                self.vllm_structured_outputs_regex in (None, self.vllm_guided_decoding_regex),
+                "vllm_guided_decoding_regex and vllm_structured_outputs_regex are two names for "
+                "one setting and differ here; set only vllm_structured_outputs_regex.",
+            )
+            self.vllm_structured_outputs_regex = self.vllm_guided_decoding_regex
         if self.vllm_importance_sampling_cap is not None:
             warnings.warn(
                 "vllm_importance_sampling_cap is deprecated; use "
@@ -674,6 +699,11 @@ class GRPOConfig(TrainingArguments):
             self.max_concurrent_episodes >= 1,
             f"max_concurrent_episodes={self.max_concurrent_episodes} must be at least 1.",
         )
+        _require(
+            self.warm_start_steps >= 0 and self.warm_start_learning_rate > 0,
+            f"warm_start_steps={self.warm_start_steps} must be >= 0 and "
+            f"warm_start_learning_rate={self.warm_start_learning_rate} positive.",
+        )
         if self.tool_call_parser is not None:
             get_parser(self.tool_call_parser)
         if self.chat_template is not None:
@@ -704,6 +734,43 @@ class GRPOConfig(TrainingArguments):
             "supported: set both to 1.",
         )
         self._check_importance_sampling_bounds()
+        if self.use_vllm:
+            self._check_vllm()
+
+    def _check_vllm(self) -> None:
+        """Check the vLLM fields when vLLM generates (they are inert otherwise)."""
+        colocated = self.vllm_mode == "colocate"
+        _require(
+            not colocated or self.vllm_tensor_parallel_size == 1,
+            f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} in colocate mode is not "
+            "supported: run `agentgrpo vllm-serve --tensor-parallel-size N` and set "
+            "vllm_mode='server'.",
+        )
+        _require(
+            not colocated or self.world_size == 1,
+            f"vllm_mode='colocate' runs one vLLM inside one training process; this run has "
+            f"{self.world_size} processes: set vllm_mode='server' (one `agentgrpo vllm-serve` "
+            "for all of them).",
+        )
+        _require(
+            colocated or not self.vllm_enable_sleep_mode,
+            "vllm_enable_sleep_mode applies to colocate mode; a server manages its own memory "
+            "(start it with --enable-sleep-mode): unset vllm_enable_sleep_mode.",
+        )
+        _require(
+            self.ds3_gather_for_generation,
+            "ds3_gather_for_generation=False cannot be used with vLLM, which needs the full "
+            "weights to load: set it to True.",
+        )
+        _require(
+            0.0 < self.vllm_gpu_memory_utilization <= 1.0,
+            f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1].",
+        )
+        _require(
+            self.vllm_server_timeout > 0,
+            f"vllm_server_timeout={self.vllm_server_timeout} must be positive (seconds).",
+        )
+        check_sampling_overrides(self.generation_kwargs or {})
 
     def _check_importance_sampling_bounds(self) -> None:
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max

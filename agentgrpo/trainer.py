@@ -40,7 +40,9 @@ from agentgrpo.token_weights import (
     sampler_correction,
     top_entropy_mask,
 )
-from rollout import Episode, EpisodeConfig, RolloutEngine, TransformersBackend
+from agentgrpo.warm_start import environment_demonstrations, warm_start
+from agentgrpo.weight_sync import build_generator
+from rollout import Episode, EpisodeConfig, RolloutEngine
 
 
 class GRPOTrainer(Trainer):
@@ -111,6 +113,7 @@ class GRPOTrainer(Trainer):
         self.ref_model = reference_model(self.model, args)
         if args.sync_ref_model:
             self._sync_reference()
+        self._environment_factory = environment_factory
         self.engine = self._build_engine(tools or [], environment_factory)
         self.scorer = self._build_scorer(environment_factory)
         self._check_reward_weights()
@@ -141,8 +144,8 @@ class GRPOTrainer(Trainer):
 
     def _build_engine(self, tools: Sequence[Callable[..., Any]], factory: Any) -> RolloutEngine:
         args = self.args
-        backend = TransformersBackend.from_tokenizer(
-            self.model, self.processing_class, seed=args.seed
+        backend, self.weight_sync = build_generator(
+            self.model, self.processing_class, args, self.accelerator
         )
         return RolloutEngine(
             backend,
@@ -203,6 +206,38 @@ class GRPOTrainer(Trainer):
     @property
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
+
+    # ------------------------------------------------------------------ warm start
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`, after the warm start when `warm_start_steps` > 0.
+
+        A resumed run skips the warm start: its checkpoint already holds warm-started weights.
+        """
+        if self.args.warm_start_steps and not resume_from_checkpoint:
+            self._warm_start()
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _warm_start(self) -> None:
+        steps = self.args.warm_start_steps
+        conversations = environment_demonstrations(
+            self._environment_factory, steps, seed=self.args.seed
+        )
+        show = self.is_world_process_zero()
+
+        def log(step: int, loss: float) -> None:
+            if show:
+                print(f"warm start {step + 1}/{steps}: loss {loss:.3f}", flush=True)
+
+        self.model.to(self.args.device)
+        warm_start(
+            self.model,
+            self.engine.context.renderer,
+            conversations,
+            self.args.warm_start_learning_rate,
+            stop_text=self.processing_class.eos_token,
+            log=log,
+        )
 
     # ------------------------------------------------------------------ data
 
@@ -279,7 +314,10 @@ class GRPOTrainer(Trainer):
                 self.accelerator.process_index,
             )
         )
-        with self._generation_weights():
+        with (
+            self._generation_weights() as model,
+            self.weight_sync.generating(model, self.state.global_step),
+        ):
             episodes, rewards_N_F = self._play(rows, num_generations, seed % 2**31)
         rewards_N = self._combined_rewards(rewards_N_F, num_generations)
         advantages_N = self._local_advantages(rewards_N, num_generations)
@@ -320,7 +358,10 @@ class GRPOTrainer(Trainer):
 
     @contextlib.contextmanager
     def _generation_weights(self):
-        """Generate in eval mode (no dropout, KV cache on), with ZeRO-3 weights gathered."""
+        """Generate in eval mode (no dropout, KV cache on), with ZeRO-3 weights gathered.
+
+        Yields the unwrapped policy.
+        """
         model = self.accelerator.unwrap_model(self.model)
         was_training = model.training
         model.eval()
@@ -332,7 +373,7 @@ class GRPOTrainer(Trainer):
                 gather = deepspeed.zero.GatheredParameters(list(model.parameters()))
         try:
             with gather:
-                yield
+                yield model
         finally:
             model.train(was_training)
 
@@ -522,6 +563,15 @@ class GRPOTrainer(Trainer):
         for name, value in metrics.items():
             self._metrics[mode][name].append(value)
         self._last_episodes = list(zip(episodes, rewards_N.tolist(), strict=True))
+
+    @property
+    def last_episodes(self) -> list[tuple[Episode, float]]:
+        """The latest round's episodes on this process (train or eval), each with its reward.
+
+        Rewards are the combined (weighted) totals. Empty before the first round. Read-only:
+        the list is replaced, never mutated, by the next round.
+        """
+        return self._last_episodes
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the averaged GRPO metrics gathered since the last log, under TRL's names."""

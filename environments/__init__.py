@@ -11,8 +11,15 @@ The contract. An environment is any class with ``reset(self, **row) -> str | Non
   Classmethods, staticmethods, properties, private names and the reserved names ``reset``,
   ``reward``, ``close``, ``dataset``, ``demonstrations`` and ``done`` are never tools.
 - Optional: ``reward(self) -> float`` scores the episode from the final state;
-  ``dataset(cls)`` (a classmethod) returns the task rows; ``close(self)`` is always called when
-  the episode ends; setting ``self.done = True`` ends the episode.
+  ``dataset(cls)`` (a classmethod) returns the task rows; ``demonstrations(cls, n, seed)`` (a
+  classmethod) returns conversations showing the tool-call format, for a warm start;
+  ``close(self)`` is always called when the episode ends; setting ``self.done = True`` ends
+  the episode.
+
+Built-ins: `Counter` (one tool), `Arithmetic` (calculate, then submit an answer) and
+`GuessNumber` (a gymnasium game through `gym_environment`, the adapter for any
+``gymnasium.Env`` with text observations). README.md beside this file has a runnable example
+of each shape.
 
 Specs name a class: ``env:Counter`` (built-in), ``package.module:Class`` or
 ``path/to/file.py:Class``. User mistakes raise `EnvironmentSpecError`, `EnvironmentResetError`
@@ -54,6 +61,7 @@ Example:
 
 """
 
+from environments.arithmetic import Arithmetic
 from environments.contract import (
     RESERVED_NAMES,
     check_environment,
@@ -67,20 +75,27 @@ from environments.errors import (
     EnvironmentRewardError,
     EnvironmentSpecError,
 )
+from environments.guess_number import GuessNumber, GuessNumberGame
+from environments.gym_adapter import GymEnvironment, gym_environment
 from environments.lifecycle import close_environment, is_done, read_reward, reset_environment
 from environments.resolve import BUILTIN_ENVIRONMENTS, resolve_environment
 
 __all__ = [
     "BUILTIN_ENVIRONMENTS",
     "RESERVED_NAMES",
+    "Arithmetic",
     "Counter",
     "EnvironmentResetError",
     "EnvironmentRewardError",
     "EnvironmentSpecError",
+    "GuessNumber",
+    "GuessNumberGame",
+    "GymEnvironment",
     "check_environment",
     "class_tools",
     "close_environment",
     "environment_tools",
+    "gym_environment",
     "is_done",
     "read_reward",
     "reset_environment",

@@ -21,6 +21,14 @@ _PHRASINGS = {  # eval phrasings are held out: a policy must not just memorise t
     ),
 }
 _ROWS = {"train": 320, "eval": 64}
+# Demonstrations teach the call FORMAT only: their prompts name no target and the step shown is
+# random, so a model warm-started on them still has to learn to read the target from the prompt.
+_DEMO_PROMPTS = (
+    "Use the increment tool.",
+    "Call increment once.",
+    "Change the counter with the increment tool.",
+    "Please increment the counter.",
+)
 
 
 class Counter:
@@ -68,3 +76,34 @@ class Counter:
             for target in targets
         ]
         return datasets.Dataset.from_dict({"prompt": prompts, "target": targets})
+
+    @classmethod
+    def demonstrations(cls, n: int, seed: int = 0) -> list[list[dict]]:
+        """`n` conversations that show how to call `increment`, not which step solves a row.
+
+        Each is a user request that names no target (with reset's text, as episodes show it),
+        one call with a random step from 1 to 9, the tool's real result and a short answer.
+
+        Args:
+            n: How many conversations.
+            seed: Seeds the prompts and steps; the same seed gives the same conversations.
+
+        """
+        rng = random.Random(f"counter-demonstrations-{seed}")
+        conversations = []
+        for _ in range(n):
+            env, step = cls(), rng.randint(1, 9)
+            observation = env.reset(target=0)
+            call = {
+                "type": "function",
+                "function": {"name": "increment", "arguments": {"step": step}},
+            }
+            conversations.append(
+                [
+                    {"role": "user", "content": f"{rng.choice(_DEMO_PROMPTS)}\n{observation}"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "name": "increment", "content": str(env.increment(step))},
+                    {"role": "assistant", "content": f"The counter is now {env.value}."},
+                ]
+            )
+        return conversations

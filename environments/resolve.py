@@ -22,14 +22,20 @@ import inspect
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
+from environments.arithmetic import Arithmetic
 from environments.counter import Counter
 from environments.errors import EnvironmentSpecError
+from environments.guess_number import GuessNumber
 
-BUILTIN_ENVIRONMENTS: dict[str, type] = {"Counter": Counter}
+BUILTIN_ENVIRONMENTS: dict[str, type] = {
+    "Counter": Counter,
+    "Arithmetic": Arithmetic,
+    "GuessNumber": GuessNumber,
+}
 """The environments reachable as ``env:Name``."""
 
 _NOT_IDENTIFIER = re.compile(r"\W")
@@ -60,12 +66,7 @@ def resolve_environment(spec: str) -> type:
         raise EnvironmentSpecError(
             f"environment spec {spec!r} needs text on both sides of ':'; use {_FORMS}"
         )
-    if where == "env":
-        obj = _builtin(attribute)
-    elif where.endswith(".py") or "/" in where or os.sep in where:
-        obj = _attribute(_load_file(where), attribute, f"file {where!r}")
-    else:
-        obj = _attribute(_import(where), attribute, f"module {where!r}")
+    obj = _builtin(attribute) if where == "env" else load_attribute(spec, inspect.isclass)
     if not inspect.isclass(obj):
         raise EnvironmentSpecError(
             f"{spec!r} names a {type(obj).__name__}, not a class; an environment is a class "
@@ -77,6 +78,31 @@ def resolve_environment(spec: str) -> type:
             "environment needs `def reset(self, **row) -> str | None`"
         )
     return obj
+
+
+def load_attribute(spec: str, kind: Callable[[object], bool] = callable) -> object:
+    """Return what ``package.module:name`` or ``path/to/file.py:name`` names (any object).
+
+    The same lookup as for environment classes, for other things a command line names, such as
+    reward functions. ``name`` may be dotted. When it is missing, the error lists (and
+    suggests among) the names there that pass `kind`.
+
+    Raises:
+        EnvironmentSpecError: The spec is malformed, or names something missing; the message
+            suggests the nearest name where it can.
+
+    """
+    where, _, attribute = spec.rpartition(":")
+    if not where or not attribute:
+        raise EnvironmentSpecError(
+            f"{spec!r} needs the form 'package.module:name' or 'path/to/file.py:name'"
+        )
+    module, label = (
+        (_load_file(where), f"file {where!r}")
+        if where.endswith(".py") or "/" in where or os.sep in where
+        else (_import(where), f"module {where!r}")
+    )
+    return _attribute(module, attribute, label, kind)
 
 
 def _builtin(name: str) -> type:
@@ -131,17 +157,21 @@ def _load_file(where: str) -> ModuleType:
     return module
 
 
-def _attribute(module: ModuleType, dotted: str, where: str) -> object:
+def _attribute(
+    module: ModuleType, dotted: str, where: str, kind: Callable[[object], bool] = inspect.isclass
+) -> object:
+    """`module.dotted`; when missing, the error lists the names there that pass `kind`."""
     obj: object = module
     for part in dotted.split("."):
         if not hasattr(obj, part):
-            classes = sorted(
+            names = sorted(
                 name
                 for name, value in getattr(obj, "__dict__", {}).items()
-                if inspect.isclass(value) and not name.startswith("_")
+                if kind(value) and not name.startswith("_")
             )
-            listing = f"; classes there: {', '.join(classes)}" if classes else ""
-            raise EnvironmentSpecError(f"{where} has no {part!r}{_suggest(part, classes)}{listing}")
+            label = "classes" if kind is inspect.isclass else "names"
+            listing = f"; {label} there: {', '.join(names)}" if names else ""
+            raise EnvironmentSpecError(f"{where} has no {part!r}{_suggest(part, names)}{listing}")
         obj = getattr(obj, part)
     return obj
 

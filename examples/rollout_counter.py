@@ -1,6 +1,7 @@
 """Play Counter episodes with the embedded SmolLM2-135M-Instruct and print them.
 
 Run: `python examples/rollout_counter.py [--rows 4] [--generations 2] [--temperature 1.0]`
+(`--model DIR` plays another local model instead).
 
 This drives the rollout engine as the trainer will: a fresh Counter per episode, the project's
 ChatML tool template, the transformers backend, all episodes concurrent. Untrained, SmolLM2
@@ -38,7 +39,7 @@ def show(episode, tokenizer) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    path = default_model_path()
+    path = args.model or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = RolloutEngine(
@@ -59,6 +60,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="local model folder (default: the embedded SmolLM2)")
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--generations", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=1.0)

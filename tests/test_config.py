@@ -44,6 +44,7 @@ TRL_DEFAULTS = [
     ("vllm_model_impl", "vllm"),
     ("vllm_enable_sleep_mode", False),
     ("vllm_structured_outputs_regex", None),
+    ("vllm_guided_decoding_regex", None),
     ("vllm_server_base_url", None),
     ("vllm_server_host", "0.0.0.0"),
     ("vllm_server_port", 8000),
@@ -103,6 +104,8 @@ AGENTGRPO_DEFAULTS = [
     ("max_concurrent_episodes", 256),
     ("chat_template", None),
     ("tool_call_parser", None),
+    ("warm_start_steps", 0),
+    ("warm_start_learning_rate", 5e-5),
 ]
 
 DECLARED = {f.name: f for f in dataclasses.fields(GRPOConfig)}

@@ -1,0 +1,179 @@
+"""The `agentgrpo` command (also `python -m agentgrpo`).
+
+    agentgrpo run ENV [options]          train with GRPO on an environment
+    agentgrpo eval ENV [--model DIR]     play held-out rows without training
+    agentgrpo envs                       list the built-in environments
+    agentgrpo vllm-serve --model M ...   start a vLLM server the trainer can push weights to
+
+ENV is `env:Name` (built-in), `package.module:Class` or `path/to/file.py:Class`. Mistakes a
+user can make (an unknown environment or option, a class that breaks the contract, a missing
+dataset) print one `error:` line and exit with status 2; `AGENTGRPO_DEBUG=1` shows the
+traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from agentgrpo.cli.options import UsageError, add_config_options, check_unknown_options
+
+_USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError)
+"""Errors that mean the user's input is wrong (each of agentgrpo's user-facing errors is one)."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line `argv` (default: `sys.argv[1:]`); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "vllm-serve":
+        from agentgrpo.vllm_serve import main as vllm_serve
+
+        return vllm_serve(argv[1:])
+    parser, commands = build_parser()
+    namespace, unknown = parser.parse_known_args(argv)
+    if namespace.command is None:
+        parser.print_help()
+        return 2
+    _quiet_loading()
+    try:
+        check_unknown_options(unknown, commands[namespace.command])
+        return namespace.handler(namespace)
+    except _USAGE_ERRORS + _runtime_user_errors() as error:
+        if os.environ.get("AGENTGRPO_DEBUG"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and each subcommand's parser by name."""
+    from agentgrpo.cli import commands as run_commands
+
+    parser = argparse.ArgumentParser(
+        prog="agentgrpo", description="Train LLM agents with GRPO on tool-calling episodes."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("vllm-serve", help="start a vLLM server for training (see its --help)")
+    commands = {
+        "run": _run_parser(sub, run_commands.run),
+        "eval": _eval_parser(sub, run_commands.evaluate),
+        "envs": _command(sub, "envs", run_commands.envs, "list the built-in environments"),
+    }
+    return parser, commands
+
+
+def _command(
+    sub: argparse._SubParsersAction, name: str, handler: Callable, help_text: str
+) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def _run_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.ArgumentParser:
+    parser = _command(sub, "run", handler, "train with GRPO on an environment")
+    parser.usage = "agentgrpo run ENV [--model M] [--config FILE.yaml] [options]"
+    parser.epilog = (
+        "Defaults differ from GRPOConfig's where shown: they are a CPU recipe under which the "
+        "embedded 135M model learns in minutes. Without --model, the embedded model plays "
+        "with the chatml_tools template and first takes 24 warm-start steps on the "
+        "environment's demonstrations() (if it has any)."
+    )
+    _add_env(parser)
+    own = parser.add_argument_group("run options")
+    own.add_argument("--config", metavar="FILE", help="YAML file of option: value (any below)")
+    own.add_argument(
+        "--model",
+        default=argparse.SUPPRESS,
+        help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    own.add_argument(
+        "--dataset",
+        default=argparse.SUPPRESS,
+        help="task rows: a .json/.jsonl/.csv/.parquet file, a save_to_disk folder or a "
+        "datasets name (default: the environment's dataset())",
+    )
+    own.add_argument(
+        "--dataset-split", default=argparse.SUPPRESS, help="split to train on (default: train)"
+    )
+    own.add_argument(
+        "--reward",
+        action="append",
+        default=argparse.SUPPRESS,
+        metavar="MODULE:FUNCTION",
+        help="a reward function, added to the environment's reward(); repeatable",
+    )
+    add_config_options(parser)
+    return parser
+
+
+def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.ArgumentParser:
+    from agentgrpo.cli.options import RUN_DEFAULTS
+
+    parser = _command(sub, "eval", handler, "play held-out rows without training")
+    _add_env(parser)
+    add = parser.add_argument
+    add("--model", help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
+    add("--dataset", help="rows file or datasets name (default: the environment's dataset())")
+    add("--split", default="eval", help="split of the rows to play (default: eval)")
+    add("--num-episodes", type=int, help="play only the first N rows (default: all)")
+    add("--reward", action="append", default=[], metavar="MODULE:FUNCTION", help="repeatable")
+    add(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature; 1.0, the default, is training's, so the success rate is "
+        "that of the policy GRPO trains; 0 is greedy",
+    )
+    add("--max-turns", type=int, default=RUN_DEFAULTS["max_turns"], help="model turns")
+    add(
+        "--max-completion-length",
+        type=int,
+        default=RUN_DEFAULTS["max_completion_length"],
+        help="tokens per episode, tool turns included",
+    )
+    add("--chat-template", help="template name or jinja (default: the model's own)")
+    add("--tool-call-parser", help="hermes or llama3_json (default: detected)")
+    add("--success-threshold", type=float, default=1.0, help="reward that counts as a success")
+    add("--seed", type=int, default=0, help="sampling seed")
+    add("--episodes-file", metavar="FILE", help="also write every episode as text to FILE")
+    add(
+        "--server-url",
+        metavar="URL",
+        help="generate with this OpenAI-compatible server (e.g. `agentgrpo vllm-serve`, "
+        "http://localhost:8000) instead of loading the model here; --model still names the "
+        "tokenizer",
+    )
+    add("--server-timeout", type=float, default=240.0, help="seconds to wait for the server")
+    return parser
+
+
+def _add_env(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "env", metavar="ENV", help="env:Name, package.module:Class or path/to/file.py:Class"
+    )
+
+
+def _quiet_loading() -> None:
+    """Hide transformers' per-file loading and saving bars: the run has its own progress bar."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
+def _runtime_user_errors() -> tuple[type[BaseException], ...]:
+    """Errors raised mid-run that a user's environment, reward function or server caused."""
+    from agentgrpo.reward_calls import RewardFunctionError
+    from environments import EnvironmentResetError, EnvironmentRewardError
+    from rollout import TemplateDriftError
+
+    return (
+        ConnectionError,  # a generation server that does not answer, or went away
+        UsageError,
+        RewardFunctionError,
+        EnvironmentResetError,
+        EnvironmentRewardError,
+        TemplateDriftError,
+    )

@@ -1,0 +1,316 @@
+"""What a user sees during and after a run: a progress bar, a metrics log, a chart, sample episodes.
+
+`attach_run_callbacks(trainer)` swaps transformers' progress and printer callbacks for these:
+
+- `ProgressBar`: one tqdm bar over the optimizer steps, showing reward, tool-call rate and
+  seconds per step;
+- `MetricsLog`: every log as a JSON line in `<output_dir>/metrics.jsonl`, and
+  `<output_dir>/reward.png` charting mean reward and tool-call rate against the step;
+- `EpisodeSamples`: the latest round's first episodes as text in
+  `<output_dir>/episodes/step-00010.txt`.
+
+`summary_table` turns `metrics.jsonl` into the table printed at the end of a run. Only the main
+process writes anything.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback
+from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
+
+from agentgrpo.plot import line_chart
+from rollout import Episode
+
+METRICS_FILE = "metrics.jsonl"
+CHART_FILE = "reward.png"
+EPISODES_DIR = "episodes"
+_CHARTED = {"reward": "mean reward", "tools/call_rate": "tool-call rate"}
+
+
+def attach_run_callbacks(trainer: Any, per_step: int = 4) -> None:
+    """Replace transformers' progress bar and log printer with this module's callbacks.
+
+    Args:
+        trainer: A `GRPOTrainer` (EpisodeSamples reads its `last_episodes`).
+        per_step: How many of the latest round's episodes to write at each log.
+    """
+    for callback in (ProgressCallback, PrinterCallback, DEFAULT_PROGRESS_CALLBACK):
+        trainer.remove_callback(callback)
+    trainer.add_callback(ProgressBar())
+    trainer.add_callback(MetricsLog())
+    trainer.add_callback(EpisodeSamples(trainer, per_step=per_step))
+
+
+# ---------------------------------------------------------------------- metrics.jsonl and chart
+
+
+class MetricsLog(TrainerCallback):
+    """Append each log to `<output_dir>/metrics.jsonl` and chart reward in `reward.png`.
+
+    Each line is `{"step": global_step, "epoch": epoch, **logs}`, train and eval logs alike.
+    At the start of training, lines past the starting step are dropped: a fresh run starts an
+    empty log, and a run resumed from a checkpoint keeps the history that led to it (the lines
+    a crashed run wrote after its last checkpoint are logged again as training replays them).
+
+    The chart plots `reward` and `tools/call_rate` against the step on a 0..1 axis, widened if
+    rewards leave it. It is redrawn on a log at most every `chart_every_s` seconds (drawing is
+    pure Python, a fraction of a second even for thousands of steps) and when training ends.
+    """
+
+    def __init__(self, chart_every_s: float = 30.0):
+        self.chart_every_s = chart_every_s
+        self._points: dict[str, list[tuple[float, float]]] = {name: [] for name in _CHARTED}
+        self._charted_at: float | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """Keep the log's history up to the starting step, and read its points for the chart."""
+        if not state.is_world_process_zero:
+            return
+        path = Path(args.output_dir) / METRICS_FILE
+        entries = [e for e in read_metrics(path) if e["step"] <= state.global_step]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+        self._points = {name: [] for name in _CHARTED}
+        for entry in entries:
+            self._add_points(entry)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Append the log as a line; redraw the chart if it is due."""
+        if not state.is_world_process_zero or not logs:
+            return
+        entry = {"step": state.global_step, "epoch": state.epoch, **logs}
+        path = Path(args.output_dir) / METRICS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as file:
+            file.write(json.dumps(entry) + "\n")
+        self._add_points(entry)
+        now = time.monotonic()
+        if self._charted_at is None or now - self._charted_at >= self.chart_every_s:
+            self._chart(Path(args.output_dir))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Draw the final chart."""
+        if state.is_world_process_zero:
+            self._chart(Path(args.output_dir))
+
+    def _add_points(self, entry: Mapping[str, Any]) -> None:
+        for name, points in self._points.items():
+            if isinstance(entry.get(name), int | float):
+                points.append((float(entry["step"]), float(entry[name])))
+
+    def _chart(self, output_dir: Path) -> None:
+        values = [y for points in self._points.values() for _, y in points]
+        line_chart(
+            output_dir / CHART_FILE,
+            {_CHARTED[name]: points for name, points in self._points.items()},
+            title="reward and tool calls",
+            x_label="step",
+            y_range=(min([0.0, *values]), max([1.0, *values])),
+        )
+        self._charted_at = time.monotonic()
+
+
+def read_metrics(log_path: str | Path) -> list[dict[str, Any]]:
+    """The entries of a `metrics.jsonl`, in order (none if the file does not exist)."""
+    path = Path(log_path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------- episode samples
+
+
+class EpisodeSamples(TrainerCallback):
+    """At each train log after a new round, write its first episodes as readable text.
+
+    The file is `<output_dir>/episodes/step-00010.txt` (the global step, five digits), holding
+    `format_episode` of the first `per_step` of `trainer.last_episodes`: this process's share
+    of the round, in group order, so one group's members are shown side by side.
+    """
+
+    def __init__(self, trainer: Any, per_step: int = 4):
+        self.trainer = trainer
+        self.per_step = per_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Write the samples when the log carries a train round's metrics (`reward`)."""
+        episodes = self.trainer.last_episodes[: self.per_step]
+        if not state.is_world_process_zero or "reward" not in (logs or {}) or not episodes:
+            return
+        folder = Path(args.output_dir) / EPISODES_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        text = "\n".join(format_episode(episode, reward) for episode, reward in episodes)
+        (folder / f"step-{state.global_step:05d}.txt").write_text(text)
+
+
+def format_episode(episode: Episode, reward: float) -> str:
+    """An episode as text: a header line, then each message labelled by its role.
+
+    The header gives the reward, why the episode ended, the model turns and the tool calls.
+    Tool calls read `[call name {"arg": 1}]`, tool results `[tool name] -> result`; text over
+    several lines is indented under its label.
+    """
+    stats = episode.stats
+    header = (
+        f"=== episode {episode.group}.{episode.index} | reward {reward:+.3f} | "
+        f"finish {episode.finish} | turns {stats.turns} | "
+        f"tool calls {stats.tool_calls} ({stats.tool_failures} failed)"
+    )
+    lines = [header, *(_format_message(m) for m in episode.messages)]
+    if episode.error:
+        lines.append(f"error: {episode.error}")
+    return "\n".join(lines) + "\n"
+
+
+def _format_message(message: Mapping[str, Any]) -> str:
+    role, content = message.get("role", "?"), message.get("content") or ""
+    if role == "tool":
+        return _labelled(f"[tool {message.get('name', '?')}] ->", content)
+    calls = [_format_call(call) for call in message.get("tool_calls") or []]
+    return _labelled(f"{role}:", "\n".join([content, *calls] if content else calls))
+
+
+def _format_call(call: Mapping[str, Any]) -> str:
+    """`[call name {...}]` from an OpenAI-style call (`{"function": {...}}`) or a bare one."""
+    function = call.get("function", call)
+    arguments = function.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    return f"[call {function.get('name', '?')} {arguments}]"
+
+
+def _labelled(label: str, text: str) -> str:
+    """`label text`, with the text's later lines indented to line up under its first."""
+    indent = "\n" + " " * (len(label) + 1)
+    return f"{label} {indent.join(text.splitlines())}".rstrip()
+
+
+# ---------------------------------------------------------------------- progress bar
+
+
+class ProgressBar(TrainerCallback):
+    """A tqdm bar over `max_steps`, its postfix showing reward, tool-call rate and s/step.
+
+    Seconds per step come from the trainer's `step_time` metric when logged, else from the wall
+    time between steps. Off a terminal (CI logs), the postfix waits for the bar's next redraw
+    instead of forcing one, so the log gets fewer lines. `disable_tqdm` turns the bar off.
+    """
+
+    def __init__(self):
+        self.bar: tqdm | None = None
+        self._step_ended_at: float | None = None
+        self._wall_s_per_step: float | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """Open the bar at the starting step (non-zero when resuming)."""
+        if state.is_world_process_zero:
+            self.bar = tqdm(
+                total=state.max_steps,
+                initial=state.global_step,
+                unit="step",
+                dynamic_ncols=True,
+                disable=args.disable_tqdm,
+            )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Advance to the global step and time it."""
+        if self.bar is None:
+            return
+        now = time.monotonic()
+        if self._step_ended_at is not None:
+            self._wall_s_per_step = now - self._step_ended_at
+        self._step_ended_at = now
+        self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Show the log's reward, tool-call rate and step time."""
+        if self.bar is None or not logs or "reward" not in logs:
+            return
+        postfix = progress_postfix(logs, self._wall_s_per_step)
+        self.bar.set_postfix_str(postfix, refresh=_on_terminal(self.bar))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Close the bar."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def progress_postfix(logs: Mapping[str, Any], wall_s_per_step: float | None = None) -> str:
+    """The bar's postfix for a train log.
+
+    >>> progress_postfix({"reward": 0.5, "tools/call_rate": 0.75, "step_time": 3.21})
+    'reward 0.500 | tools 75% | 3.2 s/step'
+    >>> progress_postfix({"reward": -1.0}, wall_s_per_step=0.5)
+    'reward -1.000 | 0.5 s/step'
+    """
+    parts = [f"reward {logs['reward']:.3f}"]
+    if "tools/call_rate" in logs:
+        parts.append(f"tools {logs['tools/call_rate']:.0%}")
+    seconds = logs.get("step_time", wall_s_per_step)
+    if seconds is not None:
+        parts.append(f"{seconds:.1f} s/step")
+    return " | ".join(parts)
+
+
+def _on_terminal(bar: tqdm) -> bool:
+    stream = getattr(bar, "fp", None) or sys.stderr
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+# ---------------------------------------------------------------------- end-of-run summary
+
+# metric -> which end is better (max or min); None: neither, the best column stays empty.
+_SUMMARY_METRICS = {
+    "reward": max,
+    "eval_reward": max,
+    "tools/call_rate": max,
+    "tools/failure_rate": min,
+    "turns/mean": None,
+    "completions/mean_length": None,
+}
+
+
+def summary_table(log_path: str | Path) -> str:
+    """A fixed-width table of a run's key metrics, read from its `metrics.jsonl`.
+
+    One row per metric that was logged (reward, eval_reward, tools/call_rate,
+    tools/failure_rate, turns/mean, completions/mean_length): its first and last logged value
+    and the best (highest reward and call rate, lowest failure rate; "-" where neither end is
+    better). Then the last step and, when the final log holds it, the total train time.
+    """
+    entries = read_metrics(log_path)
+    lines = [f"{'metric':<24}{'first':>10}{'last':>10}{'best':>10}"]
+    for name, best in _SUMMARY_METRICS.items():
+        values = [e[name] for e in entries if isinstance(e.get(name), int | float)]
+        if values:
+            best_text = f"{best(values):>10.4g}" if best else f"{'-':>10}"
+            lines.append(f"{name:<24}{values[0]:>10.4g}{values[-1]:>10.4g}{best_text}")
+    steps = max((e.get("step", 0) for e in entries), default=0)
+    footer = f"steps {steps}"
+    runtimes = [e["train_runtime"] for e in entries if "train_runtime" in e]
+    if runtimes:
+        footer += f" | train time {_duration(runtimes[-1])}"
+    return "\n".join([*lines, footer])
+
+
+def _duration(seconds: float) -> str:
+    """Seconds for a reader.
+
+    >>> _duration(42.31), _duration(125), _duration(3725)
+    ('42.3 s', '2m 05s', '1h 02m 05s')
+    """
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"

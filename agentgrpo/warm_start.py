@@ -1,0 +1,81 @@
+"""The supervised warm start: teach the tool-call format from an environment's demonstrations.
+
+A model that never writes a tool call gives GRPO nothing to compare: every episode of a group
+earns the same reward. A few supervised steps on `demonstrations()` conversations (which show
+the format, not the answers) fix that. The conversations are laid out by the engine's own
+renderer (`rollout.demonstration_ids`), so the warm start trains on exactly the tokens the model
+then sees and samples when it plays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rollout import ChatRenderer
+from rollout.demonstrations import demonstration_ids
+
+
+def environment_demonstrations(environment: Any, n: int, seed: int) -> list[list[dict]]:
+    """`n` conversations from the environment class's `demonstrations(n, seed)`.
+
+    Raises:
+        ValueError: There is no environment class, it has no `demonstrations`, or it returned
+            fewer conversations than asked for.
+
+    """
+    name = getattr(environment, "__name__", type(environment).__name__)
+    method = getattr(environment, "demonstrations", None)
+    if not isinstance(environment, type) or method is None:
+        raise ValueError(
+            f"warm_start_steps > 0 needs an environment class with a classmethod "
+            f"`demonstrations(n, seed) -> list[list[dict]]`; {name} has none. Add one, or set "
+            f"warm_start_steps=0."
+        )
+    conversations = list(method(n, seed=seed))
+    if len(conversations) < n:
+        raise ValueError(f"{name}.demonstrations({n}) returned {len(conversations)} conversations")
+    return conversations[:n]
+
+
+def warm_start(
+    model: torch.nn.Module,
+    renderer: ChatRenderer,
+    conversations: Sequence[Sequence[Mapping[str, Any]]],
+    learning_rate: float,
+    stop_text: str,
+    log: Callable[[int, float], None] = lambda step, loss: None,
+) -> list[float]:
+    """Fine-tune `model` in place, one AdamW step per conversation; loss on mask-1 tokens only.
+
+    Args:
+        model: The policy (a causal LM), on its training device.
+        renderer: The renderer episodes use, so the layout matches play exactly.
+        conversations: Demonstrations, each a prompt followed by assistant and tool turns.
+        learning_rate: AdamW's learning rate (its own optimizer, discarded afterwards).
+        stop_text: The text that ends an assistant turn (the tokenizer's end-of-turn token).
+        log: Called with (step, loss) after each step.
+
+    Returns:
+        The loss of each step.
+
+    """
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], learning_rate)
+    was_training = model.training
+    model.train()
+    losses = []
+    for step, messages in enumerate(conversations):
+        ids, mask = demonstration_ids(renderer, messages, stop_text)
+        ids_1_T = torch.tensor([ids], device=device)
+        labels_1_T = ids_1_T.masked_fill(torch.tensor([mask], device=device) == 0, -100)
+        loss = model(input_ids=ids_1_T, labels=labels_1_T).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        log(step, losses[-1])
+    model.train(was_training)
+    return losses

@@ -1,0 +1,277 @@
+"""Which backend generates, and how the policy's new weights reach it after each optimizer step.
+
+`build_generator` reads the config once and returns the backend with its `WeightSync`. The
+trainer wraps every generation round in `sync.generating(model, global_step)`, which pushes the
+policy's weights when they changed since the last push (so after each optimizer step, and after
+a warm start or a resume), and lets a colocated vLLM sleep between rounds.
+
+- transformers: the backend reads the policy itself; nothing to push.
+- vLLM colocate: the engine runs in this process and reloads from the policy's tensors in place.
+- vLLM server: the trainer broadcasts the tensors to the server's workers (NCCL between GPUs,
+  gloo on CPU; `rollout.weight_transport`), which load them through agentgrpo's worker
+  extension (`agentgrpo vllm-serve` installs it); then the server's prefix cache is reset.
+
+PEFT models are pushed merged (base weights + adapter), under the base model's names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
+
+import torch
+
+from rollout import GenerationBackend, TransformersBackend
+from rollout.vllm_backend import (
+    VLLMColocateBackend,
+    default_stop_token_ids,
+    sleep_mode_available,
+)
+from rollout.vllm_server import (
+    ServerConnection,
+    ServerRequestError,
+    VLLMServerBackend,
+    server_url,
+)
+from rollout.weight_transport import WeightGroup, backend_for, tensor_specs
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
+
+
+class WeightSync(Protocol):
+    """Keeps a generation backend's weights equal to the policy's."""
+
+    def generating(self, model: torch.nn.Module, step: int) -> contextlib.AbstractContextManager:
+        """Context of one generation round with `model` at optimizer step `step`."""
+        ...
+
+
+def build_generator(
+    model: Any, tokenizer: Any, args: GRPOConfig, accelerator: Any
+) -> tuple[GenerationBackend, WeightSync]:
+    """The backend `args` asks for (`use_vllm`, `vllm_mode`) and the sync that feeds it."""
+    if not args.use_vllm:
+        return TransformersBackend.from_tokenizer(model, tokenizer, seed=args.seed), SharedWeights()
+    stop = default_stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    if args.vllm_mode == "colocate":
+        sleeps = _sleeps(args)
+        backend = _colocated_vllm(model, tokenizer, args, stop, sleeps)
+        return backend, ColocatedPush(backend, sleeps)
+    connection = ServerConnection(
+        server_url(args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port),
+        args.vllm_server_timeout,
+    )
+    backend = VLLMServerBackend.connect(
+        connection,
+        stop_token_ids=stop,
+        sampling_overrides=sampling_overrides(args),
+        regex=args.vllm_structured_outputs_regex,
+        max_concurrent_requests=args.max_concurrent_episodes,
+    )
+    return backend, ServerPush(connection, args.vllm_group_port, accelerator)
+
+
+def sampling_overrides(args: GRPOConfig) -> dict[str, Any]:
+    """Sampling fields beyond temperature, top-p and top-k, for vLLM.
+
+    `min_p` and `repetition_penalty` when set, then `generation_kwargs`, which win over
+    everything else.
+    """
+    overrides: dict[str, Any] = {}
+    if args.min_p is not None:
+        overrides["min_p"] = args.min_p
+    if args.repetition_penalty != 1.0:
+        overrides["repetition_penalty"] = args.repetition_penalty
+    return overrides | dict(args.generation_kwargs or {})
+
+
+@contextlib.contextmanager
+def policy_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The policy's `(checkpoint name, tensor)` pairs, as vLLM loads them.
+
+    A PEFT model is merged for the duration of the context (and unmerged after): the pairs
+    are the merged base weights under the base model's names, without the adapter's own.
+    """
+    if not hasattr(model, "merge_adapter"):
+        yield list(model.state_dict().items())
+        return
+    model.merge_adapter()
+    try:
+        yield [
+            (_base_name(name), tensor)
+            for name, tensor in model.state_dict().items()
+            if "lora_" not in name and "original_module" not in name
+        ]
+    finally:
+        model.unmerge_adapter()
+
+
+def _base_name(peft_name: str) -> str:
+    """`base_model.model.x.q_proj.base_layer.weight` -> `x.q_proj.weight`."""
+    name = peft_name.removeprefix("base_model.model.").replace(".base_layer", "")
+    return name.replace("modules_to_save.default.", "")
+
+
+class SharedWeights:
+    """The transformers backend generates with the policy's own tensors: nothing to push."""
+
+    @contextlib.contextmanager
+    def generating(self, model: torch.nn.Module, step: int) -> Iterator[None]:
+        """Generate with the policy as it is."""
+        yield
+
+
+class ColocatedPush:
+    """Reload the in-process vLLM engine from the policy whenever the step changed.
+
+    Args:
+        backend: The colocated engine.
+        sleeps: Put the engine to sleep after each round (`vllm_enable_sleep_mode`), freeing
+            its accelerator memory for the optimizer step; it wakes before the next round.
+
+    """
+
+    def __init__(self, backend: VLLMColocateBackend, sleeps: bool):
+        self.backend = backend
+        self.sleeps = sleeps
+        self.pushed_step: int | None = None
+
+    @contextlib.contextmanager
+    def generating(self, model: torch.nn.Module, step: int) -> Iterator[None]:
+        """Wake the engine, push if `step` is new, generate, and sleep again if configured."""
+        if self.backend.sleeping:
+            self.backend.wake_up()
+        if step != self.pushed_step:
+            with policy_weights(model) as weights:
+                self.backend.load_weights(weights)
+            self.pushed_step = step
+        try:
+            yield
+        finally:
+            if self.sleeps:
+                self.backend.sleep()
+
+
+class ServerPush:
+    """Broadcast the policy's weights to an `agentgrpo vllm-serve` server when the step changed.
+
+    Only the main process pushes (every process holds the same weights); the others wait for
+    it, so no process generates from stale weights.
+
+    Args:
+        connection: The server.
+        group_port: Port of the broadcast group's store, on the server (`vllm_group_port`).
+        accelerator: The trainer's accelerator (main process, barrier).
+
+    """
+
+    def __init__(self, connection: ServerConnection, group_port: int, accelerator: Any):
+        self.connection = connection
+        self.group_port = group_port
+        self.accelerator = accelerator
+        self.pushed_step: int | None = None
+        self._group: WeightGroup | None = None
+
+    @contextlib.contextmanager
+    def generating(self, model: torch.nn.Module, step: int) -> Iterator[None]:
+        """Push if `step` is new, then generate."""
+        if step != self.pushed_step:
+            if self.accelerator.is_main_process:
+                with policy_weights(model) as weights:
+                    self.push(weights, model.device)
+            self.accelerator.wait_for_everyone()
+            self.pushed_step = step
+        yield
+
+    def push(self, weights: list[tuple[str, torch.Tensor]], device: torch.device) -> None:
+        """Send `weights` to every server worker, then reset the server's prefix cache."""
+        group = self._group or self._join(device)
+        specs = json.dumps(tensor_specs(weights))
+        self._while_server_runs("agentgrpo_receive", specs, lambda: group.send(weights))
+        self.connection.post("/reset_prefix_cache")
+
+    def _join(self, device: torch.device) -> WeightGroup:
+        """Form the broadcast group with the server's workers (first push only)."""
+        workers = len(self._rpc("agentgrpo_ready"))
+        world_size = workers + 1
+        options = json.dumps(
+            {
+                "port": self.group_port,
+                "world_size": world_size,
+                "timeout_s": self._timeout_s,
+                "backend": backend_for(device),
+            }
+        )
+        host = urlsplit(self.connection.base_url).hostname
+        self._group = self._while_server_runs(
+            "agentgrpo_join",
+            options,
+            lambda: WeightGroup(
+                host, self.group_port, workers, world_size, device, self._timeout_s
+            ),
+        )
+        return self._group
+
+    def _while_server_runs(self, method: str, argument: str, trainer_side: Any) -> Any:
+        """Call `method` on the workers and run the trainer's side of it at the same time."""
+        with ThreadPoolExecutor(1) as pool:
+            server_side = pool.submit(self._rpc, method, argument)
+            result = trainer_side()
+            server_side.result()
+        return result
+
+    def _rpc(self, method: str, *args: str) -> list[Any]:
+        try:
+            reply = self.connection.post("/collective_rpc", {"method": method, "args": list(args)})
+        except ServerRequestError as error:
+            raise RuntimeError(
+                f"the server at {self.connection.base_url} cannot take agentgrpo's weight "
+                "pushes: start it with `agentgrpo vllm-serve` (it enables /collective_rpc and "
+                f"loads agentgrpo's worker extension). The server said: {error}"
+            ) from None
+        return reply["results"] if reply else []
+
+    @property
+    def _timeout_s(self) -> float:
+        return self.connection.timeout_s
+
+
+def _colocated_vllm(
+    model: Any, tokenizer: Any, args: GRPOConfig, stop: set[int], sleeps: bool
+) -> VLLMColocateBackend:
+    """Start vLLM in this process on the policy's config, with the policy's weights."""
+    on_cpu = model.device.type == "cpu"
+    with policy_weights(model) as weights:
+        return VLLMColocateBackend.start(
+            model.config,
+            tokenizer,
+            weights,
+            stop_token_ids=stop,
+            sampling_overrides=sampling_overrides(args),
+            regex=args.vllm_structured_outputs_regex,
+            dtype=str(model.dtype).removeprefix("torch."),
+            max_model_len=args.vllm_max_model_length,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            model_impl=args.vllm_model_impl,
+            enable_sleep_mode=sleeps,
+            enforce_eager=on_cpu,  # CPU: start-up in seconds rather than minutes
+            seed=args.seed,
+        )
+
+
+def _sleeps(args: GRPOConfig) -> bool:
+    """`vllm_enable_sleep_mode`, where vLLM supports sleeping (a warning where it does not)."""
+    if args.vllm_enable_sleep_mode and not sleep_mode_available():
+        warnings.warn(
+            "vllm_enable_sleep_mode=True, but vLLM cannot sleep on this platform (CPU): the "
+            "engine keeps its memory between rounds",
+            stacklevel=3,
+        )
+        return False
+    return args.vllm_enable_sleep_mode

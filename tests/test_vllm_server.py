@@ -1,0 +1,216 @@
+"""A real vLLM server on CPU (`agentgrpo vllm-serve`'s command): episodes, pushes, failures.
+
+One server for the module; the last test stops it on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from types import SimpleNamespace
+
+import anyio
+import pytest
+from conftest import COUNTER_ROW, counter_segments, scripted_episode, tool_call
+from datasets import Dataset
+from vllm_support import (
+    VLLM_CPU_ENVIRONMENT,
+    load_policy,
+    logprob_gap,
+    needs_vllm,
+    shorter_is_better,
+    taught_model_path,
+    trained_copy,
+    without_multiprocessing_flag,
+)
+
+from agentgrpo import GRPOConfig, GRPOTrainer
+from agentgrpo.vllm_serve import _parser, serve_command, serve_environment
+from agentgrpo.weight_sync import ServerPush, policy_weights
+from environments import Counter
+from rollout import EpisodeConfig, Finish, RolloutEngine
+from rollout.vllm_server import ServerConnection, ServerUnavailableError, VLLMServerBackend
+
+pytestmark = needs_vllm
+
+SINGLE_PROCESS = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def policy_path(tmp_path_factory, tokenizer, counter_episode):
+    return taught_model_path(tmp_path_factory, tokenizer, counter_episode)
+
+
+@pytest.fixture(scope="module")
+def policy(policy_path):
+    return load_policy(policy_path)
+
+
+@pytest.fixture(scope="module")
+def server(policy_path, tmp_path_factory):
+    """`agentgrpo vllm-serve --model <tiny> ...` as a child process; yields it with its URL."""
+    port = free_port()
+    options, passthrough = _parser().parse_known_args(
+        ["--model", str(policy_path), "--port", str(port), "--dtype", "float32"]
+        + ["--max-model-len", "2048", "--host", "127.0.0.1", "--disable-log-stats"]
+    )
+    environment = {**without_multiprocessing_flag(), **serve_environment(), **VLLM_CPU_ENVIRONMENT}
+    environment["VLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("vllm-server-cache"))
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen(
+            serve_command(options, passthrough),
+            env=environment,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its engine process too goes with the group at the end
+        )
+    process.url = f"http://127.0.0.1:{port}"
+    process.log = log
+    yield process
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def backend(server, tokenizer):
+    try:
+        return VLLMServerBackend.connect(
+            ServerConnection(server.url, timeout_s=300), stop_token_ids={tokenizer.eos_token_id}
+        )
+    except ServerUnavailableError as error:
+        log = server.log.read_text()[-3000:]
+        raise AssertionError(f"the server did not start:\n{log}") from error
+
+
+def counter_engine(backend, tokenizer, temperature: float) -> RolloutEngine:
+    return RolloutEngine(
+        backend,
+        tokenizer,
+        environment_factory=Counter,
+        chat_template="chatml_tools",
+        config=EpisodeConfig(max_completion_length=256, max_turns=5, temperature=temperature),
+    )
+
+
+def test_a_tool_episode_through_the_vllm_server_is_token_exact(backend, tokenizer):
+    [episode] = anyio.run(counter_engine(backend, tokenizer, 0.0).run, [COUNTER_ROW])
+    segments = counter_segments(tokenizer)
+    assert episode.completion_ids == [t for ids, _ in segments for t in ids]
+    assert episode.loss_mask == [m for ids, m in segments for _ in ids]
+    assert episode.finish is Finish.STOP and episode.env_reward == 1.0
+
+
+def test_server_sampled_logprobs_match_the_policy_forward_pass(backend, tokenizer, policy):
+    episodes = anyio.run(counter_engine(backend, tokenizer, 0.7).run, [COUNTER_ROW], 4)
+    assert logprob_gap(policy, episodes, temperature=0.7) < 1e-3
+
+
+def test_a_pushed_training_step_reaches_the_server(backend, tokenizer, policy):
+    engine = counter_engine(backend, tokenizer, 0.7)
+    anyio.run(engine.run, [COUNTER_ROW], 2)  # caches the prompt's KV under the old weights
+    other = scripted_episode(tokenizer, [tool_call("increment", step=5), "Done."])
+    updated = trained_copy(policy, other)
+    sync = ServerPush(backend.connection, free_port(), SINGLE_PROCESS)
+    try:
+        for step in (1, 2):  # the first push also forms the group
+            started = time.perf_counter()
+            with sync.generating(updated, step):
+                print(f"server push {step}: {time.perf_counter() - started:.2f} s")
+        episodes = anyio.run(engine.run, [COUNTER_ROW], 4)
+        assert logprob_gap(updated, episodes, temperature=0.7) < 1e-3
+        assert logprob_gap(policy, episodes, temperature=0.7) > 1e-2
+    finally:
+        with policy_weights(policy) as weights:
+            sync.push(weights, policy.device)
+
+
+def test_grpo_trains_against_the_server_and_pushes_every_step(
+    server, backend, policy_path, tokenizer, tmp_path
+):
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server.url,
+        vllm_server_timeout=60,
+        vllm_group_port=free_port(),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=48,
+        max_turns=2,
+        learning_rate=1e-2,
+        max_steps=2,
+        logging_steps=1,
+        chat_template="chatml_tools",
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = GRPOTrainer(
+        load_policy(policy_path),
+        shorter_is_better,
+        args=args,
+        train_dataset=Dataset.from_list([COUNTER_ROW] * 8),
+        processing_class=tokenizer,
+        environment_factory=Counter,
+    )
+    trainer.train()
+    assert trainer.weight_sync.pushed_step == 1
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    with trainer.weight_sync.generating(model, trainer.state.global_step):
+        episodes = anyio.run(trainer.engine.run, [COUNTER_ROW], 4)
+    assert logprob_gap(model, episodes, temperature=1.0) < 1e-3
+    assert logprob_gap(load_policy(policy_path), episodes, temperature=1.0) > 1e-2
+
+
+def test_a_server_that_hangs_or_dies_mid_run_is_a_clear_error_not_a_hang(
+    server, backend, tokenizer
+):
+    """Runs last: it stops the module's server."""
+
+    def run_while(timeout_s: float, action) -> None:
+        """Play 8 long episodes (no stop id can be sampled); `action` happens 0.5 s in."""
+        endless = VLLMServerBackend(
+            ServerConnection(server.url, timeout_s),
+            backend.model,
+            backend.stop_token_ids,
+            sampling_overrides={"allowed_token_ids": list(range(100, 200))},
+        )
+        engine = RolloutEngine(
+            endless,
+            tokenizer,
+            environment_factory=Counter,
+            chat_template="chatml_tools",
+            config=EpisodeConfig(max_completion_length=1500),
+        )
+
+        async def play() -> None:
+            with anyio.fail_after(60):  # never a hang
+                await engine.run([COUNTER_ROW], 8)
+
+        threading.Timer(0.5, action).start()
+        anyio.run(play)
+
+    hang = lambda: os.kill(server.pid, signal.SIGSTOP)  # noqa: E731  (the port still connects)
+    try:
+        with pytest.raises(ServerUnavailableError, match=r"did not answer .* restart it"):
+            run_while(3.0, hang)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    die = lambda: os.killpg(server.pid, signal.SIGKILL)  # noqa: E731
+    with pytest.raises(ServerUnavailableError, match=f"server at {server.url} did not answer"):
+        run_while(300.0, die)

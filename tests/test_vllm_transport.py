@@ -1,0 +1,75 @@
+"""The weight broadcast on its own (no vLLM): gloo between CPU processes, NCCL between GPUs."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+
+import pytest
+import torch
+
+from rollout.weight_transport import WeightGroup, backend_for, tensor_specs
+
+WEIGHTS = {
+    "model.embed_tokens.weight": torch.arange(12.0).reshape(4, 3),
+    "model.norm.weight": torch.ones(3, dtype=torch.bfloat16),
+    "lm_head.bias": torch.tensor([7], dtype=torch.int64),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def receive(port: int, device: str, specs: list, results) -> None:
+    """Rank 0, as a server worker: host the store, receive every tensor."""
+    group = WeightGroup("127.0.0.1", port, 0, 2, torch.device(device), timeout_s=30)
+    # Plain values: tensors would cross as shared memory that dies with this process.
+    received = [(n, str(t.dtype), t.cpu().float().tolist()) for n, t in group.receive(specs)]
+    results.put(received)
+
+
+def broadcast_round_trip(device: str) -> dict[str, torch.Tensor]:
+    port, specs = free_port(), tensor_specs(WEIGHTS.items())
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    worker = context.Process(target=receive, args=(port, device, specs, results))
+    worker.start()
+    sender_device = torch.device("cuda:1" if device == "cuda:0" else device)
+    WeightGroup("127.0.0.1", port, 1, 2, sender_device, timeout_s=30).send(WEIGHTS.items())
+    received = results.get(timeout=60)
+    worker.join(timeout=30)
+    return {
+        name: torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch.")))
+        for name, dtype, values in received
+    }
+
+
+def test_specs_carry_name_dtype_and_shape_as_json_values():
+    assert tensor_specs(WEIGHTS.items()) == [
+        ["model.embed_tokens.weight", "float32", [4, 3]],
+        ["model.norm.weight", "bfloat16", [3]],
+        ["lm_head.bias", "int64", [1]],
+    ]
+
+
+def test_the_backend_is_nccl_on_gpus_and_gloo_on_cpu():
+    assert backend_for(torch.device("cuda", 0)) == "nccl"
+    assert backend_for(torch.device("cpu")) == "gloo"
+
+
+def test_a_gloo_broadcast_delivers_every_tensor_exactly():
+    received = broadcast_round_trip("cpu")
+    assert list(received) == list(WEIGHTS)
+    for name, tensor in WEIGHTS.items():
+        assert torch.equal(received[name], tensor) and received[name].dtype == tensor.dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two CUDA GPUs")
+def test_an_nccl_broadcast_between_two_gpus_delivers_every_tensor_exactly():
+    received = broadcast_round_trip("cuda:0")
+    for name, tensor in WEIGHTS.items():
+        assert torch.equal(received[name], tensor)

@@ -1,0 +1,115 @@
+"""What the vLLM tests share: the environment vLLM needs on CPU, and a tiny model it can run.
+
+vLLM's CPU attention supports head sizes from 32 up, so the vLLM tests use a tiny Llama with two
+heads of 32 (`tiny_llama` has four of 16). Taught the Counter episode once per session and saved
+to disk, it plays the same two tool rounds as the transformers tests' tiny model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import teach
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from rollout.vllm_backend import INSTALL_HINT
+
+needs_vllm = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason=INSTALL_HINT),
+]
+
+# On 2 CPU cores: use both (vLLM reserves one by default) and a small KV cache.
+VLLM_CPU_ENVIRONMENT = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_environment(tmp_path_factory):
+    """vLLM's CPU settings and a private cache folder, for one test module."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in VLLM_CPU_ENVIRONMENT.items():
+            patch.setenv(name, value)
+        patch.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+        yield
+
+
+def vllm_tiny_llama(tokenizer, seed: int) -> LlamaForCausalLM:
+    """A random 2-layer Llama, hidden 64, two heads of 32, over `tokenizer`'s vocabulary."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def taught_model_path(tmp_path_factory, tokenizer, counter_episode) -> Path:
+    """A saved tiny Llama that plays `counter_episode` greedily (taught once per session)."""
+    folder = tmp_path_factory.getbasetemp() / "vllm-tiny-counter"
+    if not (folder / "config.json").exists():
+        model = vllm_tiny_llama(tokenizer, seed=1)
+        teach(model, [counter_episode], lr=1e-2, steps=400, until_learned=True)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def load_policy(path: Path) -> LlamaForCausalLM:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def logprob_gap(model, episodes, temperature: float) -> float:
+    """Mean |sampler logprob - training forward logprob| over the sampled (mask-1) tokens."""
+    total, count = 0.0, 0
+    for episode in episodes:
+        ids = torch.tensor([episode.prompt_ids + episode.completion_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(episode.prompt_ids) - 1 : -1].float() / temperature
+        forward = torch.log_softmax(logits, -1).gather(-1, ids[0, len(episode.prompt_ids) :, None])
+        for sampled, recomputed, mask in zip(
+            episode.sampler_logprobs, forward[:, 0].tolist(), episode.loss_mask, strict=True
+        ):
+            if mask:
+                total += abs(sampled - recomputed)
+                count += 1
+    assert count, "no sampled tokens to compare"
+    return total / count
+
+
+def trained_copy(model, episode, steps: int = 3) -> LlamaForCausalLM:
+    """A copy of `model` after `steps` Adam steps (lr 1e-2) on `episode`'s sampled tokens."""
+    other = type(model)(model.config)
+    other.load_state_dict(model.state_dict())
+    teach(other, [episode], lr=1e-2, steps=steps, until_learned=False)
+    return other.eval()
+
+
+def shorter_is_better(completion_ids, **kwargs):
+    """Toy reward with spread inside every group, so each GRPO step has a gradient."""
+    return [-len(ids) / 100 for ids in completion_ids]
+
+
+def without_multiprocessing_flag() -> dict[str, str]:
+    """`os.environ` for a child vLLM server, without VLLM_ENABLE_V1_MULTIPROCESSING.
+
+    A colocated engine earlier in this process set it to 0, which a server must not inherit.
+    """
+    environment = dict(os.environ)
+    environment.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return environment
