@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import anyio
@@ -9,6 +12,7 @@ import pytest
 from conftest import COUNTER_ROW, counter_segments, scripted_episode, tool_call
 from datasets import Dataset
 from vllm_support import (
+    VLLM_CPU_ENVIRONMENT,
     load_policy,
     logprob_gap,
     needs_vllm,
@@ -190,3 +194,17 @@ def test_smollm2_through_colocated_vllm_matches_its_forward_before_and_after_a_p
     episodes = anyio.run(engine.run, [COUNTER_ROW], 4)
     assert logprob_gap(updated, episodes, temperature=1.0) < 1e-3
     assert logprob_gap(smollm2, episodes, temperature=1.0) > 1e-2
+
+
+def test_agentgrpo_run_with_use_vllm(policy_path, tmp_path):
+    """The command a user types: a short colocated-vLLM run on CPU, as a real subprocess."""
+    environment = {**os.environ, **VLLM_CPU_ENVIRONMENT, "VLLM_CACHE_ROOT": str(tmp_path / "c")}
+    command = [sys.executable, "-m", "agentgrpo", "run", "env:Counter", "--use-vllm"]
+    command += ["--model", str(policy_path), "--chat-template", "chatml_tools"]
+    command += ["--max-steps", "2", "--per-device-train-batch-size", "4", "--num-generations", "2"]
+    command += ["--vllm-max-model-length", "512", "--output-dir", str(tmp_path / "out")]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "generation   vLLM (colocate)" in result.stdout
+    logged = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"reward"' in line for line in logged) == 2
