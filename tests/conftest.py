@@ -75,6 +75,15 @@ def tiny_model(tokenizer):
     return tiny_llama(tokenizer)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tokenizer, tmp_path_factory):
+    """The tiny Llama and SmolLM2's tokenizer, saved as a model folder (for subprocesses)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def scripted_episode(tokenizer, turns: list[str], row=COUNTER_ROW) -> Episode:
     """The Counter episode the engine records when the model says `turns` (k-th after k tools)."""
     engine = RolloutEngine(

@@ -13,7 +13,6 @@ import pytest
 from agentgrpo.cli import main
 from agentgrpo.cli.commands import _run_settings
 from agentgrpo.cli.options import RUN_DEFAULTS
-from agentgrpo.default_model import tiny_llama
 from environments import Counter
 
 
@@ -28,14 +27,6 @@ def agentgrpo(
         cwd=cwd,
         timeout=timeout,
     )
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
-    folder = tmp_path_factory.mktemp("tiny")
-    tiny_llama(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_envs_lists_every_builtin_with_one_line_each():

@@ -21,7 +21,6 @@ import torch
 import yaml
 
 from agentgrpo.advantages import group_advantages
-from agentgrpo.default_model import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed_train.py"
@@ -71,14 +70,6 @@ def accelerate_launch(config: Path, num_processes: int, script_args: list[str], 
 
 def read_reports(out_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("process_*.json"))]
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tokenizer, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

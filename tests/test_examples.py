@@ -20,20 +20,10 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
 
-from agentgrpo.default_model import tiny_llama
-
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 240
 ONE_GROUP = ("--max-steps", "1", "--batch-size", "4")  # 1 prompt x num_generations=4
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tokenizer, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

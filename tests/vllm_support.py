@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import teach
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from agentgrpo.default_model import tiny_llama
 from rollout.vllm_backend import INSTALL_HINT
 
 needs_vllm = [
@@ -41,22 +42,8 @@ def vllm_environment(tmp_path_factory):
 
 
 def vllm_tiny_llama(tokenizer, seed: int) -> LlamaForCausalLM:
-    """A random 2-layer Llama, hidden 64, two heads of 32, over `tokenizer`'s vocabulary."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).eval()
+    """The tiny Llama with two heads of 32 (a head size vLLM's CPU attention supports)."""
+    return tiny_llama(tokenizer, seed, num_attention_heads=2)
 
 
 def taught_model_path(tmp_path_factory, tokenizer, counter_episode) -> Path:
