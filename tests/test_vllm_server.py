@@ -5,6 +5,7 @@ One server for the module; the last test stops it on purpose.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -117,17 +118,21 @@ def test_server_sampled_logprobs_match_the_policy_forward_pass(backend, tokenize
     assert logprob_gap(policy, episodes, temperature=0.7) < 1e-3
 
 
-def test_agentgrpo_eval_generates_through_the_server(server, backend, policy_path, capsys):
+def test_agentgrpo_eval_generates_through_the_server(
+    server, backend, policy_path, tmp_path, capsys
+):
     """Generation-only work needs no model in the process: `agentgrpo eval --server-url`."""
     from agentgrpo.cli import main
 
+    rows = tmp_path / "rows.jsonl"  # the row the policy was taught: increment 3, 4, "Done."
+    rows.write_text(json.dumps(COUNTER_ROW) + "\n")
     argv = ["eval", "env:Counter", "--model", str(policy_path), "--server-url", server.url]
-    argv += ["--num-episodes", "4", "--temperature", "0", "--max-turns", "5"]
+    argv += ["--dataset", str(rows), "--temperature", "0", "--max-turns", "5"]
+    argv += ["--chat-template", "chatml_tools"]  # the folder keeps SmolLM2's tool-less template
     assert main([*argv, "--max-completion-length", "256"]) == 0
     figures = dict(line.split() for line in capsys.readouterr().out.splitlines()[1:8])
-    # The taught policy plays increment 3, increment 4, "Done." whatever the target.
-    assert figures["episodes"] == "4" and float(figures["tool_call_rate"]) == 1.0
-    assert float(figures["mean_turns"]) == 3.0
+    assert figures["episodes"] == "1" and float(figures["success_rate"]) == 1.0
+    assert float(figures["tool_call_rate"]) == 1.0 and float(figures["mean_turns"]) == 3.0
 
 
 def test_a_pushed_training_step_reaches_the_server(backend, tokenizer, policy):

@@ -63,7 +63,7 @@ def run(namespace: argparse.Namespace) -> int:
     trainer.save_model(str(final))
     if trainer.is_world_process_zero():
         print(summary_table(Path(config.output_dir) / "metrics.jsonl"))
-        print(f"\nwall time {time.monotonic() - started:.0f} s; final model: {final}")
+        print(f"\ntrained in {time.monotonic() - started:.0f} s; final model: {final}")
         print(f"evaluate it: agentgrpo eval {namespace.env} --model {final}")
     return 0
 
