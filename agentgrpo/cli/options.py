@@ -48,6 +48,10 @@ RUN_DEFAULTS: dict[str, Any] = {
 }
 
 
+# Fields where the text "none" is a value TrainingArguments reads, not "unset".
+_NONE_IS_TEXT = frozenset({"report_to"})
+
+
 @cache
 def config_fields() -> dict[str, dataclasses.Field]:
     """GRPOConfig's settable fields by name."""
@@ -111,12 +115,14 @@ def parse_value(name: str, text: Any) -> Any:
         (1e-05, True)
         >>> parse_value("max_turns", "none"), parse_value("reward_weights", "[1, 0.5]")
         (None, [1, 0.5])
+        >>> parse_value("report_to", "none")  # a value of its own: no integrations
+        ['none']
 
     """
     if not isinstance(text, str):
         return text
     kinds = _kinds(_field_types()[name])
-    if text.lower() in ("none", "null") and type(None) in kinds:
+    if text.lower() in ("none", "null") and type(None) in kinds and name not in _NONE_IS_TEXT:
         return None
     if bool in kinds:
         if text.lower() in ("true", "1", "yes", "on"):
