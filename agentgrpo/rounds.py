@@ -73,6 +73,18 @@ class Scorer:
         return episode.messages[:first_reply], episode.messages[first_reply:]
 
 
+def environment_reward_name(factory: Any) -> str | None:
+    """The reward column of an environment class that scores itself (its class name), or None.
+
+    An environment scores itself with a `reward` or `get_reward` method; a factory that is not
+    a class cannot be inspected before it runs, so it is taken not to.
+    """
+    env_class = factory if isinstance(factory, type) else None
+    if env_class is None or not any(hasattr(env_class, m) for m in ("reward", "get_reward")):
+        return None
+    return env_class.__name__
+
+
 async def play_round(
     engine: RolloutEngine,
     rows: Sequence[Mapping[str, Any]],

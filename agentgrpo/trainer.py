@@ -32,7 +32,7 @@ from agentgrpo.losses import LossConfig, normalises_by_num_items, policy_loss
 from agentgrpo.metrics import episode_stats, round_metrics
 from agentgrpo.models import SyncReference, load_policy, load_tokenizer, reference_model
 from agentgrpo.reward_calls import TRAINER_ARGUMENTS, check_arguments, reward_functions
-from agentgrpo.rounds import Scorer, play_round
+from agentgrpo.rounds import Scorer, environment_reward_name, play_round
 from agentgrpo.sampler import RoundSampler
 from agentgrpo.token_weights import (
     entropy_from_logits,
@@ -167,11 +167,8 @@ class GRPOTrainer(Trainer):
         )
 
     def _build_scorer(self, factory: Any) -> Scorer:
-        env_class = factory if isinstance(factory, type) else None
-        scores_itself = env_class is not None and any(
-            hasattr(env_class, m) for m in ("reward", "get_reward")
-        )
-        if not self.reward_funcs and not scores_itself:
+        env_reward_name = environment_reward_name(factory)
+        if not self.reward_funcs and env_reward_name is None:
             raise ValueError(
                 "no reward: pass reward_funcs, or an environment with a reward()/get_reward() "
                 "method"
@@ -179,7 +176,7 @@ class GRPOTrainer(Trainer):
         pending = self._metrics
         return Scorer(
             funcs=self.reward_funcs,
-            env_reward_name=env_class.__name__ if scores_itself else None,
+            env_reward_name=env_reward_name,
             with_environments=factory is not None,
             text_completions=not self.engine.context.has_tools,
             decode=lambda ids: self.processing_class.decode(ids, skip_special_tokens=True),

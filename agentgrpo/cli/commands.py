@@ -168,7 +168,7 @@ def _eval_engine(namespace: argparse.Namespace, env_class: type) -> tuple[Any, A
 
     from agentgrpo.models import load_tokenizer
     from agentgrpo.reward_calls import reward_functions
-    from agentgrpo.rounds import Scorer
+    from agentgrpo.rounds import Scorer, environment_reward_name
     from rollout import EpisodeConfig, RolloutEngine
 
     path = sources.model_path(namespace.model)
@@ -186,10 +186,9 @@ def _eval_engine(namespace: argparse.Namespace, env_class: type) -> tuple[Any, A
             temperature=namespace.temperature,
         ),
     )
-    scores_itself = any(hasattr(env_class, m) for m in ("reward", "get_reward"))
     scorer = Scorer(
         funcs=reward_functions(sources.reward_functions(namespace.reward), None),
-        env_reward_name=env_class.__name__ if scores_itself else None,
+        env_reward_name=environment_reward_name(env_class),
         with_environments=True,
         text_completions=False,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
