@@ -10,19 +10,18 @@ import time
 import anyio
 import pytest
 from conftest import COUNTER_ROW, counter_segments, scripted_episode, tool_call
-from datasets import Dataset
 from vllm_support import (
     VLLM_CPU_ENVIRONMENT,
     load_policy,
     logprob_gap,
     needs_vllm,
-    shorter_is_better,
+    play_on_final_weights,
     taught_model_path,
+    train_two_steps,
     trained_copy,
     vllm_environment,  # noqa: F401  (a fixture)
 )
 
-from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.weight_sync import ColocatedPush
 from environments import Counter
 from rollout import EpisodeConfig, Finish, RolloutEngine, SamplingParams
@@ -124,39 +123,12 @@ def test_grpo_trains_with_colocated_vllm_and_pushes_every_step(
     tokenizer,
     tmp_path,
 ):
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_max_model_length=1024,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=48,
-        max_turns=2,
-        learning_rate=1e-2,
-        max_steps=2,
-        logging_steps=1,
-        chat_template="chatml_tools",
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
+    trainer = train_two_steps(
+        policy_path, tokenizer, tmp_path, vllm_mode="colocate", vllm_max_model_length=1024
     )
-    trainer = GRPOTrainer(
-        load_policy(policy_path),
-        shorter_is_better,
-        args=args,
-        train_dataset=Dataset.from_list([COUNTER_ROW] * 8),
-        processing_class=tokenizer,
-        environment_factory=Counter,
-    )
-    trainer.train()
     assert trainer.weight_sync.pushed_step == 1  # the second round ran on step 1's weights
     assert all(e["grad_norm"] > 0 for e in trainer.state.log_history if "grad_norm" in e)
-    model = trainer.accelerator.unwrap_model(trainer.model).eval()
-    with trainer.weight_sync.generating(model, trainer.state.global_step):
-        episodes = anyio.run(trainer.engine.run, [COUNTER_ROW], 4)
+    model, episodes = play_on_final_weights(trainer)
     assert logprob_gap(model, episodes, temperature=1.0) < 1e-3
     assert logprob_gap(load_policy(policy_path), episodes, temperature=1.0) > 1e-2
 

@@ -17,19 +17,18 @@ from types import SimpleNamespace
 import anyio
 import pytest
 from conftest import COUNTER_ROW, counter_segments, scripted_episode, tool_call
-from datasets import Dataset
 from vllm_support import (
     VLLM_CPU_ENVIRONMENT,
     load_policy,
     logprob_gap,
     needs_vllm,
-    shorter_is_better,
+    play_on_final_weights,
     taught_model_path,
+    train_two_steps,
     trained_copy,
     without_multiprocessing_flag,
 )
 
-from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.vllm_serve import _parser, serve_command, serve_environment
 from agentgrpo.weight_sync import ServerPush, policy_weights
 from environments import Counter
@@ -157,40 +156,17 @@ def test_a_pushed_training_step_reaches_the_server(backend, tokenizer, policy):
 def test_grpo_trains_against_the_server_and_pushes_every_step(
     server, backend, policy_path, tokenizer, tmp_path
 ):
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        use_vllm=True,
+    trainer = train_two_steps(
+        policy_path,
+        tokenizer,
+        tmp_path,
         vllm_mode="server",
         vllm_server_base_url=server.url,
         vllm_server_timeout=60,
         vllm_group_port=free_port(),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=48,
-        max_turns=2,
-        learning_rate=1e-2,
-        max_steps=2,
-        logging_steps=1,
-        chat_template="chatml_tools",
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
     )
-    trainer = GRPOTrainer(
-        load_policy(policy_path),
-        shorter_is_better,
-        args=args,
-        train_dataset=Dataset.from_list([COUNTER_ROW] * 8),
-        processing_class=tokenizer,
-        environment_factory=Counter,
-    )
-    trainer.train()
     assert trainer.weight_sync.pushed_step == 1
-    model = trainer.accelerator.unwrap_model(trainer.model).eval()
-    with trainer.weight_sync.generating(model, trainer.state.global_step):
-        episodes = anyio.run(trainer.engine.run, [COUNTER_ROW], 4)
+    model, episodes = play_on_final_weights(trainer)
     assert logprob_gap(model, episodes, temperature=1.0) < 1e-3
     assert logprob_gap(load_policy(policy_path), episodes, temperature=1.0) > 1e-2
 

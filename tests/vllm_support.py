@@ -92,6 +92,54 @@ def shorter_is_better(completion_ids, **kwargs):
     return [-len(ids) / 100 for ids in completion_ids]
 
 
+def train_two_steps(policy_path: Path, tokenizer, output_dir: Path, **vllm_fields):
+    """The trainer after 2 GRPO steps on the Counter row via vLLM (`vllm_fields`: the mode)."""
+    from conftest import COUNTER_ROW
+    from datasets import Dataset
+
+    from agentgrpo import GRPOConfig, GRPOTrainer
+    from environments import Counter
+
+    args = GRPOConfig(
+        output_dir=str(output_dir),
+        use_vllm=True,
+        **vllm_fields,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=48,
+        max_turns=2,
+        learning_rate=1e-2,
+        max_steps=2,
+        logging_steps=1,
+        chat_template="chatml_tools",
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = GRPOTrainer(
+        load_policy(policy_path),
+        shorter_is_better,
+        args=args,
+        train_dataset=Dataset.from_list([COUNTER_ROW] * 8),
+        processing_class=tokenizer,
+        environment_factory=Counter,
+    )
+    trainer.train()
+    return trainer
+
+
+def play_on_final_weights(trainer):
+    """The trained policy and 4 Counter episodes vLLM plays once its final weights are pushed."""
+    import anyio
+    from conftest import COUNTER_ROW
+
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    with trainer.weight_sync.generating(model, trainer.state.global_step):
+        return model, anyio.run(trainer.engine.run, [COUNTER_ROW], 4)
+
+
 def without_multiprocessing_flag() -> dict[str, str]:
     """`os.environ` for a child vLLM server, without VLLM_ENABLE_V1_MULTIPROCESSING.
 
