@@ -238,26 +238,7 @@ def gym_environment(
         raise ValueError(f"max_episode_steps={max_episode_steps} must be at least 1, or None")
     if isinstance(make_env, str):
         make_env = functools.partial(gymnasium.make, make_env)
-    probe = make_env()
-    try:
-        action_space, observation_space = probe.action_space, probe.observation_space
-        env_name = type(probe.unwrapped).__name__
-    finally:
-        probe.close()
-    label = f"gym_environment({env_name})"
-    if not isinstance(action_space, Discrete | Text):
-        raise TypeError(
-            f"{label}: the action space is {action_space}; the adapter supports Discrete "
-            "(an int argument) and Text (a str argument): wrap the env to map one of these "
-            "to its actions"
-        )
-    if observe is None:
-        if not isinstance(observation_space, Text):
-            raise TypeError(
-                f"{label}: the observation space is {observation_space}, not Text; pass "
-                "observe=<a function from an observation to the text the model reads>"
-            )
-        observe = str
+    env_name, action_space, observe = _probe(make_env, observe)
     spec = GymSpec(
         make_env=make_env,
         observe=observe,
@@ -278,6 +259,37 @@ def gym_environment(
     if prompt is None:
         return type(class_name, (GymEnvironment,), namespace)
     return type(class_name, (GymEnvironment, PromptRows), {**namespace, "prompt": prompt})
+
+
+def _probe(
+    make_env: Callable[[], gymnasium.Env], observe: Callable[[Any], str] | None
+) -> tuple[str, Discrete | Text, Callable[[Any], str]]:
+    """Make one env to read its name and spaces; check them; return the observation renderer.
+
+    Raises:
+        TypeError: The action space is neither `Discrete` nor `Text`, or the observation space
+            is not `Text` and `observe` is None.
+
+    """
+    probe = make_env()
+    try:
+        action_space, observation_space = probe.action_space, probe.observation_space
+        env_name = type(probe.unwrapped).__name__
+    finally:
+        probe.close()
+    label = f"gym_environment({env_name})"
+    if not isinstance(action_space, Discrete | Text):
+        raise TypeError(
+            f"{label}: the action space is {action_space}; the adapter supports Discrete "
+            "(an int argument) and Text (a str argument): wrap the env to map one of these "
+            "to its actions"
+        )
+    if observe is None and not isinstance(observation_space, Text):
+        raise TypeError(
+            f"{label}: the observation space is {observation_space}, not Text; pass "
+            "observe=<a function from an observation to the text the model reads>"
+        )
+    return env_name, action_space, observe or str
 
 
 def _check_names(action_tool: str, argument: str) -> None:
