@@ -1,0 +1,188 @@
+"""The sandbox's first process: isolate, limit, then run the code. Standard library only.
+
+Run by `tools.sandbox` as `python -I _sandbox_child.py CONFIG_JSON` with the code on stdin, in a
+new session. Linux only. With `"isolate": true` it builds, in this order:
+
+1. a new user, mount, network and PID namespace (`unshare(2)`), the caller's uid and gid mapped
+   to 0 inside;
+2. a size-limited tmpfs on `/tmp` holding the code (`/tmp/main.py`) and the working folder
+   (`/tmp/work`), then every mount made read-only (`mount_setattr(2)`, recursive) except the
+   working folder; the network namespace has only a loopback device, left down;
+3. a supervisor, PID 1 of the new PID namespace, that mounts a fresh `/proc`, dies with this
+   process (`PR_SET_PDEATHSIG`), and whose exit makes the kernel kill every process left in
+   the namespace;
+4. the code's process: rlimits set, every capability dropped for good (bounding set emptied,
+   securebits locked, `no_new_privs`), stdin from `/dev/null`, then `exec` of the interpreter.
+
+This process then exits the way the code's process did: the same exit status, or killed by the
+same signal, so the parent reads it from its own child. A failure while isolating exits with
+`SETUP_FAILED` and a message on stderr. With `"isolate": false` it only sets the rlimits and
+`exec`s the interpreter on the code file the parent wrote into its working folder.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import sys
+
+SETUP_FAILED = 125
+
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
+_CLONE_NEWNET = 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x2, 0x4, 0x8
+_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
+_SYS_MOUNT_SETATTR = 442  # the same number on every architecture
+_AT_FDCWD, _AT_RECURSIVE = -100, 0x8000
+_MOUNT_ATTR_RDONLY = 0x1
+_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
+_SECUREBITS_ALL_LOCKED = 0x3F  # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS, each with its lock bit
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in ("set", "clr", "propagation", "userns")]
+
+
+def main() -> None:
+    """Read the config and the code, then run the code isolated or only limited."""
+    config = json.loads(sys.argv[1])
+    code = sys.stdin.buffer.read()
+    if config["cgroup_procs"]:
+        _write(config["cgroup_procs"], "0")  # this process and all it starts
+    if not config["isolate"]:
+        _exec_code(config, config["script"], config["workdir"])
+    try:
+        _isolate(code, config["disk_bytes"])
+    except OSError as exc:
+        print(f"sandbox setup failed: {exc}", file=sys.stderr)
+        sys.exit(SETUP_FAILED)
+    _relay(_run_supervised(config))
+
+
+def _check(result: int, what: str) -> None:
+    """Raise OSError naming `what` if a libc call returned -1."""
+    if result == -1:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as file:
+        file.write(text)
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str = ""):
+    encode = lambda text: text.encode() if text is not None else None  # noqa: E731
+    result = _libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data))
+    _check(result, f"mount {target}")
+
+
+def _mount_setattr(path: str, flags: int, set_: int = 0, clear: int = 0) -> None:
+    attr = _MountAttr(set_, clear, 0, 0)
+    result = _libc.syscall(
+        ctypes.c_long(_SYS_MOUNT_SETATTR),
+        ctypes.c_long(_AT_FDCWD),
+        ctypes.c_char_p(path.encode()),
+        ctypes.c_long(flags),
+        ctypes.byref(attr),
+        ctypes.c_long(ctypes.sizeof(attr)),
+    )
+    _check(result, f"mount_setattr {path}")
+
+
+def _isolate(code: bytes, disk_bytes: int) -> None:
+    """Enter new namespaces and make everything but /tmp/work read-only."""
+    uid, gid = os.geteuid(), os.getegid()
+    flags = _CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID
+    _check(_libc.unshare(flags), "unshare")
+    _write("/proc/self/uid_map", f"0 {uid} 1")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/gid_map", f"0 {gid} 1")
+    _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+    _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={disk_bytes},mode=0755")
+    os.mkdir("/tmp/work")
+    with open("/tmp/main.py", "wb") as file:
+        file.write(code)
+    _mount("/tmp/work", "/tmp/work", None, _MS_BIND)
+    _mount_setattr("/", _AT_RECURSIVE, set_=_MOUNT_ATTR_RDONLY)
+    _mount_setattr("/tmp/work", 0, clear=_MOUNT_ATTR_RDONLY)
+
+
+def _run_supervised(config: dict) -> int:
+    """Fork PID 1 of the new PID namespace; return the code's wait status it reports."""
+    read_fd, write_fd = os.pipe()
+    if os.fork() == 0:
+        os.close(read_fd)
+        _supervise(config, write_fd)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as pipe:
+        reported = pipe.read()
+    _, supervisor_status = os.wait()
+    return int(reported) if reported else supervisor_status
+
+
+def _supervise(config: dict, status_fd: int) -> None:
+    """As PID 1: mount /proc, start the code, reap until it ends, report its wait status."""
+    try:
+        _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+        _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        _write("/proc/sys/user/max_user_namespaces", "0")  # no nested namespace to mount in
+        _mount_setattr("/proc", 0, set_=_MOUNT_ATTR_RDONLY)
+        code_pid = os.fork()
+        if code_pid == 0:
+            os.close(status_fd)
+            _drop_capabilities()
+            _exec_code(config, "/tmp/main.py", "/tmp/work")
+        while True:
+            pid, status = os.wait()
+            if pid == code_pid:
+                os.write(status_fd, str(status).encode())
+                os._exit(0)
+    except BaseException as exc:  # a forked child must never return into the caller
+        os.write(2, f"sandbox setup failed: {exc}\n".encode())
+        os._exit(SETUP_FAILED)
+
+
+def _drop_capabilities() -> None:
+    """Give up every capability, now and across exec, with no way back."""
+    with open("/proc/sys/kernel/cap_last_cap") as file:
+        last_cap = int(file.read())
+    for cap in range(last_cap + 1):
+        _check(_libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0), "prctl(PR_CAPBSET_DROP)")
+    _check(_libc.prctl(_PR_SET_SECUREBITS, _SECUREBITS_ALL_LOCKED, 0, 0, 0), "securebits")
+    _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def _exec_code(config: dict, script: str, workdir: str) -> None:
+    """Set the rlimits, then replace this process with the interpreter running `script`."""
+    cpu_s = config["cpu_s"]
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (config["memory_bytes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (config["disk_bytes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if config["isolate"]:  # counted per user namespace, so only this sandbox's processes
+        resource.setrlimit(resource.RLIMIT_NPROC, (config["max_processes"],) * 2)
+    os.chdir(workdir)
+    null_fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null_fd, 0)
+    env = dict(config["env"], HOME=workdir, TMPDIR=workdir)
+    os.execve(config["python"], [config["python"], "-u", script], env)
+
+
+def _relay(status: int) -> None:
+    """Exit the way a process with wait status `status` ended."""
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    sys.exit(os.waitstatus_to_exitcode(status))  # also for a signal that does not kill
+
+
+if __name__ == "__main__":
+    main()

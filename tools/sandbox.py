@@ -1,0 +1,364 @@
+"""Run untrusted Python in a child process under limits, isolated where the OS allows.
+
+`await run_python(code, limits)` never raises for anything the code does: a limit hit, a crash
+or a traceback is reported in the returned `SandboxRun`. It is async, so waiting never blocks
+the event loop, and a cancelled call (e.g. `call_tool`'s timeout) kills the child at once.
+
+What holds on every Linux machine, per call:
+
+- wall clock: after `timeout_s` the whole process group is killed (SIGKILL);
+- CPU time: RLIMIT_CPU (SIGXCPU at `cpu_s`, SIGKILL a second later);
+- memory: RLIMIT_AS of `memory_mb` per process (Python raises MemoryError);
+- file size: RLIMIT_FSIZE of `disk_mb` per file; no core dumps;
+- output: at most `max_output_chars` characters come back, with a marker saying what was cut;
+  the rest is read and thrown away, so the host's memory stays bounded;
+- environment: only the variables in `_CODE_ENV` (no tokens or keys leak through it); stdin is
+  empty.
+
+Isolation, when user namespaces work (probed once per process; see `tools/_sandbox_child.py`
+for the steps): no network (a new network namespace with no device up), every mount read-only
+except the private working folder `/tmp/work` (a tmpfs of `disk_mb`, gone after the call;
+`/tmp` itself is another, empty, read-only tmpfs), no capabilities and no nested namespaces,
+a fresh PID namespace whose processes all die with the call, and at most `max_processes`
+processes: through a pids cgroup when running as root (root ignores RLIMIT_NPROC), through
+RLIMIT_NPROC otherwise (counted per user namespace since Linux 5.14). Without user namespaces
+the code still runs, with only the limits above and a private working folder, and a one-time
+warning says what is missing.
+
+Not guaranteed: reading. The code runs as the training process's user and can read every file
+that user can (datasets, checkpoints, keys under the home folder) and see the host's mounts.
+Memory is limited per process, so up to `max_processes * memory_mb` in all. A kernel bug is
+not defended against: this is a guard against mistakes and runaway code, not a jail for a
+determined attacker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.abc
+
+_CHILD_SCRIPT = str(Path(__file__).with_name("_sandbox_child.py"))
+_SETUP_FAILED = 125  # _sandbox_child.SETUP_FAILED; that module is a script, not imported
+_CODE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "PYTHONIOENCODING": "utf-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "OMP_NUM_THREADS": "1",  # thread pools count as processes against max_processes
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+_CGROUP_PREFIX = "agentgrpo-sandbox"
+_call_numbers = itertools.count()
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one run may use.
+
+    Attributes:
+        timeout_s: Wall-clock limit in seconds.
+        cpu_s: CPU-time limit in whole seconds; None means `ceil(timeout_s)`.
+        memory_mb: Address-space limit per process, in MiB.
+        max_processes: Processes and threads the code may have at once (isolated runs only).
+        disk_mb: Size of the working folder, and of any one file written, in MiB.
+        max_output_chars: Characters of stdout plus stderr returned; the rest is cut.
+
+    """
+
+    timeout_s: float = 10.0
+    cpu_s: int | None = None
+    memory_mb: int = 1024
+    max_processes: int = 64
+    disk_mb: int = 64
+    max_output_chars: int = 10_000
+
+    def __post_init__(self) -> None:
+        """Refuse limits that are not positive numbers, naming the bad one."""
+        for name in ("timeout_s", "cpu_s", "memory_mb", "max_processes", "disk_mb"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.max_output_chars, int) or self.max_output_chars < 100:
+            raise ValueError(
+                f"max_output_chars must be an integer of at least 100, got "
+                f"{self.max_output_chars!r}"
+            )
+
+    @property
+    def cpu_limit_s(self) -> int:
+        """The CPU-time limit in whole seconds."""
+        return self.cpu_s if self.cpu_s is not None else math.ceil(self.timeout_s)
+
+
+@dataclass(frozen=True)
+class SandboxRun:
+    """How one run ended.
+
+    Attributes:
+        stdout: What the code printed, cut to fit the output limit (the head is kept).
+        stderr: What it wrote to stderr, tracebacks included, cut (the tail is kept).
+        stdout_cut_bytes: Bytes of stdout not returned.
+        stderr_cut_bytes: Bytes of stderr not returned.
+        exit_code: The exit status, or minus the signal number that killed the code.
+        timed_out: Whether the wall-clock limit killed it.
+        seconds: Wall time of the run, start-up included.
+
+    """
+
+    stdout: str
+    stderr: str
+    stdout_cut_bytes: int
+    stderr_cut_bytes: int
+    exit_code: int
+    timed_out: bool
+    seconds: float
+
+
+async def run_python(code: str, limits: SandboxLimits) -> SandboxRun:
+    """Run `code` as a Python program in a sandbox and report how it ended.
+
+    Args:
+        code: The program's source.
+        limits: What it may use.
+
+    Returns:
+        Its output and how it ended; a limit hit is a normal result, never an exception.
+
+    """
+    isolated = await _isolation_works()
+    async with _pids_cgroup(limits.max_processes + 2) as cgroup_procs:  # + the 2 supervisors
+        with _fallback_folder(isolated, code) as (workdir, script):
+            config = {
+                "isolate": isolated,
+                "cgroup_procs": cgroup_procs,
+                "cpu_s": limits.cpu_limit_s,
+                "memory_bytes": limits.memory_mb << 20,
+                "max_processes": limits.max_processes + 2,
+                "disk_bytes": limits.disk_mb << 20,
+                "python": sys.executable,
+                "env": _CODE_ENV,
+                "workdir": workdir,
+                "script": script,
+            }
+            return await _execute(code.encode(), config, limits)
+
+
+async def _execute(code: bytes, config: dict, limits: SandboxLimits) -> SandboxRun:
+    """Start the child, feed it the code, collect capped output until it ends or times out."""
+    start_s = time.perf_counter()
+    command = [sys.executable, "-I", _CHILD_SCRIPT, json.dumps(config)]
+    process = await anyio.open_process(command, env=_CODE_ENV, start_new_session=True)
+    limit_bytes = 4 * limits.max_output_chars  # enough bytes for that many UTF-8 characters
+    stdout, stderr = _Capture(limit_bytes, keep_tail=False), _Capture(limit_bytes, keep_tail=True)
+    try:
+        with anyio.move_on_after(limits.timeout_s) as deadline:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(_feed, process, code)
+                tasks.start_soon(stdout.drain, process.stdout)
+                tasks.start_soon(stderr.drain, process.stderr)
+                await process.wait()
+                _kill_group(process.pid)  # what it left running would hold the pipes open
+    finally:
+        _kill_group(process.pid)
+        with anyio.CancelScope(shield=True):
+            await process.aclose()
+    stdout_text, stdout_cut, stderr_text, stderr_cut = _fit(stdout, stderr, limits.max_output_chars)
+    return SandboxRun(
+        stdout=stdout_text,
+        stderr=stderr_text,
+        stdout_cut_bytes=stdout_cut,
+        stderr_cut_bytes=stderr_cut,
+        exit_code=process.returncode,
+        timed_out=deadline.cancelled_caught,
+        seconds=time.perf_counter() - start_s,
+    )
+
+
+async def _feed(process: anyio.abc.Process, code: bytes) -> None:
+    """Write the code to the child's stdin and close it; a child that died early is fine."""
+    assert process.stdin is not None
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+        await process.stdin.send(code)
+    await process.stdin.aclose()
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL every process still in the child's process group (it leads a new session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+class _Capture:
+    """Read a stream to its end, keeping its first (or last) `limit_bytes` bytes."""
+
+    def __init__(self, limit_bytes: int, keep_tail: bool) -> None:
+        self.limit_bytes = limit_bytes
+        self.keep_tail = keep_tail
+        self.kept = b""
+        self.total_bytes = 0
+
+    async def drain(self, stream: anyio.abc.ByteReceiveStream | None) -> None:
+        """Read `stream` until it closes."""
+        assert stream is not None
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+            while True:
+                self.add(await stream.receive())
+
+    def add(self, chunk: bytes) -> None:
+        """Count `chunk` and keep what fits."""
+        self.total_bytes += len(chunk)
+        if self.keep_tail:
+            self.kept = (self.kept + chunk)[-self.limit_bytes :]
+        else:
+            self.kept += chunk[: self.limit_bytes - len(self.kept)]
+
+    def chars(self) -> int:
+        """How many characters the kept bytes decode to."""
+        return len(self.kept.decode(errors="replace"))
+
+    def text(self, keep_chars: int) -> tuple[str, int]:
+        """The kept text cut to `keep_chars` characters, and how many bytes were cut."""
+        text = self.kept.decode(errors="replace")
+        if len(text) > keep_chars:
+            text = text[len(text) - keep_chars :] if self.keep_tail else text[:keep_chars]
+        return text, max(self.total_bytes - len(text.encode()), 0)
+
+
+def _fit(stdout: _Capture, stderr: _Capture, budget_chars: int) -> tuple[str, int, str, int]:
+    """Share the output limit: stderr keeps at least half of it if it needs that."""
+    stderr_chars = min(stderr.chars(), max(budget_chars - stdout.chars(), budget_chars // 2))
+    return (*stdout.text(budget_chars - stderr_chars), *stderr.text(stderr_chars))
+
+
+@contextlib.contextmanager
+def _fallback_folder(isolated: bool, code: str) -> Iterator[tuple[str | None, str | None]]:
+    """Without isolation: a temporary working folder holding the code, removed afterwards."""
+    if isolated:
+        yield None, None
+        return
+    with tempfile.TemporaryDirectory(prefix="agentgrpo-python-") as folder:
+        workdir = os.path.join(folder, "work")
+        os.mkdir(workdir)
+        script = os.path.join(folder, "main.py")
+        Path(script).write_text(code)
+        yield workdir, script
+
+
+_isolation_checked: bool | None = None
+
+
+async def _isolation_works() -> bool:
+    """Whether the sandbox can isolate on this machine; probed once, warned about once."""
+    global _isolation_checked
+    if _isolation_checked is None:
+        config = {"isolate": True, "cgroup_procs": None, "cpu_s": 10, "memory_bytes": 1 << 30}
+        config |= {"max_processes": 16, "disk_bytes": 1 << 20, "python": sys.executable}
+        config |= {"env": _CODE_ENV, "workdir": None, "script": None}
+        probe = await _execute(b"", config, SandboxLimits(timeout_s=60))
+        works = probe.exit_code == 0
+        if not works and _isolation_checked is None:  # concurrent first calls warn once
+            _warn_unisolated(probe.stderr.strip() or f"exit status {probe.exit_code}")
+        _isolation_checked = works
+    return _isolation_checked
+
+
+def _warn_unisolated(reason: str) -> None:
+    warnings.warn(
+        "tools.python: the sandbox cannot isolate code on this machine "
+        f"({reason}). Code will run with time, memory, file-size and output limits only: "
+        "network isolation is unavailable, it can write wherever this process's user can, "
+        "and the number of processes it starts is limited only when running as root.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+@contextlib.asynccontextmanager
+async def _pids_cgroup(max_tasks: int) -> AsyncIterator[str | None]:
+    """As root, a fresh pids cgroup allowing `max_tasks` tasks; yields its `cgroup.procs`.
+
+    Root is exempt from RLIMIT_NPROC, so this is what limits a fork bomb run by root. Yields
+    None when not root or when no writable pids hierarchy exists.
+    """
+    parent = _pids_cgroup_parent() if os.geteuid() == 0 else None
+    if parent is None:
+        yield None
+        return
+    folder = parent / f"{_CGROUP_PREFIX}-{os.getpid()}-{next(_call_numbers)}"
+    try:
+        folder.mkdir()
+        (folder / "pids.max").write_text(str(max_tasks))
+    except OSError:
+        yield None
+        return
+    try:
+        yield str(folder / "cgroup.procs")
+    finally:
+        await _remove_cgroup(folder)
+
+
+async def _remove_cgroup(folder: Path) -> None:
+    """Remove an emptied cgroup; its last tasks may take a moment to be reaped."""
+    with anyio.CancelScope(shield=True):
+        for _ in range(100):
+            if _removed(folder):
+                return
+            await anyio.sleep(0.02)
+
+
+def _removed(folder: Path) -> bool:
+    """Try to remove an empty folder (a cgroup folder is never slow to remove)."""
+    try:
+        folder.rmdir()
+    except OSError:
+        return False
+    return True
+
+
+def _pids_cgroup_parent() -> Path | None:
+    """Find our own cgroup's folder in a pids hierarchy we can make children in, or None."""
+    try:
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+        memberships = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in mounts:
+        fields = line.split()
+        separator = fields.index("-")
+        mount_point, fstype, options = fields[4], fields[separator + 1], fields[separator + 3]
+        if fstype == "cgroup" and "pids" in options.split(","):
+            path = next((m.split(":", 2)[2] for m in memberships if ":pids:" in m), None)
+        elif fstype == "cgroup2":
+            path = next((m[3:] for m in memberships if m.startswith("0::")), None)
+        else:
+            continue
+        folder = Path(mount_point + (path or "/"))
+        if path is not None and _can_limit_pids(folder, fstype):
+            return folder
+    return None
+
+
+def _can_limit_pids(folder: Path, fstype: str) -> bool:
+    """Whether children of `folder` get a `pids.max` and `folder` is writable."""
+    if fstype == "cgroup2":
+        try:
+            if "pids" not in (folder / "cgroup.subtree_control").read_text().split():
+                return False
+        except OSError:
+            return False
+    return os.access(folder, os.W_OK)
