@@ -4,11 +4,18 @@
 `Tool` whose schema the chat template shows the model. `await call_tool(tools, name, arguments,
 timeout_s)` validates the model's arguments and calls the tool, and never raises for a failure
 the model caused: it returns a `ToolResult` with `error` set and a message the model can act on.
+
+Built-in tools: `calculator` (safe arithmetic) and `python` (runs model-written Python in a
+sandbox: wall-clock, CPU, memory, process, file-size and output limits; no network and a
+read-only filesystem except a private working folder where Linux namespaces allow; see
+`tools.sandbox` for exactly what is and is not guaranteed). `python_tool(timeout_s=...,
+memory_mb=..., ...)` makes a `python` tool with other limits.
 This package imports nothing from `environments`, `rollout` or `agentgrpo`.
 """
 
 from tools.calculator import calculator
 from tools.call import ToolErrorKind, ToolResult, call_tool
+from tools.python import python, python_tool
 from tools.schema import Tool, ToolDefinitionError, as_tool
 
 __all__ = [
@@ -19,4 +26,6 @@ __all__ = [
     "as_tool",
     "calculator",
     "call_tool",
+    "python",
+    "python_tool",
 ]
