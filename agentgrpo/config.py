@@ -585,6 +585,14 @@ class GRPOConfig(TrainingArguments):
             "detected from the chat template."
         },
     )
+    log_episodes: bool = field(
+        default=True,
+        metadata={
+            "help": "Write every training episode (token ids, loss mask, sampler logprobs, "
+            "messages, tool calls and results, rewards, advantage, policy version) to "
+            "<output_dir>/episodes/step-N.jsonl as each step ends."
+        },
+    )
 
     # --- agentgrpo: warm start ------------------------------------------------------------------
     warm_start_steps: int = field(

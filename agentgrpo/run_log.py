@@ -9,6 +9,8 @@
 - `EpisodeSamples`: the latest round's first episodes as text in
   `<output_dir>/episodes/step-00010.txt`.
 
+`EpisodeLog`, which `GRPOTrainer` adds itself (`log_episodes`), keeps every episode of every step
+as data in `<output_dir>/episodes/step-00010.jsonl`; `read_episodes` reads them back.
 `summary_table` turns `metrics.jsonl` into the table printed at the end of a run. Only the main
 process writes anything.
 """
@@ -16,27 +18,34 @@ process writes anything.
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
 
 from agentgrpo.plot import line_chart
-from rollout import Episode
+from rollout import Episode, EpisodeRecord, read_records, record_line
 
 METRICS_FILE = "metrics.jsonl"
 CHART_FILE = "reward.png"
 EPISODES_DIR = "episodes"
+_EPISODE_FILE = re.compile(r"step-(\d+)\.jsonl")
 _CHARTED = {"reward": "mean reward", "tools/call_rate": "tool-call rate"}
 
 
 def attach_run_callbacks(trainer: Any, per_step: int = 4) -> None:
     """Replace transformers' progress bar and log printer with this module's callbacks.
+
+    The episode record (`EpisodeLog`) is not added here: the trainer writes it itself, unless
+    `log_episodes` is off.
 
     Args:
         trainer: A `GRPOTrainer` (EpisodeSamples reads its `last_episodes`).
@@ -134,7 +143,8 @@ class EpisodeSamples(TrainerCallback):
 
     The file is `<output_dir>/episodes/step-00010.txt` (the global step, five digits), holding
     `format_episode` of the first `per_step` of `trainer.last_episodes`: this process's share
-    of the round, in group order, so one group's members are shown side by side.
+    of the round, in group order, so one group's members are shown side by side. It is a
+    readable view; `EpisodeLog` keeps every episode as data.
     """
 
     def __init__(self, trainer: Any, per_step: int = 4):
@@ -150,6 +160,87 @@ class EpisodeSamples(TrainerCallback):
         folder.mkdir(parents=True, exist_ok=True)
         text = "\n".join(format_episode(episode, reward) for episode, reward in episodes)
         (folder / f"step-{state.global_step:05d}.txt").write_text(text)
+
+
+class EpisodeLog(TrainerCallback):
+    """Write each training round's episodes, as data, to `<output_dir>/episodes/step-00010.jsonl`.
+
+    One `rollout.record` line per episode: token ids, loss mask, sampler logprobs, messages, tool
+    calls with their results and error kinds, finish reason, per-function rewards, advantage and
+    policy version. A round goes to the file of the first optimizer step it trains (the step
+    after its `policy_version`); when a round serves several steps (`steps_per_generation` above
+    `gradient_accumulation_steps`, or `num_iterations` > 1), the steps after it have no file.
+
+    The file is written whole when that step ends, under a temporary name then renamed, so a
+    crash loses at most the step in flight and never leaves half a file, and a resumed run that
+    replays a step replaces the step's file instead of adding to it. At the start of training
+    the files of steps after the starting step (left by a run in this folder that went further)
+    are removed, as `MetricsLog` drops its lines; earlier steps' files are kept.
+
+    In a multi-process run every process's lines are gathered to the main process, which writes
+    one file per step: process 0's episodes, then process 1's, ... (`process` tells them apart;
+    groups are numbered per process).
+    """
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """Remove the files of steps after the starting step."""
+        if state.is_world_process_zero:
+            for step in recorded_steps(args.output_dir):
+                if step > state.global_step:
+                    episode_file(args.output_dir, step).unlink()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Write the round this step was the first to train, if it was."""
+        records = self.trainer.last_records
+        if not records or records[0].policy_version + 1 != state.global_step:
+            return
+        lines = [record_line(record) for record in records]
+        if args.world_size > 1:
+            lines = gather_object(lines)
+        if state.is_world_process_zero:
+            _write_whole(episode_file(args.output_dir, state.global_step), lines)
+
+
+def episode_file(output_dir: str | Path, step: int) -> Path:
+    """Where `EpisodeLog` writes the round first trained at `step`."""
+    return Path(output_dir) / EPISODES_DIR / f"step-{step:05d}.jsonl"
+
+
+def recorded_steps(output_dir: str | Path) -> list[int]:
+    """The steps that have an episode record file in a run's output folder, in order."""
+    folder = Path(output_dir) / EPISODES_DIR
+    names = (p.name for p in folder.iterdir()) if folder.is_dir() else ()
+    return sorted(int(m[1]) for name in names if (m := _EPISODE_FILE.fullmatch(name)))
+
+
+def read_episodes(output_dir: str | Path, step: int) -> list[EpisodeRecord]:
+    """The episodes of the round a run first trained at `step`, with their scores, as written.
+
+    Each `EpisodeRecord` holds the `Episode` (equal to the one trained on; its `environment`
+    is None), its per-function rewards, combined reward, advantage and policy version.
+
+    Raises:
+        FileNotFoundError: The run recorded no round at that step; names the steps it did.
+    """
+    path = episode_file(output_dir, step)
+    if not path.exists():
+        steps = recorded_steps(output_dir)
+        raise FileNotFoundError(
+            f"no episodes recorded for step {step} in {path.parent}; steps with episodes: "
+            f"{', '.join(map(str, steps)) or 'none'}"
+        )
+    return read_records(path)
+
+
+def _write_whole(path: Path, lines: list[str]) -> None:
+    """Write the file at once: to `<name>.tmp`, then renamed over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(lines), encoding="ascii")
+    os.replace(temporary, path)
 
 
 def format_episode(episode: Episode, reward: float) -> str:

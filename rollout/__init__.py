@@ -3,13 +3,20 @@
 The public API is re-exported here; the modules behind it are one stage each:
 `types` (contracts), `template` (chat templates, append-only deltas), `parsers` (tool calls),
 `tokens` (the append-only token row), `episode` (one episode's loop), `engine` (concurrency),
-`transformers_backend` and `scripted` (generators).
+`record` (episodes as JSON lines), `transformers_backend` and `scripted` (generators).
 """
 
 from rollout.backend import GenerationBackend
 from rollout.engine import RolloutEngine
 from rollout.episode import EpisodeConfig, PromptTooLongError, prompt_messages
 from rollout.parsers import PARSERS, detect_parser, get_parser
+from rollout.record import (
+    EpisodeRecord,
+    read_records,
+    record_from_dict,
+    record_line,
+    record_to_dict,
+)
 from rollout.scripted import ScriptedBackend
 from rollout.template import (
     BUILTIN_TEMPLATES,
@@ -28,6 +35,7 @@ from rollout.types import (
     ParsedTurn,
     SamplingParams,
     ToolCall,
+    ToolCallRecord,
 )
 
 __all__ = [
@@ -37,6 +45,7 @@ __all__ = [
     "Completion",
     "Episode",
     "EpisodeConfig",
+    "EpisodeRecord",
     "EpisodeStats",
     "Finish",
     "GenerationBackend",
@@ -48,10 +57,15 @@ __all__ = [
     "TemplateDriftError",
     "TokenRow",
     "ToolCall",
+    "ToolCallRecord",
     "ToolTemplateError",
     "TransformersBackend",
     "detect_parser",
     "get_parser",
     "load_template",
     "prompt_messages",
+    "read_records",
+    "record_from_dict",
+    "record_line",
+    "record_to_dict",
 ]

@@ -21,7 +21,15 @@ from rollout.backend import GenerationBackend
 from rollout.parsers import Parser
 from rollout.template import ChatRenderer
 from rollout.tokens import TokenRow
-from rollout.types import Episode, EpisodeStats, Finish, ParsedTurn, SamplingParams, ToolCall
+from rollout.types import (
+    Episode,
+    EpisodeStats,
+    Finish,
+    ParsedTurn,
+    SamplingParams,
+    ToolCall,
+    ToolCallRecord,
+)
 from tools import Tool, ToolResult, call_tool
 
 
@@ -83,6 +91,7 @@ class _State:
     tool_calls: int = 0
     tool_errors: Tally = field(default_factory=Tally)
     error: str | None = None
+    calls: list[ToolCallRecord] = field(default_factory=list)
 
 
 async def run_episode(
@@ -130,6 +139,7 @@ async def run_episode(
         env_reward=reward,
         environment=env,
         error=state.error,
+        tool_calls=tuple(state.calls),
     )
 
 
@@ -281,10 +291,21 @@ async def _run_calls(
 
 
 def _count(state: _State, parsed: ParsedTurn, results: list[ToolResult]) -> None:
+    """Count a turn's calls and their errors, and record each in the order of its message."""
     state.tool_calls += len(parsed.tool_calls) + len(parsed.errors)
     state.tool_errors.update(str(r.error) for r in results if r.error is not None)
     if parsed.errors:
         state.tool_errors["parse"] += len(parsed.errors)
+    state.calls.extend(_call_records(parsed, results))
+
+
+def _call_records(parsed: ParsedTurn, results: list[ToolResult]) -> list[ToolCallRecord]:
+    """The turn's calls with their results, then its unparseable calls (as `_turn` shows them)."""
+    ran = [
+        ToolCallRecord(c.name, c.arguments, r.content, None if r.error is None else str(r.error))
+        for c, r in zip(parsed.tool_calls, results, strict=True)
+    ]
+    return ran + [ToolCallRecord(None, {}, message, "parse") for message in parsed.errors]
 
 
 def _assistant_message(text: str, parsed: ParsedTurn) -> dict[str, Any]:

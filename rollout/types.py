@@ -90,6 +90,24 @@ class ParsedTurn:
 
 
 @dataclass(frozen=True)
+class ToolCallRecord:
+    """One tool call of an episode and what came of it.
+
+    Attributes:
+        name: The tool the model named; None when the call could not be parsed at all.
+        arguments: The arguments the model gave, as parsed from its JSON ({} when unparsed).
+        result: The text the model was shown: the tool's output, or the error message.
+        error: Why the call failed (`parse`, or a `tools.ToolErrorKind` value: `unknown_tool`,
+            `bad_arguments`, `exception`, `timeout`); None when it succeeded.
+    """
+
+    name: str | None
+    arguments: Mapping[str, Any]
+    result: str
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class EpisodeStats:
     """Counts for one episode.
 
@@ -118,7 +136,12 @@ class Episode:
 
     `group` and `index` place it in the batch: episodes of one group share the row and the seed.
     `env_reward` is the environment's `reward()` read when the episode ended (None when the
-    environment has no `reward`); `environment` is the instance itself, already closed.
+    environment has no `reward`); `environment` is the instance itself, already closed. It is
+    the one field that is not data: it is left out of equality and of the episode record
+    (`rollout.record`), which reads back None.
+
+    `tool_calls` holds one record per tool message in `messages`, in the same order: each
+    turn's parsed calls, then the calls of that turn that could not be parsed.
     """
 
     prompt_ids: list[int]
@@ -134,6 +157,7 @@ class Episode:
     env_reward: float | None = None
     environment: Any = field(default=None, repr=False, compare=False)
     error: str | None = None
+    tool_calls: tuple[ToolCallRecord, ...] = ()
 
     @property
     def model_tokens(self) -> int:

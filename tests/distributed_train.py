@@ -9,7 +9,7 @@ reports; it is not a test module itself. By hand, from the repository root:
 MODEL_DIR holds a causal LM and its tokenizer (`save_pretrained`). Each process writes
 `OUT_DIR/process_<index>.json` with:
 
-- `process_index`, `world_size`;
+- `process_index`, `world_size`, `output_dir` (the run's, with its episode record);
 - `rounds`: per generation round, the row ids it played and, per episode, its (group, row id),
   reward and advantage;
 - `micro_batch_rows`: the row ids the DataLoader handed it for each micro-batch;
@@ -114,6 +114,7 @@ def main() -> None:
     report = {
         "process_index": trainer.accelerator.process_index,
         "world_size": trainer.accelerator.num_processes,
+        "output_dir": config.output_dir,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "rounds": trainer.rounds,
         "micro_batch_rows": trainer.micro_batch_rows,

@@ -104,6 +104,7 @@ AGENTGRPO_DEFAULTS = [
     ("max_concurrent_episodes", 256),
     ("chat_template", None),
     ("tool_call_parser", None),
+    ("log_episodes", True),
     ("warm_start_steps", 0),
     ("warm_start_learning_rate", 5e-5),
 ]

@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from agentgrpo.advantages import group_advantages
+from agentgrpo.run_log import read_episodes, recorded_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed_train.py"
@@ -127,6 +128,23 @@ def test_batch_scaled_advantages_use_the_rewards_of_both_processes(ddp_reports):
         expected_N = group_advantages(everyone_N, NUM_GENERATIONS, scale="batch")
         recorded_N = torch.tensor(rounds[0]["advantages"] + rounds[1]["advantages"])
         torch.testing.assert_close(recorded_N, expected_N)
+
+
+def test_the_main_process_records_both_processes_episodes_with_their_scores(ddp_reports):
+    output_dir = ddp_reports[0]["output_dir"]
+    assert recorded_steps(output_dir) == [1, 2]
+    for step in (1, 2):
+        records = read_episodes(output_dir, step)
+        assert [r.process for r in records] == [0] * 8 + [1] * 8
+        assert {r.policy_version for r in records} == {step - 1}
+        played = [report["rounds"][step - 1] for report in ddp_reports]
+        assert [r.episode.row["id"] for r in records] == [
+            row for p in played for _, row in p["episodes"]
+        ]
+        assert [r.rewards["length_reward"] for r in records] == [
+            reward for p in played for reward in p["rewards"]
+        ]
+        assert [r.advantage for r in records] == [a for p in played for a in p["advantages"]]
 
 
 def test_weights_move_and_stay_identical_on_both_processes(ddp_reports):

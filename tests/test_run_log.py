@@ -190,7 +190,7 @@ def test_a_run_with_the_run_callbacks_leaves_metrics_a_chart_and_episodes(tokeni
     entries = read_metrics(tmp_path / "metrics.jsonl")
     assert [e["step"] for e in entries if "reward" in e] == [1, 2]
     assert "train_runtime" in entries[-1]
-    samples = sorted(p.name for p in (tmp_path / "episodes").iterdir())
+    samples = sorted(p.name for p in (tmp_path / "episodes").glob("*.txt"))
     assert samples == ["step-00001.txt", "step-00002.txt"]
     assert (tmp_path / "episodes" / "step-00002.txt").read_text().count("=== episode") == 4
     decode_png((tmp_path / "reward.png").read_bytes())
