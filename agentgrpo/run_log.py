@@ -65,9 +65,11 @@ class MetricsLog(TrainerCallback):
     """Append each log to `<output_dir>/metrics.jsonl` and chart reward in `reward.png`.
 
     Each line is `{"step": global_step, "epoch": epoch, **logs}`, train and eval logs alike.
-    At the start of training, lines past the starting step are dropped: a fresh run starts an
-    empty log, and a run resumed from a checkpoint keeps the history that led to it (the lines
-    a crashed run wrote after its last checkpoint are logged again as training replays them).
+    A fresh run starts an empty log. A run resumed from a checkpoint appends to the history
+    that led to it: the lines a killed run wrote after that checkpoint (and a last line the
+    kill cut short) are dropped first, since training logs those steps again, so the log holds
+    every step once. The file is rewritten only when a line must go, and then atomically, so a
+    kill during the rewrite loses nothing.
 
     The chart plots `reward` and `tools/call_rate` against the step on a 0..1 axis, widened if
     rewards leave it. It is redrawn on a log at most every `chart_every_s` seconds (drawing is
@@ -80,15 +82,21 @@ class MetricsLog(TrainerCallback):
         self._charted_at: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        """Keep the log's history up to the starting step, and read its points for the chart."""
+        """Keep the log's lines up to the starting step, and read their points for the chart."""
         if not state.is_world_process_zero:
             return
         path = Path(args.output_dir) / METRICS_FILE
-        entries = [e for e in read_metrics(path) if e["step"] <= state.global_step]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+        text = path.read_text() if path.exists() else ""
+        lines = text.splitlines()
+        entries = [_entry(line) for line in lines]
+        kept = [e for e in entries if e is not None and 0 < e["step"] <= state.global_step]
+        if len(kept) < len(lines) or not text.endswith("\n"):  # also: a last line cut short
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staged = path.with_name(f"_{METRICS_FILE}.tmp")
+            staged.write_text("".join(json.dumps(entry) + "\n" for entry in kept))
+            staged.replace(path)
         self._points = {name: [] for name in _CHARTED}
-        for entry in entries:
+        for entry in kept:
             self._add_points(entry)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -125,6 +133,15 @@ class MetricsLog(TrainerCallback):
             y_range=(min([0.0, *values]), max([1.0, *values])),
         )
         self._charted_at = time.monotonic()
+
+
+def _entry(line: str) -> dict[str, Any] | None:
+    """A `metrics.jsonl` line's entry; None for a blank line or one cut short by a kill."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) and "step" in entry else None
 
 
 def read_metrics(log_path: str | Path) -> list[dict[str, Any]]:

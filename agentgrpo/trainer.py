@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import anyio
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from agentgrpo import checkpoints
 from agentgrpo.advantages import combine_rewards, group_advantages
 from agentgrpo.batch import TrainingBatch, collate_episodes
 from agentgrpo.config import GRPOConfig
@@ -128,6 +132,7 @@ class GRPOTrainer(Trainer):
         self._last_records: list[EpisodeRecord] = []
         if self.args.log_episodes:
             self.add_callback(EpisodeLog(self))
+        self._staging_dir: Path | None = None  # set while a checkpoint is being written
 
     # ------------------------------------------------------------------ set-up
 
@@ -209,16 +214,78 @@ class GRPOTrainer(Trainer):
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
 
-    # ------------------------------------------------------------------ warm start
+    # ------------------------------------------------------------------ train, resume, save
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after the warm start when `warm_start_steps` > 0.
 
-        A resumed run skips the warm start: its checkpoint already holds warm-started weights.
+        `resume_from_checkpoint` is a checkpoint folder, or True for the latest intact one in
+        `output_dir` (incomplete ones are skipped with a warning); anything else that is not a
+        checkpoint is a ValueError before training starts. A resumed run skips the warm start:
+        its checkpoint already holds warm-started weights. Temporary folders that a killed
+        checkpoint save left are removed first. A Ctrl-C stops training at once (the
+        KeyboardInterrupt propagates); the checkpoints already saved stay intact.
         """
-        if self.args.warm_start_steps and not resume_from_checkpoint:
+        checkpoint = checkpoints.resume_point(resume_from_checkpoint, self.args.output_dir)
+        if self.args.should_save:
+            checkpoints.remove_temporary(self.args.output_dir)
+        if self.args.warm_start_steps and checkpoint is None:
             self._warm_start()
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        return super().train(checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Trainer's checkpoint save, made atomic: write a temporary folder, then rename it.
+
+        The Trainer writes `checkpoint-<step>` inside `checkpoints.temporary_dir` (through
+        `_get_output_dir`); once every process has written its files, the main process renames
+        it into the output folder, then rotates old checkpoints and pushes to the Hub as the
+        Trainer would have.
+        """
+        run_dir = super()._get_output_dir(trial)
+        staging = checkpoints.temporary_dir(run_dir, self.state.global_step)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a save killed at this step
+        self.accelerator.wait_for_everyone()
+        self._staging_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            self._publish_checkpoint(
+                staging / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", run_dir
+            )
+        self.accelerator.wait_for_everyone()
+
+    def _get_output_dir(self, trial: Any) -> str:
+        """The temporary folder while a checkpoint is being written, else the Trainer's."""
+        if self._staging_dir is not None:
+            return str(self._staging_dir)
+        return super()._get_output_dir(trial)
+
+    def _publish_checkpoint(self, staged: Path, run_dir: str) -> None:
+        """Point the state at the final folder, rename the checkpoint there, rotate, push."""
+        best = self.state.best_model_checkpoint
+        if best is not None and Path(best).parent == staged.parent:
+            self.state.best_model_checkpoint = str(Path(run_dir) / Path(best).name)
+            self.state.save_to_json(str(staged / checkpoints.TRAINER_STATE))
+        final = checkpoints.publish(staged, run_dir)
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
+        if self.args.push_to_hub:
+            super()._push_from_checkpoint(str(final))
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Push once the checkpoint is in its final folder (see `_publish_checkpoint`)."""
+        if self._staging_dir is None:
+            super()._push_from_checkpoint(checkpoint_folder)
+
+    # ------------------------------------------------------------------ warm start
 
     def _warm_start(self) -> None:
         steps = self.args.warm_start_steps

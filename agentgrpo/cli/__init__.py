@@ -105,6 +105,14 @@ def _run_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.
         metavar="MODULE:FUNCTION",
         help="a reward function, added to the environment's reward(); repeatable",
     )
+    own.add_argument(
+        "--resume",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="continue the run in --output-dir from its latest intact checkpoint (a new run "
+        "starts if it has none yet); --resume-from-checkpoint PATH names one instead, and "
+        "without --output-dir writes beside it",
+    )
     add_config_options(parser)
     return parser
 

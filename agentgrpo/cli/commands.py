@@ -7,12 +7,15 @@ rows, trainer) happens before anything slow, so user mistakes surface in seconds
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import anyio
 
+from agentgrpo import checkpoints
 from agentgrpo.cli import sources
 from agentgrpo.cli.options import (
     RUN_DEFAULTS,
@@ -20,23 +23,31 @@ from agentgrpo.cli.options import (
     check_keys,
     config_fields,
     config_overrides,
+    option_name,
     read_config_file,
 )
 
 # Keys a --config file may hold besides GRPOConfig's fields: the command's own options.
-RUN_KEYS = ("model", "dataset", "dataset_split", "reward")
+RUN_KEYS = ("model", "dataset", "dataset_split", "reward", "resume")
+INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
 BUILTIN_TEMPLATE = "chatml_tools"  # the default model's own template cannot show tools
 DEFAULT_WARM_START_STEPS = 24  # MODELS.md: enough for SmolLM2 to learn the call format
 
 
 def run(namespace: argparse.Namespace) -> int:
-    """Train on an environment and save the model, logs, samples and plot in the output folder."""
+    """Train on an environment and save the model, logs, samples and plot in the output folder.
+
+    Resumes from `--resume-from-checkpoint PATH`, or with `--resume` from the latest intact
+    checkpoint of `--output-dir`. Ctrl-C stops the run with one line saying how to resume it,
+    and status 130.
+    """
     from agentgrpo import GRPOTrainer
     from agentgrpo.run_log import attach_run_callbacks, summary_table
 
     env_class = sources.environment_class(namespace.env)
     settings = _run_settings(namespace, env_class)
     config = _grpo_config(settings["config"])
+    checkpoint = _resume_from(settings["resume"], config)
     train_rows = sources.rows(env_class, settings["dataset"], settings["dataset_split"])
     rewards = sources.reward_functions(settings["reward"])
     model = sources.model_path(settings["model"])
@@ -56,9 +67,10 @@ def run(namespace: argparse.Namespace) -> int:
         tokenizer = trainer.processing_class
         tokenizer.chat_template = load_template(tokenizer, config.chat_template)
     attach_run_callbacks(trainer)
-    _print_start(namespace.env, settings["model"], trainer, len(train_rows))
+    _print_start(namespace.env, settings["model"], trainer, len(train_rows), checkpoint)
     started = time.monotonic()
-    trainer.train()
+    if not _train(trainer, checkpoint, namespace):
+        return INTERRUPTED
     final = Path(config.output_dir) / "model"
     trainer.save_model(str(final))
     if trainer.is_world_process_zero():
@@ -123,10 +135,91 @@ def _run_settings(namespace: argparse.Namespace, env_class: type) -> dict[str, A
         config["chat_template"] = BUILTIN_TEMPLATE
         if hasattr(env_class, "demonstrations"):
             config["warm_start_steps"] = DEFAULT_WARM_START_STEPS
-    config["output_dir"] = f"runs/{env_class.__name__}-{time.strftime('%Y%m%d-%H%M%S')}"
     config.update({k: v for k, v in from_file.items() if k in config_fields()})
     config.update(config_overrides(namespace))
+    if "output_dir" not in config:
+        config["output_dir"] = _default_output_dir(env_class, config, own["resume"])
     return {**own, "config": config}
+
+
+def _default_output_dir(env_class: type, config: dict[str, Any], resume: bool) -> str:
+    """The folder holding `--resume-from-checkpoint`, else a new one named after the run."""
+    if resume:
+        raise UsageError(
+            "--resume continues the run in --output-dir DIR; give the output folder of the run "
+            "to continue"
+        )
+    if config.get("resume_from_checkpoint"):
+        return str(Path(config["resume_from_checkpoint"]).parent)
+    return f"runs/{env_class.__name__}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _resume_from(resume: bool, config: Any) -> str | None:
+    """The checkpoint the run resumes from (None: a new run), checked before anything loads.
+
+    `--resume` with no intact checkpoint in the output folder starts a new run and says so,
+    so one command both starts a run and continues it after a crash or Ctrl-C.
+    """
+    path = config.resume_from_checkpoint
+    if resume and path:
+        raise UsageError(
+            "give --resume (the latest checkpoint of --output-dir) or --resume-from-checkpoint "
+            "PATH, not both"
+        )
+    if path:
+        return checkpoints.checked_checkpoint(path)
+    if not resume:
+        return None
+    latest, skipped = checkpoints.latest_checkpoint(config.output_dir)
+    for line in skipped:
+        print(f"warning: skipping incomplete checkpoint {line}", file=sys.stderr)
+    if latest is None:
+        print(f"no checkpoint in {config.output_dir} yet: starting a new run", flush=True)
+        return None
+    return str(latest)
+
+
+def _train(trainer: Any, checkpoint: str | None, namespace: argparse.Namespace) -> bool:
+    """Train; on Ctrl-C print where the run stopped and how to resume it, and return False."""
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    except KeyboardInterrupt:
+        _close_progress_bar(trainer)
+        if trainer.is_world_process_zero():
+            print(_interrupted_line(trainer, namespace), file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def _close_progress_bar(trainer: Any) -> None:
+    from agentgrpo.run_log import ProgressBar
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ProgressBar):
+            callback.on_train_end(trainer.args, trainer.state, trainer.control)
+
+
+def _interrupted_line(trainer: Any, namespace: argparse.Namespace) -> str:
+    """`interrupted at step N; last checkpoint DIR/checkpoint-M; resume with: agentgrpo ...`."""
+    output_dir = trainer.args.output_dir
+    latest, _ = checkpoints.latest_checkpoint(output_dir)
+    where = f"last checkpoint {latest}" if latest else "no checkpoint saved yet"
+    command = shlex.join([*_command_line(namespace), "--output-dir", output_dir, "--resume"])
+    return f"interrupted at step {trainer.state.global_step}; {where}; resume with: {command}"
+
+
+def _command_line(namespace: argparse.Namespace) -> list[str]:
+    """`agentgrpo run ENV` and the options the user gave, bar the output folder and resume."""
+    words = ["agentgrpo", "run", namespace.env]
+    given = vars(namespace)
+    if given.get("config"):
+        words += ["--config", given["config"]]
+    dropped = {"output_dir", "resume_from_checkpoint", "resume"}
+    for key in [*RUN_KEYS, *config_fields()]:
+        if key in given and key not in dropped:
+            values = given[key] if isinstance(given[key], list) else [given[key]]
+            words += [part for value in values for part in (option_name(key), str(value))]
+    return words
 
 
 def _grpo_config(fields: dict[str, Any]) -> Any:
@@ -139,7 +232,9 @@ def _grpo_config(fields: dict[str, Any]) -> Any:
         raise UsageError(f"invalid options: {error}") from None
 
 
-def _print_start(env: str, model: str | None, trainer: Any, rows: int) -> None:
+def _print_start(
+    env: str, model: str | None, trainer: Any, rows: int, checkpoint: str | None
+) -> None:
     if not trainer.is_world_process_zero():
         return
     args = trainer.args
@@ -154,6 +249,9 @@ def _print_start(env: str, model: str | None, trainer: Any, rows: int) -> None:
         "warm start": f"{args.warm_start_steps} steps" if args.warm_start_steps else "none",
         "output": args.output_dir,
     }
+    if checkpoint:
+        lines["warm start"] = "skipped (resuming)"
+        lines["resume from"] = checkpoint
     print("agentgrpo run")
     for name, value in lines.items():
         print(f"  {name:<12} {value}")
