@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from environments import check_environment, class_tools, close_environment
+from environments import check_environment, class_tools, close_environment, create_environment
 from rollout.backend import GenerationBackend
 from rollout.episode import EpisodeConfig, EpisodeContext, run_episode
 from rollout.parsers import Parser, detect_parser, get_parser, tokenizer_parser
@@ -147,7 +147,7 @@ def _environment_tools(factory: Callable[[], Any] | None) -> dict[str, Tool]:
 
 
 def _probe_class(factory: Callable[[], Any]) -> type:
-    probe = factory()
+    probe = create_environment(factory)
     close_environment(probe)
     return type(probe)
 

@@ -4,19 +4,24 @@
 `Tool` whose schema the chat template shows the model. `await call_tool(tools, name, arguments,
 timeout_s)` validates the model's arguments and calls the tool, and never raises for a failure
 the model caused: it returns a `ToolResult` with `error` set and a message the model can act on.
+`run_in_daemon_thread` runs user code where a call that never returns cannot hold the process.
 This package imports nothing from `environments`, `rollout` or `agentgrpo`.
 """
 
 from tools.calculator import calculator
 from tools.call import ToolErrorKind, ToolResult, call_tool
 from tools.schema import Tool, ToolDefinitionError, as_tool
+from tools.threads import StuckCallsError, UserCodeAborted, run_in_daemon_thread
 
 __all__ = [
+    "StuckCallsError",
     "Tool",
     "ToolDefinitionError",
     "ToolErrorKind",
     "ToolResult",
+    "UserCodeAborted",
     "as_tool",
     "calculator",
     "call_tool",
+    "run_in_daemon_thread",
 ]
