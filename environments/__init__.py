@@ -10,6 +10,8 @@ The contract. An environment is any class with ``reset(self, **row) -> str | Non
   needs type hints and a Google-style docstring with an ``Args:`` entry per parameter.
   Classmethods, staticmethods, properties, private names and the reserved names ``reset``,
   ``reward``, ``close``, ``dataset``, ``demonstrations`` and ``done`` are never tools.
+  The calls of one model turn on one instance run one at a time, in the order the model wrote
+  them (see `environments.contract` for the rest of how the engine runs them).
 - Optional: ``reward(self) -> float`` scores the episode from the final state;
   ``dataset(cls)`` (a classmethod) returns the task rows; ``demonstrations(cls, n, seed)`` (a
   classmethod) returns conversations showing the tool-call format, for a warm start;

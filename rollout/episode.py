@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter as Tally
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -262,7 +262,9 @@ async def _turn(
     state.messages.append(_assistant_message(text, parsed))
     if not parsed.tool_calls and not parsed.errors:
         return Finish.STOP
-    results = await _run_calls(parsed.tool_calls, tools, ctx.config.tool_timeout_s)
+    results = await _run_calls(
+        parsed.tool_calls, tools, ctx.tools.keys(), ctx.config.tool_timeout_s
+    )
     _count(state, parsed, results)
     tool_messages = [_tool_message(r.name, r.content) for r in results]
     tool_messages += [_tool_message("error", e) for e in parsed.errors]
@@ -294,17 +296,28 @@ def _add_tool_turn(
 
 
 async def _run_calls(
-    calls: list[ToolCall], tools: Mapping[str, Tool], timeout_s: float | None
+    calls: list[ToolCall],
+    tools: Mapping[str, Tool],
+    concurrent: Collection[str],
+    timeout_s: float | None,
 ) -> list[ToolResult]:
-    """Run a turn's tool calls concurrently; results keep the calls' order."""
+    """Run a turn's tool calls; results keep the calls' order.
+
+    Calls on the environment (every call not to one of the plain tools named in `concurrent`)
+    share the instance's state, so they run one at a time, in the order the model wrote them.
+    Each call to a plain tool runs concurrently with the rest.
+    """
     results: list[ToolResult | None] = [None] * len(calls)
 
-    async def run(i: int, call: ToolCall) -> None:
-        results[i] = await call_tool(tools, call.name, call.arguments, timeout_s)
+    async def run_in_order(indices: list[int]) -> None:
+        for i in indices:
+            results[i] = await call_tool(tools, calls[i].name, calls[i].arguments, timeout_s)
 
     async with anyio.create_task_group() as group:
+        group.start_soon(run_in_order, [i for i, c in enumerate(calls) if c.name not in concurrent])
         for i, call in enumerate(calls):
-            group.start_soon(run, i, call)
+            if call.name in concurrent:
+                group.start_soon(run_in_order, [i])
     return results  # type: ignore[return-value]
 
 
