@@ -122,8 +122,10 @@ class RolloutEngine:
                         tasks.start_soon(play, group, member)
         except BaseExceptionGroup as failures:
             # One episode's error cancels the rest; the user should see that error, not a group.
-            raise _first_error(failures) from None
-        return episodes  # type: ignore[return-value]  (every slot is filled)
+            first = _first_error(failures)
+        else:
+            return episodes  # type: ignore[return-value]  (every slot is filled)
+        raise first  # outside the handler: its own __cause__ (the user's error) stays intact
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:
