@@ -17,7 +17,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from conftest import scripted_backend
+from conftest import COUNTER_ROW, scripted_backend
 
 from environments import (
     Counter,
@@ -260,3 +260,41 @@ def test_the_interpreter_exits_promptly_after_a_tool_that_blocks_for_ever(tiny_m
     assert reset.startswith("reset failed: InterruptedReset.reset() raised KeyboardInterrupt: ")
     assert last == "returned"
     assert time.monotonic() - started < 120
+
+
+STUCK_COUNTER = """
+import threading
+
+from environments import Counter
+
+
+class StuckCounter(Counter):
+    def increment(self, step: int) -> int:
+        threading.Event().wait()  # never returns
+        return 0
+
+    increment.__doc__ = Counter.increment.__doc__  # the schema the model was taught on
+"""
+
+
+def test_agentgrpo_run_exits_after_a_tool_that_blocks_for_ever(
+    tmp_path, tokenizer, tool_calling_tiny_model
+):
+    """The tiny model taught to call `increment` plays a Counter whose `increment` never returns."""
+    model_dir = tmp_path / "model"
+    tool_calling_tiny_model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    (tmp_path / "stuck.py").write_text(STUCK_COUNTER)
+    (tmp_path / "rows.jsonl").write_text(json.dumps(COUNTER_ROW) + "\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "agentgrpo", "run", "stuck.py:StuckCounter",
+         "--model", str(model_dir), "--dataset", "rows.jsonl", "--chat-template", "chatml_tools",
+         "--max-steps", "1", "--per-device-train-batch-size", "2", "--num-generations", "2",
+         "--max-completion-length", "48", "--tool-timeout-s", "1", "--output-dir", "out"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,  # before: never exited
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "trained in" in done.stdout
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    [step] = [entry for entry in logged if "reward" in entry]
+    assert step["tools/failure_rate/timeout"] > 0  # the model called the tool, which got stuck
