@@ -10,6 +10,8 @@ The contract. An environment is any class with ``reset(self, **row) -> str | Non
   needs type hints and a Google-style docstring with an ``Args:`` entry per parameter.
   Classmethods, staticmethods, properties, private names and the reserved names ``reset``,
   ``reward``, ``close``, ``dataset``, ``demonstrations`` and ``done`` are never tools.
+  The calls of one model turn on one instance run one at a time, in the order the model wrote
+  them (see `environments.contract` for the rest of how the engine runs them).
 - Optional: ``reward(self) -> float`` scores the episode from the final state;
   ``dataset(cls)`` (a classmethod) returns the task rows; ``demonstrations(cls, n, seed)`` (a
   classmethod) returns conversations showing the tool-call format, for a warm start;
@@ -22,8 +24,9 @@ Built-ins: `Counter` (one tool), `Arithmetic` (calculate, then submit an answer)
 of each shape.
 
 Specs name a class: ``env:Counter`` (built-in), ``package.module:Class`` or
-``path/to/file.py:Class``. User mistakes raise `EnvironmentSpecError`, `EnvironmentResetError`
-or `EnvironmentRewardError`, each naming the class and what to fix.
+``path/to/file.py:Class``. User mistakes raise `EnvironmentSpecError`, `EnvironmentInitError`,
+`EnvironmentResetError`, `EnvironmentRewardError` or `EnvironmentCloseError`, each naming the
+class, the method and what to fix.
 
 Example:
     >>> class Echo:
@@ -71,13 +74,22 @@ from environments.contract import (
 )
 from environments.counter import Counter
 from environments.errors import (
+    EnvironmentCloseError,
+    EnvironmentInitError,
     EnvironmentResetError,
     EnvironmentRewardError,
     EnvironmentSpecError,
 )
 from environments.guess_number import GuessNumber, GuessNumberGame
 from environments.gym_adapter import GymEnvironment, gym_environment
-from environments.lifecycle import close_environment, is_done, read_reward, reset_environment
+from environments.lifecycle import (
+    close_after_failure,
+    close_environment,
+    create_environment,
+    is_done,
+    read_reward,
+    reset_environment,
+)
 from environments.resolve import BUILTIN_ENVIRONMENTS, resolve_environment
 
 __all__ = [
@@ -85,6 +97,8 @@ __all__ = [
     "RESERVED_NAMES",
     "Arithmetic",
     "Counter",
+    "EnvironmentCloseError",
+    "EnvironmentInitError",
     "EnvironmentResetError",
     "EnvironmentRewardError",
     "EnvironmentSpecError",
@@ -93,7 +107,9 @@ __all__ = [
     "GymEnvironment",
     "check_environment",
     "class_tools",
+    "close_after_failure",
     "close_environment",
+    "create_environment",
     "environment_tools",
     "gym_environment",
     "is_done",

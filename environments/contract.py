@@ -4,6 +4,16 @@ Tool discovery is static: it reads the class, never instantiates it, so checking
 side effects. A tool is a public name (no leading ``_``), not reserved, whose class attribute is a
 plain function (sync or ``async def``), inherited ones included. Classmethods, staticmethods,
 properties, other descriptors and non-callables are not tools, nor is anything set on an instance.
+
+How the engine calls them: each episode has its own instance, and the tool calls of one model
+turn on that instance run one at a time, in the order the model wrote them, so a tool may read
+and change ``self`` without a lock. Different episodes (different instances) run concurrently,
+and so do calls to plain tool functions (``tools=[...]``), which must not share mutable state.
+A sync method runs in a daemon thread; one that outlives its timeout is abandoned, not stopped,
+and may still run while later calls do, so a tool should return within the timeout. Anything a
+method raises, ``SystemExit`` and ``KeyboardInterrupt`` included, is that method's failure: a
+tool's becomes an error message for the model, and ``__init__``, ``reset``, ``reward`` or
+``close`` failing stops the run with an error naming the class and the method.
 """
 
 from __future__ import annotations

@@ -1,14 +1,20 @@
 """The errors an environment author can cause, each naming what to fix.
 
-All three are loud, user-caused failures (STYLE.md principle 7): a bad spec or class definition
-stops the run before any episode starts; a reset or reward that breaks stops it with the class
-and the row that broke it. Failures the *model* causes inside a tool call are not raised here:
-the tools layer turns them into tool messages.
+All are loud, user-caused failures (STYLE.md principle 7): a bad spec or class definition stops
+the run before any episode starts; an ``__init__``, ``reset``, ``reward`` or ``close`` that breaks
+stops it with a message naming the class and the method (and, for ``reset``, the row). Anything
+the method raises counts, ``SystemExit`` and ``KeyboardInterrupt`` included: in user code they
+are that code's failure, not a signal to the framework. Failures the *model* causes inside a
+tool call are not raised here: the tools layer turns them into tool messages.
 """
 
 
 class EnvironmentSpecError(ValueError):
     """An environment spec cannot be resolved, or a class breaks the Environment contract."""
+
+
+class EnvironmentInitError(RuntimeError):
+    """Making an environment instance (the class's ``__init__``, or the factory) raised."""
 
 
 class EnvironmentResetError(RuntimeError):
@@ -17,3 +23,11 @@ class EnvironmentResetError(RuntimeError):
 
 class EnvironmentRewardError(RuntimeError):
     """``reward`` raised, or returned something other than a finite number."""
+
+
+class EnvironmentCloseError(RuntimeError):
+    """``close`` raised.
+
+    When an episode has already failed (e.g. ``reset`` raised), that first error is the one
+    raised, and the close failure is added to it as a note (``__notes__``).
+    """

@@ -102,8 +102,8 @@ class GymEnvironment:
         self.total_reward = 0.0
         self.steps = 0
         self.terminated = self.truncated = self.done = False
-        # The engine runs the calls of one turn concurrently, in worker threads; a gym env is
-        # not thread-safe, so actions are taken one at a time.
+        # The engine runs one instance's calls one at a time, but a call abandoned on timeout
+        # may still be stepping when the next starts; a gym env is not thread-safe.
         self._stepping = threading.Lock()
         return _text(spec.observe(observation))
 

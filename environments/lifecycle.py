@@ -1,9 +1,11 @@
-"""Driving one environment instance through an episode: reset, done, reward, close.
+"""Driving one environment instance through an episode: create, reset, done, reward, close.
 
 Each function wraps one optional or required member of the contract, so the rollout engine never
-inspects user classes itself and every user mistake surfaces as one error that names the class.
-They are synchronous, like the contract's methods, except `read_reward`, which also accepts an
-``async def`` reward and so is awaited.
+inspects user classes itself and every user mistake surfaces as one error that names the class
+and the method. Whatever the user's method raises is its failure, ``SystemExit`` and
+``KeyboardInterrupt`` included (`tools.threads.is_signal` says which are signals instead). The
+functions are synchronous, like the contract's methods, except `read_reward`, which also
+accepts an ``async def`` reward and so is awaited.
 """
 
 from __future__ import annotations
@@ -13,11 +15,36 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import anyio
-
-from environments.errors import EnvironmentResetError, EnvironmentRewardError, EnvironmentSpecError
+from environments.errors import (
+    EnvironmentCloseError,
+    EnvironmentInitError,
+    EnvironmentResetError,
+    EnvironmentRewardError,
+    EnvironmentSpecError,
+)
+from tools.threads import StuckCallsError, describe_error, is_signal, run_in_daemon_thread
 
 _VALUE_CHARS = 60  # per column, when a row is shown in an error message
+
+
+def create_environment(factory: Callable[[], Any]) -> object:
+    """Make a fresh environment instance by calling the class (or zero-argument factory).
+
+    Raises:
+        EnvironmentInitError: The call raised (chained); the message names the class's
+            ``__init__`` (or the factory).
+
+    """
+    try:
+        return factory()
+    except BaseException as error:
+        if is_signal(error):
+            raise
+        if isinstance(factory, type):
+            where = f"{factory.__qualname__}.__init__()"
+        else:
+            where = f"the environment factory {getattr(factory, '__qualname__', repr(factory))}()"
+        raise EnvironmentInitError(f"{where} raised {describe_error(error)}") from error
 
 
 def reset_environment(env: object, row: Mapping[str, Any], seed: int | None) -> str | None:
@@ -55,9 +82,11 @@ def reset_environment(env: object, row: Mapping[str, Any], seed: int | None) -> 
         )
     try:
         text = reset(**kwargs)
-    except Exception as error:
+    except BaseException as error:
+        if is_signal(error):
+            raise
         raise EnvironmentResetError(
-            f"{name}.reset() raised {type(error).__name__}: {error}. Row: {_show(row)}"
+            f"{name}.reset() raised {describe_error(error)}. Row: {_show(row)}"
         ) from error
     if text is not None and not isinstance(text, str):
         _close_if_coroutine(text)
@@ -72,8 +101,8 @@ async def read_reward(env: object) -> float | None:
     """Read the episode reward from the environment's state; None if it defines no reward.
 
     The reward method is ``reward()`` (agentgrpo's name) or ``get_reward()`` (TRL's), sync or
-    ``async def``. A sync one runs in a worker thread, so a slow scorer never blocks the event
-    loop.
+    ``async def``. A sync one runs in a daemon thread (`tools.run_in_daemon_thread`), so a slow
+    scorer never blocks the event loop.
 
     Args:
         env: The environment at the end of its episode (before `close_environment`).
@@ -86,21 +115,25 @@ async def read_reward(env: object) -> float | None:
         EnvironmentRewardError: The method is not callable, raised (chained), or returned
             something that is not a finite number (a string, None, NaN, inf). A reward that
             fails is never scored 0.0: that would train on a wrong signal.
+        StuckCallsError: Too many calls of user code are stuck to start another.
 
     """
     method = _reward_method(env)
     if method is None:
         return None
     name = type(env).__qualname__
+    where = f"{name}.{method.__name__}()"
     try:
         if inspect.iscoroutinefunction(method):
             value = await method()
         else:
-            value = await anyio.to_thread.run_sync(method)
-    except Exception as error:
-        raise EnvironmentRewardError(
-            f"{name}.{method.__name__}() raised {type(error).__name__}: {error}"
-        ) from error
+            value = await run_in_daemon_thread(method, label=where)
+    except StuckCallsError:
+        raise
+    except BaseException as error:
+        if is_signal(error):
+            raise
+        raise EnvironmentRewardError(f"{where} raised {describe_error(error)}") from error
     return _finite_float(value, name)
 
 
@@ -138,20 +171,38 @@ def is_done(env: object) -> bool:
 
 
 def close_environment(env: object) -> None:
-    """Call ``env.close()`` if the class defines it; its exceptions propagate unchanged.
+    """Call ``env.close()`` if the class defines it.
 
     Raises:
+        EnvironmentCloseError: ``close`` raised (chained); the message names the class.
         EnvironmentSpecError: ``close`` is ``async def``; the contract's methods are synchronous.
 
     """
     close = getattr(env, "close", None)
-    if callable(close):
+    if not callable(close):
+        return
+    name = type(env).__qualname__
+    try:
         result = close()
-        if inspect.iscoroutine(result):
-            result.close()
-            raise EnvironmentSpecError(
-                f"{type(env).__qualname__}.close() is async; make it a plain method"
-            )
+    except BaseException as error:
+        if is_signal(error):
+            raise
+        raise EnvironmentCloseError(f"{name}.close() raised {describe_error(error)}") from error
+    if inspect.iscoroutine(result):
+        result.close()
+        raise EnvironmentSpecError(f"{name}.close() is async; make it a plain method")
+
+
+def close_after_failure(env: object, failure: BaseException) -> None:
+    """Close `env` after `failure` ended its episode, leaving `failure` the error to raise.
+
+    The first cause is what the user must see: if closing fails too, its error is added to
+    `failure` as a note (``failure.__notes__``) instead of replacing it.
+    """
+    try:
+        close_environment(env)
+    except (EnvironmentCloseError, EnvironmentSpecError) as close_error:
+        failure.add_note(f"Closing the environment then failed too: {close_error}")
 
 
 def _reset_arguments(

@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from environments import check_environment, class_tools, close_environment
+from environments import check_environment, class_tools, close_environment, create_environment
 from rollout.backend import GenerationBackend
 from rollout.episode import EpisodeConfig, EpisodeContext, run_episode
 from rollout.parsers import Parser, detect_parser, get_parser, tokenizer_parser
@@ -122,8 +122,10 @@ class RolloutEngine:
                         tasks.start_soon(play, group, member)
         except BaseExceptionGroup as failures:
             # One episode's error cancels the rest; the user should see that error, not a group.
-            raise _first_error(failures) from None
-        return episodes  # type: ignore[return-value]  (every slot is filled)
+            first = _first_error(failures)
+        else:
+            return episodes  # type: ignore[return-value]  (every slot is filled)
+        raise first  # outside the handler: its own __cause__ (the user's error) stays intact
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:
@@ -147,7 +149,7 @@ def _environment_tools(factory: Callable[[], Any] | None) -> dict[str, Tool]:
 
 
 def _probe_class(factory: Callable[[], Any]) -> type:
-    probe = factory()
+    probe = create_environment(factory)
     close_environment(probe)
     return type(probe)
 

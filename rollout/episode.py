@@ -8,15 +8,23 @@ bad arguments, tools that raise or time out) become tool messages it can read, a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter as Tally
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import jinja2
 
-from environments import close_environment, is_done, read_reward, reset_environment
+from environments import (
+    close_after_failure,
+    close_environment,
+    create_environment,
+    is_done,
+    read_reward,
+    reset_environment,
+)
 from rollout.backend import GenerationBackend
 from rollout.parsers import Parser
 from rollout.template import ChatRenderer
@@ -30,7 +38,7 @@ from rollout.types import (
     ToolCall,
     ToolCallRecord,
 )
-from tools import Tool, ToolResult, call_tool
+from tools import Tool, ToolResult, call_tool, run_in_daemon_thread
 
 
 class PromptTooLongError(ValueError):
@@ -103,14 +111,19 @@ async def run_episode(
     derived from it, the episode's `index` and the turn, so an episode is reproducible however
     its requests are batched with others.
 
-    The environment's own code (constructor, `reset`, `reward`, `close`) runs in a worker thread,
-    like sync tools, so a slow environment never stalls the other episodes.
+    The environment's own code (constructor, `reset`, `reward`, `close`) runs in a daemon
+    thread, like sync tools (`tools.run_in_daemon_thread`), so a slow environment never stalls
+    the other episodes and one that never returns cannot keep the process alive. When the
+    episode fails, its first error is the one raised: a `close` that fails too becomes a note
+    on it.
     """
     messages = prompt_messages(row) if "prompt" in row else []
     env, observation = None, None
     if ctx.environment_factory is not None:
-        env, observation = await anyio.to_thread.run_sync(
-            _create_and_reset, ctx.environment_factory, row, seed
+        factory = ctx.environment_factory
+        env, observation = await run_in_daemon_thread(
+            functools.partial(_create_and_reset, factory, row, seed),
+            label=f"{getattr(factory, '__qualname__', 'environment')}() and reset()",
         )
     try:
         if env is not None:
@@ -121,10 +134,12 @@ async def run_episode(
         state = _start(ctx, messages, row, sample_seed=hash((seed, index)))
         finish = await _play(ctx, state, tools, env)
         reward = await read_reward(env) if env is not None else None
-    finally:
+    except BaseException as failure:
         if env is not None:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(close_environment, env)
+            await _close(env, failure)
+        raise
+    if env is not None:
+        await _close(env)
     return Episode(
         prompt_ids=state.tokens.prompt_ids,
         completion_ids=state.tokens.completion_ids,
@@ -146,13 +161,26 @@ async def run_episode(
 def _create_and_reset(
     factory: Callable[[], Any], row: Mapping[str, Any], seed: int
 ) -> tuple[Any, str | None]:
-    """Build and reset an environment in one worker-thread hop; close it if `reset` fails."""
-    env = factory()
+    """Make and reset an environment in one daemon-thread hop; close it if `reset` fails."""
+    env = create_environment(factory)
     try:
         return env, reset_environment(env, row, seed)
-    except BaseException:
-        close_environment(env)
+    except BaseException as failure:
+        close_after_failure(env, failure)
         raise
+
+
+async def _close(env: Any, failure: BaseException | None = None) -> None:
+    """Close `env` in a daemon thread, even while cancelled.
+
+    After `failure`, a close that fails too is a note on `failure`, which the caller raises.
+    """
+    if failure is None:
+        close = functools.partial(close_environment, env)
+    else:
+        close = functools.partial(close_after_failure, env, failure)
+    with anyio.CancelScope(shield=True):
+        await run_in_daemon_thread(close, label=f"{type(env).__qualname__}.close()")
 
 
 def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -244,7 +272,9 @@ async def _turn(
     state.messages.append(_assistant_message(text, parsed))
     if not parsed.tool_calls and not parsed.errors:
         return Finish.STOP
-    results = await _run_calls(parsed.tool_calls, tools, ctx.config.tool_timeout_s)
+    results = await _run_calls(
+        parsed.tool_calls, tools, ctx.tools.keys(), ctx.config.tool_timeout_s
+    )
     _count(state, parsed, results)
     tool_messages = [_tool_message(r.name, r.content) for r in results]
     tool_messages += [_tool_message("error", e) for e in parsed.errors]
@@ -276,17 +306,28 @@ def _add_tool_turn(
 
 
 async def _run_calls(
-    calls: list[ToolCall], tools: Mapping[str, Tool], timeout_s: float | None
+    calls: list[ToolCall],
+    tools: Mapping[str, Tool],
+    concurrent: Collection[str],
+    timeout_s: float | None,
 ) -> list[ToolResult]:
-    """Run a turn's tool calls concurrently; results keep the calls' order."""
+    """Run a turn's tool calls; results keep the calls' order.
+
+    Calls on the environment (every call not to one of the plain tools named in `concurrent`)
+    share the instance's state, so they run one at a time, in the order the model wrote them.
+    Each call to a plain tool runs concurrently with the rest.
+    """
     results: list[ToolResult | None] = [None] * len(calls)
 
-    async def run(i: int, call: ToolCall) -> None:
-        results[i] = await call_tool(tools, call.name, call.arguments, timeout_s)
+    async def run_in_order(indices: list[int]) -> None:
+        for i in indices:
+            results[i] = await call_tool(tools, calls[i].name, calls[i].arguments, timeout_s)
 
     async with anyio.create_task_group() as group:
+        group.start_soon(run_in_order, [i for i, c in enumerate(calls) if c.name not in concurrent])
         for i, call in enumerate(calls):
-            group.start_soon(run, i, call)
+            if call.name in concurrent:
+                group.start_soon(run_in_order, [i])
     return results  # type: ignore[return-value]
 
 

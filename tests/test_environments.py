@@ -11,6 +11,7 @@ import pytest
 from environments import (
     BUILTIN_ENVIRONMENTS,
     Counter,
+    EnvironmentCloseError,
     EnvironmentResetError,
     EnvironmentRewardError,
     EnvironmentSpecError,
@@ -572,12 +573,12 @@ def test_close_is_called_when_defined_and_skipped_otherwise():
     assert calls == ["closed"]
 
 
-def test_close_exceptions_propagate():
+def test_a_close_that_raises_names_the_class_and_the_method():
     class Leaky:
         def close(self) -> None:
             raise OSError("socket")
 
-    with pytest.raises(OSError, match="socket"):
+    with pytest.raises(EnvironmentCloseError, match=r"Leaky.close\(\) raised OSError: socket"):
         close_environment(Leaky())
 
 

@@ -10,6 +10,8 @@ sandbox: wall-clock, CPU, memory, process, file-size and output limits; no netwo
 read-only filesystem except a private working folder where Linux namespaces allow; see
 `tools.sandbox` for exactly what is and is not guaranteed). `python_tool(timeout_s=...,
 memory_mb=..., ...)` makes a `python` tool with other limits.
+
+`run_in_daemon_thread` runs user code where a call that never returns cannot hold the process.
 This package imports nothing from `environments`, `rollout` or `agentgrpo`.
 """
 
@@ -17,15 +19,19 @@ from tools.calculator import calculator
 from tools.call import ToolErrorKind, ToolResult, call_tool
 from tools.python import python, python_tool
 from tools.schema import Tool, ToolDefinitionError, as_tool
+from tools.threads import StuckCallsError, UserCodeAborted, run_in_daemon_thread
 
 __all__ = [
+    "StuckCallsError",
     "Tool",
     "ToolDefinitionError",
     "ToolErrorKind",
     "ToolResult",
+    "UserCodeAborted",
     "as_tool",
     "calculator",
     "call_tool",
     "python",
     "python_tool",
+    "run_in_daemon_thread",
 ]

@@ -5,14 +5,18 @@ Contract of `call_tool`:
 - It never raises for a failure the model caused: an unknown tool name, arguments that do not
   match the schema, an exception inside the tool, or a timeout. Each becomes a `ToolResult`
   with `error` set and `content` an error message written for the model to read and correct
-  itself. Cancellation from outside (and any other `BaseException`) propagates untouched.
+  itself. "An exception" is anything the tool raises, `SystemExit` and `KeyboardInterrupt`
+  included: a tool's failure is never a signal to the framework. What does propagate is
+  anyio's cancellation from outside, a `KeyboardInterrupt` on the main thread (a real Ctrl-C;
+  see `tools.threads.is_signal`) and `StuckCallsError` (too many of the user's sync tools
+  ignore their timeout).
 - Arguments are checked against the schema's `parameters` before the call: required ones are
   present, no unknown ones, and each value has its JSON type (see `_coerce`). Integral floats
   given for an `integer` become `int`; arrays given for a `tuple[...]` hint become tuples.
-- Sync tools run in a worker thread (`anyio.to_thread.run_sync(..., abandon_on_cancel=True)`),
-  so a hung sync tool never blocks the event loop; on timeout its thread is abandoned, not
-  killed, and keeps running until the function returns. Async tools are awaited. Both run
-  under `anyio.fail_after(timeout_s)` when `timeout_s` is not None.
+- Sync tools run in a daemon thread (`tools.threads.run_in_daemon_thread`), so a hung sync tool
+  never blocks the event loop; on timeout its thread is abandoned, not killed, and keeps
+  running until the function returns, but never keeps the process alive at exit. Async tools
+  are awaited. Both run under `anyio.fail_after(timeout_s)` when `timeout_s` is not None.
 - The value returned becomes `content`: `str` as is, `None` as `""`, dict/list/tuple as JSON,
   anything else with `str()`.
 """
@@ -31,9 +35,9 @@ from enum import StrEnum
 from typing import Any
 
 import anyio
-import anyio.to_thread
 
 from tools.schema import Tool
+from tools.threads import StuckCallsError, describe_error, is_signal, run_in_daemon_thread
 
 _JSON_NOUNS = {
     "integer": "an integer",
@@ -110,22 +114,21 @@ async def call_tool(
         with anyio.fail_after(timeout_s) as scope:
             value = await _invoke(tool, kwargs)
         return result(_to_text(value))
-    except Exception as exc:
+    except BaseException as exc:
+        if isinstance(exc, StuckCallsError) or is_signal(exc):
+            raise
         if isinstance(exc, TimeoutError) and scope is not None and scope.cancelled_caught:
             message = f"Error: {name}() timed out after {float(timeout_s or 0)} s"
             return result(message, ToolErrorKind.TIMEOUT)
-        detail = f": {exc}" if str(exc) else ""
-        return result(
-            f"Error: {name}() raised {type(exc).__name__}{detail}", ToolErrorKind.EXCEPTION
-        )
+        return result(f"Error: {name}() raised {describe_error(exc)}", ToolErrorKind.EXCEPTION)
 
 
 async def _invoke(tool: Tool, kwargs: dict[str, Any]) -> Any:
-    """Await an async tool; run a sync one in a worker thread the timeout can abandon."""
+    """Await an async tool; run a sync one in a daemon thread the timeout can abandon."""
     if inspect.iscoroutinefunction(tool.fn):
         return await tool.fn(**kwargs)
-    value = await anyio.to_thread.run_sync(
-        functools.partial(tool.fn, **kwargs), abandon_on_cancel=True
+    value = await run_in_daemon_thread(
+        functools.partial(tool.fn, **kwargs), label=f"tool {tool.name}()"
     )
     if inspect.isawaitable(value):  # e.g. a partial or lambda wrapping an async function
         value = await value

@@ -44,6 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("AGENTGRPO_DEBUG"):
             raise
         print(f"error: {error}", file=sys.stderr)
+        for note in getattr(error, "__notes__", ()):  # e.g. a close() that failed after reset()
+            print(f"  {note}", file=sys.stderr)
         return 2
 
 
@@ -174,14 +176,23 @@ def _quiet_loading() -> None:
 def _runtime_user_errors() -> tuple[type[BaseException], ...]:
     """Errors raised mid-run that a user's environment, reward function or server caused."""
     from agentgrpo.reward_calls import RewardFunctionError
-    from environments import EnvironmentResetError, EnvironmentRewardError
+    from environments import (
+        EnvironmentCloseError,
+        EnvironmentInitError,
+        EnvironmentResetError,
+        EnvironmentRewardError,
+    )
     from rollout import TemplateDriftError
+    from tools import StuckCallsError
 
     return (
         ConnectionError,  # a generation server that does not answer, or went away
         UsageError,
         RewardFunctionError,
+        EnvironmentInitError,
         EnvironmentResetError,
         EnvironmentRewardError,
+        EnvironmentCloseError,
+        StuckCallsError,  # the user's tools ignore their timeout
         TemplateDriftError,
     )

@@ -1,0 +1,182 @@
+"""Run user code (sync tools, environment methods) in daemon threads a run can walk away from.
+
+Contract of `run_in_daemon_thread(fn, label)`:
+
+- `fn` runs in a new daemon thread and its outcome is awaited from anyio, so the event loop never
+  blocks on it and, when the wait is cancelled (a tool's timeout, a run that ends), the caller
+  gets the cancellation at once. The call is then *abandoned*, not stopped: its thread runs on
+  until `fn` returns. A daemon thread never keeps the interpreter alive at exit, so a process
+  ends promptly whatever its tools do.
+- Abandoned calls still running are *stuck*. Each holds a thread for ever, so at most
+  `MAX_STUCK_CALLS` may be: starting one more call raises `StuckCallsError`, which names them
+  (their labels). That is the user's problem to fix, not the model's: their code ignores its
+  timeout.
+- Whatever `fn` raises is `fn`'s own failure. An `Exception` comes back as it is; a
+  `BaseException` that is not one (`SystemExit`, `KeyboardInterrupt`, ...) comes back as
+  `UserCodeAborted`, an `Exception`, so the framework never takes it for a signal. (Python
+  delivers Ctrl-C to the main thread only, so nothing raised in a worker thread is one.)
+
+`is_signal` draws the same line for user code that runs in place (async tools, a method called
+directly): anyio's cancellation and a `KeyboardInterrupt` on the main thread are signals to the
+framework and must propagate; anything else user code raises is that code's failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+
+T = TypeVar("T")
+
+MAX_STUCK_CALLS = 32
+"""The most abandoned calls that may still run before another call is refused."""
+
+
+class StuckCallsError(RuntimeError):
+    """Too many calls of user code were abandoned and still run; the message names them."""
+
+
+class UserCodeAborted(Exception):
+    """User code raised a `BaseException` that is not an `Exception`, e.g. `SystemExit`.
+
+    Attributes:
+        raised: What the code raised; also the `__cause__`.
+
+    """
+
+    def __init__(self, raised: BaseException):
+        super().__init__(describe_error(raised))
+        self.raised = raised
+
+
+def describe_error(error: BaseException) -> str:
+    """``"TypeName: message"`` (or the type name alone) of what user code raised.
+
+    Sees through `UserCodeAborted`, so a tool that called `sys.exit(3)` reads ``SystemExit: 3``.
+    """
+    if isinstance(error, UserCodeAborted):
+        error = error.raised
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def is_signal(error: BaseException) -> bool:
+    """Whether `error`, raised out of user code, is a signal to the framework, not a failure.
+
+    Signals are anyio's cancellation (of the current task) and a `KeyboardInterrupt` raised on
+    the main thread, where a real Ctrl-C arrives. Everything else, `SystemExit` included, is the
+    failure of the code that raised it.
+    """
+    if isinstance(error, KeyboardInterrupt):
+        return threading.current_thread() is threading.main_thread()
+    try:
+        cancelled = anyio.get_cancelled_exc_class()
+    except RuntimeError:  # no event loop in this thread: nothing here can be cancelled
+        return False
+    return isinstance(error, cancelled)
+
+
+@dataclass(eq=False)
+class _Call:
+    """One call's label and outcome; compared by identity, so it can sit in a set."""
+
+    label: str
+    value: Any = None
+    error: BaseException | None = None
+    finished: bool = False
+
+    def outcome(self) -> Any:
+        """The value `fn` returned, or raise what it raised (see the module contract)."""
+        if self.error is None:
+            return self.value
+        if isinstance(self.error, Exception):
+            raise self.error
+        raise UserCodeAborted(self.error) from self.error
+
+
+class DaemonThreads:
+    """Runs sync callables in daemon threads and counts the abandoned ones still running.
+
+    Args:
+        max_stuck: The most abandoned calls that may still run; one more call is refused.
+
+    """
+
+    def __init__(self, max_stuck: int = MAX_STUCK_CALLS):
+        self.max_stuck = max_stuck
+        self._lock = threading.Lock()
+        self._stuck: set[_Call] = set()
+
+    @property
+    def stuck(self) -> list[str]:
+        """The labels of the abandoned calls that are still running."""
+        with self._lock:
+            return sorted(call.label for call in self._stuck)
+
+    async def run(self, fn: Callable[[], T], label: str) -> T:
+        """Run `fn()` in a new daemon thread and return its value (see the module contract).
+
+        Args:
+            fn: The user code, a callable taking no arguments.
+            label: Names the code in errors, e.g. ``"tool lookup()"`` or ``"Game.reset()"``.
+
+        Raises:
+            StuckCallsError: `max_stuck` abandoned calls are still running; `fn` is not run.
+            UserCodeAborted: `fn` raised a `BaseException` that is not an `Exception`.
+
+        """
+        self._refuse_if_full()
+        call = _Call(label)
+        done = anyio.Event()
+        token = anyio.lowlevel.current_token()
+        args = (fn, call, lambda: anyio.from_thread.run_sync(done.set, token=token))
+        threading.Thread(target=self._target, args=args, name=label, daemon=True).start()
+        try:
+            await done.wait()
+        except BaseException:  # cancelled: leave the thread to finish on its own
+            with self._lock:
+                if not call.finished:
+                    self._stuck.add(call)
+            raise
+        return call.outcome()
+
+    def _target(self, fn: Callable[[], Any], call: _Call, wake: Callable[[], None]) -> None:
+        """The thread's body: run `fn`, record its outcome, wake the waiting task if any."""
+        try:
+            call.value = fn()
+        except BaseException as raised:  # all of it is fn's own failure (module contract)
+            call.error = raised
+        with self._lock:
+            call.finished = True
+            self._stuck.discard(call)
+        # RuntimeError (anyio.RunFinishedError): the event loop has ended, nobody waits any more.
+        with contextlib.suppress(RuntimeError):
+            wake()
+
+    def _refuse_if_full(self) -> None:
+        labels = self.stuck
+        if len(labels) < self.max_stuck:
+            return
+        counts = ", ".join(f"{label} x{n}" for label, n in Counter(labels).most_common())
+        raise StuckCallsError(
+            f"{len(labels)} calls of user code are stuck: they timed out or were cancelled and "
+            f"are still running ({counts}). Each holds a thread for ever; make the code return "
+            "in time (e.g. give blocking I/O its own timeout, shorter than tool_timeout_s)."
+        )
+
+
+USER_CODE = DaemonThreads()
+"""The process's daemon threads for user code; its `max_stuck` is `MAX_STUCK_CALLS`."""
+
+
+async def run_in_daemon_thread(fn: Callable[[], T], label: str) -> T:
+    """`USER_CODE.run(fn, label)`: run user code in a daemon thread (see the module contract)."""
+    return await USER_CODE.run(fn, label)
