@@ -27,7 +27,7 @@ from environments import (
 )
 from rollout.backend import GenerationBackend
 from rollout.parsers import Parser
-from rollout.template import ChatRenderer
+from rollout.template import ChatRenderer, valid_unicode
 from rollout.tokens import TokenRow
 from rollout.types import (
     Episode,
@@ -284,7 +284,14 @@ async def _turn(
 def _add_tool_turn(
     ctx: EpisodeContext, state: _State, tool_messages: list[dict], stop_text: str, env: Any
 ) -> Finish | None:
-    """Record the tool results; append their tokens (mask 0) unless the episode ends here."""
+    """Record the tool results; append their tokens (mask 0) unless the episode ends here.
+
+    A result too long to fit the budget left is cut first (`ChatRenderer.fit_tool_messages`),
+    so it is never tokenized in full; the episode ends with LENGTH all the same, and its
+    messages hold the cut text.
+    """
+    budget = ctx.config.max_completion_length - len(state.tokens)
+    tool_messages = ctx.renderer.fit_tool_messages(tool_messages, budget)
     history = list(state.messages)
     state.messages.extend(tool_messages)
     if env is not None and is_done(env):
@@ -360,7 +367,8 @@ def _assistant_message(text: str, parsed: ParsedTurn) -> dict[str, Any]:
 
 
 def _tool_message(name: str, content: str) -> dict[str, Any]:
-    return {"role": "tool", "name": name, "content": content}
+    """A tool message; lone surrogates a tool returned become U+FFFD, so it can be encoded."""
+    return {"role": "tool", "name": name, "content": valid_unicode(content)}
 
 
 def _show(row: Mapping[str, Any], width: int = 200) -> str:

@@ -1,4 +1,4 @@
-"""Tool-call parsers: read the tool calls out of one assistant turn.
+r"""Tool-call parsers: read the tool calls out of one assistant turn.
 
 A `Parser` takes the decoded text of one assistant turn (the end-of-turn token already removed)
 and returns a `ParsedTurn`: the text outside the calls, the calls it could read, and one error
@@ -6,6 +6,10 @@ message per call it could not. A parser never raises on what the model wrote: a 
 data (an error shown to the model in the tool turn), never an exception. Only the user's
 mistakes raise: an unknown parser name, a template whose tool format cannot be told, an invalid
 response template on a tokenizer.
+
+JSON that no later stage could handle is a bad call too: nesting deeper than `MAX_JSON_DEPTH`,
+an integer longer than Python converts (`sys.get_int_max_str_digits()`), or a string holding a
+lone surrogate escape (`"\ud800"`), which no tokenizer encodes.
 
 Two formats are written out by hand (`hermes`, `llama3_json`); `tokenizer_parser` wraps the
 tokenizer's own `parse_response` when the tokenizer ships a response template.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,6 +45,11 @@ _LLAMA3_NEXT_CALL = re.compile(r"[;\n]\s*(?=\{)")
 # Llama 3 templates write the key in a Jinja string literal, so its quotes may be escaped.
 _PARAMETERS_KEY = re.compile(r'\\?"parameters\\?"')
 _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+# Deeper JSON is refused: every later step (the template's `tojson`, logs, tools) recurses over
+# it, and Python's recursion limit (1000 frames, shared with the caller's stack) must hold there.
+MAX_JSON_DEPTH = 128
+_TOO_DEEP = f"the JSON nests deeper than {MAX_JSON_DEPTH} levels"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _BadCall(ValueError):
@@ -47,7 +57,7 @@ class _BadCall(ValueError):
 
 
 def _error(reason: str, hint: str = "") -> str:
-    message = f"Error: could not parse tool call: {reason.rstrip('.')}."
+    message = f"Error: could not parse tool call: {_escaped(reason).rstrip('.')}."
     return f"{message} {hint}" if hint else message
 
 
@@ -59,6 +69,79 @@ def _json_reason(exc: json.JSONDecodeError) -> str:
     return f"{exc.msg} at line {exc.lineno} column {exc.colno}"
 
 
+def _json_int(digits: str) -> int:
+    """Read a JSON integer literal; one too long for Python to convert is the model's mistake."""
+    try:
+        return int(digits)
+    except ValueError:  # over sys.get_int_max_str_digits(): int() refuses it
+        limit = sys.get_int_max_str_digits()
+        raise _BadCall(f"an integer has {len(digits.lstrip('-'))} digits, over {limit}") from None
+
+
+_DECODER = json.JSONDecoder(parse_int=_json_int)
+
+
+def _decode(text: str, start: int = 0) -> tuple[Any, int]:
+    """`raw_decode` one JSON value at `start`: the value and the index after it.
+
+    Raises:
+        _BadCall: The text is not JSON there, or is JSON no tool call may hold: nested too
+            deep for the decoder, or an integer too long to convert.
+
+    """
+    try:
+        return _DECODER.raw_decode(text, start)
+    except json.JSONDecodeError as exc:
+        raise _BadCall(_json_reason(exc)) from None
+    except RecursionError:  # nested far deeper than MAX_JSON_DEPTH: refused all the same
+        raise _BadCall(_TOO_DEEP) from None
+
+
+def _loads(text: str) -> Any:
+    """Decode a whole JSON text (surrounding whitespace allowed), like `json.loads`."""
+    text = text.strip()  # so a line number counts from the JSON's first line, as the model sees
+    value, end = _decode(text)
+    if end != len(text):
+        raise _BadCall(_json_reason(json.JSONDecodeError("Extra data", text, end)))
+    return value
+
+
+def _check_json(value: Any) -> None:
+    r"""Raise `_BadCall` if a decoded value nests too deep or holds a lone surrogate.
+
+    A lone surrogate (`"\ud800"` unpaired) decodes to a string that is not valid Unicode: no
+    tokenizer can encode it and no UTF-8 file can hold it. The walk is iterative, so it never
+    recurses whatever the depth.
+    """
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, str):
+            if not item.isascii() and (bad := _SURROGATE.search(item)):
+                raise _BadCall(
+                    f"the string {_quoted(item)} holds a lone surrogate "
+                    f"\\u{ord(bad.group()):04x}, which is not a Unicode character"
+                )
+            continue
+        if not isinstance(item, dict | list):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise _BadCall(_TOO_DEEP)
+        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+        pending.extend((child, depth + 1) for child in children)
+
+
+def _quoted(text: str, width: int = 40) -> str:
+    """A short quote of a string, as `_escaped`."""
+    shown = _escaped(text[:width])
+    return f'"{shown}..."' if len(text) > width else f'"{shown}"'
+
+
+def _escaped(text: str) -> str:
+    r"""`text` with its lone surrogates written as escapes (`\ud800`), so it can be encoded."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _arguments(call: Mapping[str, Any], name: str) -> dict[str, Any]:
     """Return a call's arguments: `arguments`, else `parameters`; absent, null or "" mean {}."""
     key = "arguments" if "arguments" in call else "parameters"
@@ -67,9 +150,10 @@ def _arguments(call: Mapping[str, Any], name: str) -> dict[str, Any]:
         return {}
     if isinstance(arguments, str):  # OpenAI style: the arguments object encoded as a string
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as exc:
+            arguments = _loads(arguments)
+        except _BadCall as exc:
             raise _BadCall(f'"{key}" of {name!r} is a string that is not JSON') from exc
+        _check_json(arguments)
     if not isinstance(arguments, Mapping):
         raise _BadCall(f'"{key}" of {name!r} must be a JSON object, got {_json_type(arguments)}')
     return dict(arguments)
@@ -77,20 +161,13 @@ def _arguments(call: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 def _tool_call(call: Any) -> ToolCall:
     """Read one decoded call `{"name": str, "arguments": {...}}`; raise `_BadCall` if it is not."""
+    _check_json(call)
     if not isinstance(call, Mapping):
         raise _BadCall(f"expected a JSON object, got {_json_type(call)}")
     name = call.get("name")
     if not isinstance(name, str) or not name:
         raise _BadCall('the "name" field is missing or not a string')
     return ToolCall(name=name, arguments=_arguments(call, name))
-
-
-def _tool_call_from_json(text: str) -> ToolCall:
-    try:  # stripped, so a line number counts from the JSON's first line, as the model sees it
-        call = json.loads(text.strip())
-    except json.JSONDecodeError as exc:
-        raise _BadCall(_json_reason(exc)) from exc
-    return _tool_call(call)
 
 
 def parse_hermes(text: str) -> ParsedTurn:
@@ -132,7 +209,7 @@ def parse_hermes(text: str) -> ParsedTurn:
             errors.append(_error("the turn ended before </tool_call>", _HERMES_HINT))
             continue
         try:
-            calls.append(_tool_call_from_json(block.group(1)))
+            calls.append(_tool_call(_loads(block.group(1))))
         except _BadCall as exc:
             errors.append(_error(str(exc), _HERMES_HINT))
     outside.append(text[end:])
@@ -160,20 +237,20 @@ def parse_llama3_json(text: str) -> ParsedTurn:
     body = text.strip().removeprefix(_PYTHON_TAG).lstrip()
     if not body.startswith("{"):
         return ParsedTurn(content=text.strip())
-    decoder = json.JSONDecoder()
     calls: list[ToolCall] = []
     errors: list[str] = []
     pos = 0
     while body.startswith("{", pos):
         start = pos
         try:
-            call, pos = decoder.raw_decode(body, start)
-            calls.append(_tool_call(call))
-        except json.JSONDecodeError as exc:
-            errors.append(_error(_json_reason(exc), _LLAMA3_HINT))
+            call, pos = _decode(body, start)
+        except _BadCall as exc:  # not read to its end: resume at what looks like the next call
+            errors.append(_error(str(exc), _LLAMA3_HINT))
             resume = _LLAMA3_NEXT_CALL.search(body, start + 1)
             pos = resume.end() if resume else len(body)
             continue
+        try:
+            calls.append(_tool_call(call))
         except _BadCall as exc:
             errors.append(_error(str(exc), _LLAMA3_HINT))
         pos = _LLAMA3_SEPARATOR.match(body, pos).end()

@@ -7,6 +7,10 @@ template really extends the conversation (rendering a longer conversation starts
 the shorter one); a template that rewrites earlier turns raises `TemplateDriftError` instead of
 silently training on tokens the model never saw.
 
+Tool results are untrusted text: `valid_unicode` makes them encodable, and
+`ChatRenderer.fit_tool_messages` cuts them where they could not fit the token budget anyway, so a
+megabyte result is never tokenized only to be thrown away.
+
 Templates are jinja2, rendered in a sandbox with the conventions Hugging Face templates rely on
 (`trim_blocks`, `lstrip_blocks`, a `tojson` filter that keeps non-ASCII text, `raise_exception`,
 `strftime_now`, and the `{% generation %}` block, which renders its body).
@@ -15,9 +19,11 @@ Templates are jinja2, rendered in a sandbox with the conventions Hugging Face te
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from importlib import resources
 from typing import Any
 
@@ -30,6 +36,14 @@ BUILTIN_TEMPLATES = {"chatml_tools": "chatml_tools.jinja"}
 _PROBE_TOOL = "agentgrpo_probe_tool"
 _PROBE_ARGUMENT = "agentgrpo_probe_argument"
 _PROBE_RESULT = "agentgrpo_probe_result"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# Normalizer and pre-tokenizer steps that never drop a character of the text.
+_KEEPS_CHARACTERS = {
+    "ByteLevel", "Digits", "Lowercase", "Metaspace", "NFC", "NFD", "NFKC", "NFKD", "Prepend",
+    "Punctuation", "Replace", "Sequence", "Split",
+}  # fmt: skip
+# Steps that compose: up to 4 code points (a base and its marks) may become one character.
+_COMPOSES = {"NFC", "NFKC"}
 
 
 class ToolTemplateError(ValueError):
@@ -101,6 +115,103 @@ def load_template(tokenizer: Any, chat_template: str | None = None) -> str:
     return chat_template
 
 
+def valid_unicode(text: str) -> str:
+    r"""`text` with each lone surrogate (not valid Unicode, so no tokenizer takes it) as U+FFFD.
+
+    >>> valid_unicode("a\ud800b")
+    'a�b'
+    """
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of text one token can stand for, or None if that cannot be told.
+
+    For a fast tokenizer whose BPE model reads any byte (byte-level, or byte fallback) and
+    whose normalizer and pre-tokenizer never drop a character, every character of the text
+    lands in the string of some token, so no token stands for more characters than the
+    longest token string in the vocabulary (added tokens included), times 4 where
+    normalization composes characters. Anything else (a slow tokenizer, an `<unk>` that may
+    swallow a word, a normalizer that strips or collapses text) gives None.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.model).__name__ != "BPE":
+        return None
+    steps = _steps(backend.normalizer) + _steps(backend.pre_tokenizer)
+    if not all(_keeps_characters(step) for step in steps):
+        return None
+    types = {step["type"] for step in steps}
+    if "ByteLevel" not in types and not getattr(backend.model, "byte_fallback", False):
+        return None
+    longest = max(map(len, tokenizer.get_vocab()))
+    return longest * 4 if types & _COMPOSES else longest
+
+
+def _steps(component: Any) -> list[dict[str, Any]]:
+    """A normalizer or pre-tokenizer as a flat list of its steps' settings."""
+    if component is None:
+        return []
+    pending, steps = [json.loads(component.__getstate__())], []
+    while pending:
+        step = pending.pop()
+        steps.append(step)
+        pending.extend(step.get("normalizers") or step.get("pretokenizers") or [])
+    return steps
+
+
+def _keeps_characters(step: Mapping[str, Any]) -> bool:
+    if step["type"] == "Replace":  # a plain string replaced by one at least as long
+        pattern = step["pattern"].get("String")
+        return pattern is not None and len(step["content"]) >= len(pattern)
+    if step["type"] == "Split":
+        return step.get("behavior") != "Removed"
+    return step["type"] in _KEEPS_CHARACTERS
+
+
+class EncodeCache:
+    """Token ids of recently encoded texts, bounded by total size rather than entry count.
+
+    The size of an entry is its characters plus its token ids; the least recently used
+    entries go first once the total passes `max_size`. A text bigger than a sixteenth of
+    `max_size` is encoded but not kept, so one huge tool result cannot push out every prompt.
+
+    Args:
+        encode: Text to token ids (the uncached encoder).
+        max_size: Bound on the total size of the entries kept.
+
+    >>> cache = EncodeCache(lambda text: tuple(map(ord, text)), max_size=64)
+    >>> cache("ab"), cache.size
+    ((97, 98), 4)
+
+    """
+
+    def __init__(self, encode: Callable[[str], tuple[int, ...]], max_size: int):
+        self._encode = encode
+        self.max_size = max_size
+        self.size = 0
+        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+    def __call__(self, text: str) -> tuple[int, ...]:
+        """The ids of `text`, from the cache if it holds them."""
+        ids = self._entries.get(text)
+        if ids is not None:
+            self._entries.move_to_end(text)
+            return ids
+        ids = self._encode(text)
+        size = len(text) + len(ids)
+        if size <= self.max_size // 16:
+            self._entries[text] = ids
+            self.size += size
+            while self.size > self.max_size:
+                old_text, old_ids = self._entries.popitem(last=False)
+                self.size -= len(old_text) + len(old_ids)
+        return ids
+
+    def __contains__(self, text: str) -> bool:
+        """Whether the ids of `text` are kept."""
+        return text in self._entries
+
+
 class ChatRenderer:
     """Renders messages through one chat template and turns text into token ids.
 
@@ -110,6 +221,7 @@ class ChatRenderer:
         template: jinja source, as returned by `load_template`.
         tools: Tool schemas (`{"type": "function", "function": {...}}`) shown to the model.
         template_kwargs: Extra variables for the template (e.g. `{"enable_thinking": False}`).
+        encode_cache_size: Bound on the encode cache, in characters plus token ids.
 
     """
 
@@ -119,6 +231,7 @@ class ChatRenderer:
         template: str,
         tools: Sequence[Mapping[str, Any]] = (),
         template_kwargs: Mapping[str, Any] | None = None,
+        encode_cache_size: int = 1 << 21,
     ):
         self.tokenizer = tokenizer
         self.template = template
@@ -126,7 +239,7 @@ class ChatRenderer:
         self.template_kwargs = dict(template_kwargs or {})
         self._compiled = _compile(template)
         # Group members render the same prompt and tool turns often repeat: encode each text once.
-        self._encoded = lru_cache(maxsize=4096)(self._encode_uncached)
+        self._encoded = EncodeCache(self._encode_uncached, encode_cache_size)
         self._special = {
             k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)
         }
@@ -147,6 +260,36 @@ class ChatRenderer:
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @cached_property
+    def _max_token_chars(self) -> int | None:
+        """`max_token_chars` of the tokenizer, read from its vocabulary when first needed."""
+        return max_token_chars(self.tokenizer)
+
+    def fit_tool_messages(
+        self, messages: Sequence[Mapping[str, Any]], budget_tokens: int
+    ) -> list[dict[str, Any]]:
+        """Tool messages with each `content` cut where it could not fit `budget_tokens` anyway.
+
+        No token covers more than `max_token_chars(tokenizer)` characters of text, so a content
+        of `budget_tokens` times that many characters is at least `budget_tokens` tokens however
+        the template wraps it. Cutting it there decides nothing differently: the tool turn would
+        not fit in full, and does not fit cut. It only spares tokenizing what is thrown away.
+        Contents that might fit are returned whole; so is everything when the tokenizer has no
+        such bound (`max_token_chars` is None).
+
+        Args:
+            messages: Tool messages (`{"role": "tool", "content": str, ...}`).
+            budget_tokens: The tokens left for the tool turn and what follows it.
+
+        Returns:
+            Copies of the messages, with `content` cut to at most the bound.
+
+        """
+        if self._max_token_chars is None:
+            return [dict(m) for m in messages]
+        limit = max(budget_tokens, 0) * self._max_token_chars
+        return [{**m, "content": m["content"][:limit]} for m in messages]
 
     def tool_turn_ids(
         self,
