@@ -286,18 +286,19 @@ def _add_tool_turn(
 ) -> Finish | None:
     """Record the tool results; append their tokens (mask 0) unless the episode ends here.
 
-    A result too long to fit the budget left is cut first (`ChatRenderer.fit_tool_messages`),
-    so it is never tokenized in full; the episode ends with LENGTH all the same, and its
-    messages hold the cut text.
+    When the episode goes on, a result too long to fit the budget left is cut first
+    (`ChatRenderer.fit_tool_messages`), so it is never tokenized in full; the episode ends with
+    LENGTH all the same, and its messages hold the cut text. When it ends here (ENV_DONE,
+    MAX_TURNS), nothing is tokenized and the messages keep the results whole.
     """
+    history = list(state.messages)
+    ends = _ending(ctx, state, env)
+    if ends is not None:
+        state.messages.extend(tool_messages)
+        return ends
     budget = ctx.config.max_completion_length - len(state.tokens)
     tool_messages = ctx.renderer.fit_tool_messages(tool_messages, budget)
-    history = list(state.messages)
     state.messages.extend(tool_messages)
-    if env is not None and is_done(env):
-        return Finish.ENV_DONE
-    if state.turns >= ctx.config.max_turns:
-        return Finish.MAX_TURNS
     try:
         delta, prompt_text = ctx.renderer.tool_turn_ids(
             state.prompt_text, history, tool_messages, stop_text
@@ -309,6 +310,15 @@ def _add_tool_turn(
         return Finish.LENGTH
     state.prompt_text = prompt_text
     state.tokens.append_context(delta)
+    return None
+
+
+def _ending(ctx: EpisodeContext, state: _State, env: Any) -> Finish | None:
+    """ENV_DONE or MAX_TURNS when the episode ends after this turn's tool results, else None."""
+    if env is not None and is_done(env):
+        return Finish.ENV_DONE
+    if state.turns >= ctx.config.max_turns:
+        return Finish.MAX_TURNS
     return None
 
 
