@@ -19,12 +19,17 @@ from agentgrpo.cli.options import (
     UsageError,
     check_keys,
     config_fields,
+    config_file_values,
     config_overrides,
     read_config_file,
 )
+from agentgrpo.cli.values import FieldType
 
 # Keys a --config file may hold besides GRPOConfig's fields: the command's own options.
 RUN_KEYS = ("model", "dataset", "dataset_split", "reward")
+_RUN_KEY_TYPES = {key: FieldType.of(str | None) for key in RUN_KEYS} | {
+    "reward": FieldType.of(str | list[str] | None)
+}
 BUILTIN_TEMPLATE = "chatml_tools"  # the default model's own template cannot show tools
 DEFAULT_WARM_START_STEPS = 24  # MODELS.md: enough for SmolLM2 to learn the call format
 
@@ -37,6 +42,7 @@ def run(namespace: argparse.Namespace) -> int:
     env_class = sources.environment_class(namespace.env)
     settings = _run_settings(namespace, env_class)
     config = _grpo_config(settings["config"])
+    sources.check_output_dir(config.output_dir)
     train_rows = sources.rows(env_class, settings["dataset"], settings["dataset_split"])
     rewards = sources.reward_functions(settings["reward"])
     model = sources.model_path(settings["model"])
@@ -113,6 +119,7 @@ def _run_settings(namespace: argparse.Namespace, env_class: type) -> dict[str, A
     """The run's options, merged: command line over config file over the run defaults."""
     from_file = read_config_file(namespace.config) if namespace.config else {}
     check_keys(from_file, [*config_fields(), *RUN_KEYS], f"config file {namespace.config}")
+    from_file = config_file_values(from_file, namespace.config, _RUN_KEY_TYPES)
     given = vars(namespace)
     own = {key: given.get(key, from_file.get(key)) for key in RUN_KEYS}
     reward = own["reward"] or []
