@@ -126,7 +126,7 @@ def _check_hub_model(name: str, path: Path) -> None:
 
     problem = f"--model {name!r} is not a local folder (there is no {path.resolve()})"
     try:
-        hf_hub_download(name, "config.json")
+        hf_hub_download(name, "config.json", local_files_only=not _hub_resolves())
     except HFValidationError:
         raise UsageError(f"{problem} nor a valid hub model id; pass a model folder") from None
     except LocalEntryNotFoundError:
@@ -143,6 +143,27 @@ def _check_hub_model(name: str, path: Path) -> None:
         raise UsageError(f"{problem}, and hub repo {name} has no config.json") from None
     except HfHubHTTPError as error:
         raise UsageError(f"{problem}, and the hub did not provide it: {error}") from None
+
+
+def _hub_resolves() -> bool:
+    """False when the hub's host name does not resolve and no proxy would resolve it for us.
+
+    Then only the hub cache is read: the hub client would otherwise retry for about 20 s,
+    logging each retry, before reporting what is already known.
+    """
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    if urllib.request.getproxies():
+        return True
+    try:
+        socket.getaddrinfo(urllib.parse.urlparse(constants.ENDPOINT).hostname, 443)
+    except OSError:
+        return False
+    return True
 
 
 def _load_dataset(source: str, split: str) -> Any:
