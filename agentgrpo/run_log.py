@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -305,12 +306,27 @@ def _labelled(label: str, text: str) -> str:
 # ---------------------------------------------------------------------- progress bar
 
 
+_OPEN_BARS: weakref.WeakSet[tqdm] = weakref.WeakSet()
+"""Bars `ProgressBar` opened and has not closed: a run that raised leaves its bar here."""
+
+
+def end_progress_line() -> None:
+    """Close the open progress bars, ending their line, so what is printed next starts afresh.
+
+    A run that raises never reaches `on_train_end`; its bar's line has no newline yet.
+    """
+    for bar in list(_OPEN_BARS):
+        bar.close()
+        _OPEN_BARS.discard(bar)
+
+
 class ProgressBar(TrainerCallback):
     """A tqdm bar over `max_steps`, its postfix showing reward, tool-call rate and s/step.
 
     Seconds per step come from the trainer's `step_time` metric when logged, else from the wall
     time between steps. Off a terminal (CI logs), the postfix waits for the bar's next redraw
     instead of forcing one, so the log gets fewer lines. `disable_tqdm` turns the bar off.
+    If training raises, `end_progress_line()` closes the bar before the error is printed.
     """
 
     def __init__(self):
@@ -328,6 +344,7 @@ class ProgressBar(TrainerCallback):
                 dynamic_ncols=True,
                 disable=args.disable_tqdm,
             )
+            _OPEN_BARS.add(self.bar)
 
     def on_step_end(self, args, state, control, **kwargs):
         """Advance to the global step and time it."""
@@ -350,6 +367,7 @@ class ProgressBar(TrainerCallback):
         """Close the bar."""
         if self.bar is not None:
             self.bar.close()
+            _OPEN_BARS.discard(self.bar)
             self.bar = None
 
 

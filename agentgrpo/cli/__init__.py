@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import typing
 from collections.abc import Callable, Sequence
 
 from agentgrpo.cli.options import UsageError, add_config_options, check_unknown_options
@@ -32,28 +34,47 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return vllm_serve(argv[1:])
     parser, commands = build_parser()
-    namespace, unknown = parser.parse_known_args(argv)
-    if namespace.command is None:
-        parser.print_help()
-        return 2
-    _quiet_loading()
     try:
+        namespace, unknown = parser.parse_known_args(argv)
+        if namespace.command is None:
+            parser.print_help()
+            return 2
+        _quiet_loading()
         check_unknown_options(unknown, commands[namespace.command])
         return namespace.handler(namespace)
     except _USAGE_ERRORS + _runtime_user_errors() as error:
         if os.environ.get("AGENTGRPO_DEBUG"):
             raise
+        from agentgrpo.run_log import end_progress_line
+
+        end_progress_line()
         print(f"error: {error}", file=sys.stderr)
         for note in getattr(error, "__notes__", ()):  # e.g. a close() that failed after reset()
             print(f"  {note}", file=sys.stderr)
         return 2
 
 
+class CommandParser(argparse.ArgumentParser):
+    """An argparse parser whose mistakes raise `UsageError` instead of exiting.
+
+    `main` then prints them like every other user error: one `error:` line, status 2.
+    """
+
+    def error(self, message: str) -> typing.NoReturn:
+        """Raise argparse's complaint as a `UsageError`, worded as `--option takes X, not V`."""
+        about_option = re.fullmatch(r"argument (\S+): (.*)", message, flags=re.DOTALL)
+        if about_option and about_option[2].startswith("takes "):  # from `value_parser`
+            raise UsageError(" ".join(about_option.groups()))
+        if about_option:
+            message = ": ".join(about_option.groups())
+        raise UsageError(f"{message}; see `{self.prog} --help`")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and each subcommand's parser by name."""
     from agentgrpo.cli import commands as run_commands
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="agentgrpo", description="Train LLM agents with GRPO on tool-calling episodes."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -120,7 +141,7 @@ def _run_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.
 
 
 def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.ArgumentParser:
-    from agentgrpo.cli.options import RUN_DEFAULTS
+    from agentgrpo.cli.options import RUN_DEFAULTS, value_parser
 
     parser = _command(sub, "eval", handler, "play held-out rows without training")
     _add_env(parser)
@@ -128,26 +149,40 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
     add("--model", help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
     add("--dataset", help="rows file or datasets name (default: the environment's dataset())")
     add("--split", default="eval", help="split of the rows to play (default: eval)")
-    add("--num-episodes", type=int, help="play only the first N rows (default: all)")
+    add(
+        "--num-episodes",
+        type=value_parser("num_episodes", int),
+        help="play only the first N rows (default: all)",
+    )
     add("--reward", action="append", default=[], metavar="MODULE:FUNCTION", help="repeatable")
     add(
         "--temperature",
-        type=float,
+        type=value_parser("temperature", float),
         default=1.0,
         help="sampling temperature; 1.0, the default, is training's, so the success rate is "
         "that of the policy GRPO trains; 0 is greedy",
     )
-    add("--max-turns", type=int, default=RUN_DEFAULTS["max_turns"], help="model turns")
+    add(
+        "--max-turns",
+        type=value_parser("max_turns", int),
+        default=RUN_DEFAULTS["max_turns"],
+        help="model turns",
+    )
     add(
         "--max-completion-length",
-        type=int,
+        type=value_parser("max_completion_length", int),
         default=RUN_DEFAULTS["max_completion_length"],
         help="tokens per episode, tool turns included",
     )
     add("--chat-template", help="template name or jinja (default: the model's own)")
     add("--tool-call-parser", help="hermes or llama3_json (default: detected)")
-    add("--success-threshold", type=float, default=1.0, help="reward that counts as a success")
-    add("--seed", type=int, default=0, help="sampling seed")
+    add(
+        "--success-threshold",
+        type=value_parser("success_threshold", float),
+        default=1.0,
+        help="reward that counts as a success",
+    )
+    add("--seed", type=value_parser("seed", int), default=0, help="sampling seed")
     add("--episodes-file", metavar="FILE", help="also write every episode as text to FILE")
     add(
         "--server-url",
@@ -156,7 +191,12 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
         "http://localhost:8000) instead of loading the model here; --model still names the "
         "tokenizer",
     )
-    add("--server-timeout", type=float, default=240.0, help="seconds to wait for the server")
+    add(
+        "--server-timeout",
+        type=value_parser("server_timeout", float),
+        default=240.0,
+        help="seconds to wait for the server",
+    )
     return parser
 
 

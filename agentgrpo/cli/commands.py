@@ -22,13 +22,19 @@ from agentgrpo.cli.options import (
     UsageError,
     check_keys,
     config_fields,
+    config_file_values,
     config_overrides,
     option_name,
     read_config_file,
 )
+from agentgrpo.cli.values import FieldType
 
 # Keys a --config file may hold besides GRPOConfig's fields: the command's own options.
 RUN_KEYS = ("model", "dataset", "dataset_split", "reward", "resume")
+_RUN_KEY_TYPES = {key: FieldType.of(str | None) for key in RUN_KEYS} | {
+    "reward": FieldType.of(str | list[str] | None),
+    "resume": FieldType.of(bool | None),
+}
 INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
 BUILTIN_TEMPLATE = "chatml_tools"  # the default model's own template cannot show tools
 DEFAULT_WARM_START_STEPS = 24  # MODELS.md: enough for SmolLM2 to learn the call format
@@ -47,6 +53,7 @@ def run(namespace: argparse.Namespace) -> int:
     env_class = sources.environment_class(namespace.env)
     settings = _run_settings(namespace, env_class)
     config = _grpo_config(settings["config"])
+    sources.check_output_dir(config.output_dir)
     checkpoint = _resume_from(settings["resume"], config)
     train_rows = sources.rows(env_class, settings["dataset"], settings["dataset_split"])
     rewards = sources.reward_functions(settings["reward"])
@@ -125,6 +132,7 @@ def _run_settings(namespace: argparse.Namespace, env_class: type) -> dict[str, A
     """The run's options, merged: command line over config file over the run defaults."""
     from_file = read_config_file(namespace.config) if namespace.config else {}
     check_keys(from_file, [*config_fields(), *RUN_KEYS], f"config file {namespace.config}")
+    from_file = config_file_values(from_file, namespace.config, _RUN_KEY_TYPES)
     given = vars(namespace)
     own = {key: given.get(key, from_file.get(key)) for key in RUN_KEYS}
     reward = own["reward"] or []

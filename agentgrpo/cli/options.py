@@ -1,9 +1,11 @@
 """Command-line options from `GRPOConfig`'s fields, a YAML file of the same fields, and defaults.
 
 Every `GRPOConfig` field is an option: `learning_rate` is `--learning-rate`. Values arrive as
-text and are turned into the field's type here (`--use-vllm` alone means true; `none` clears an
-optional field; lists and dicts are JSON). A value's source, strongest first: the command line,
-then `--config FILE.yaml`, then the command's own defaults (`RUN_DEFAULTS`), then `GRPOConfig`'s.
+text and are turned into the field's type when the command line is parsed (`--use-vllm` alone
+means true; `none` clears an optional field; lists and dicts are JSON); a value of the wrong
+type, or outside the option's range (`LIMITS`), is an error naming the option. A value's
+source, strongest first: the command line, then `--config FILE.yaml`, then the command's own
+defaults (`RUN_DEFAULTS`), then `GRPOConfig`'s.
 A misspelt option or key is an error that names the nearest valid one.
 """
 
@@ -12,14 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import json
-import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from agentgrpo.cli.values import FieldType, InvalidValue, Limit
 from agentgrpo.config import GRPOConfig
 
 
@@ -48,8 +49,36 @@ RUN_DEFAULTS: dict[str, Any] = {
 }
 
 
+def _at_least(low: float, what: str = "a whole number") -> Limit:
+    return (lambda n: n >= low), f"{what} >= {low}"
+
+
+# Ranges checked at parse time: values that would fail later with a traceback or a message
+# that does not name the option, or (max_steps) be silently read as "train by epochs". Other
+# values TRL accepts stay accepted. Eval's own options are here too (num_episodes, ...).
+LIMITS: dict[str, Limit] = {
+    "max_steps": (lambda n: n == -1 or n >= 1, "-1 (train by epochs) or a whole number >= 1"),
+    "per_device_train_batch_size": _at_least(1),
+    "per_device_eval_batch_size": _at_least(1),
+    "gradient_accumulation_steps": _at_least(1),
+    "steps_per_generation": _at_least(1),
+    "generation_batch_size": _at_least(1),
+    "num_iterations": _at_least(1),
+    "warmup_steps": _at_least(0, "a number"),
+    "seed": (lambda n: 0 <= n < 2**32, "a whole number from 0 to 2**32 - 1"),
+    "learning_rate": _at_least(0, "a number"),
+    "temperature": _at_least(0, "a number"),
+    "top_p": (lambda p: 0 < p <= 1, "a number in (0, 1]"),
+    "max_turns": _at_least(1),
+    "max_completion_length": _at_least(1),
+    "num_episodes": _at_least(1),
+    "server_timeout": (lambda s: s > 0, "a number of seconds > 0"),
+}
+
 # Fields where the text "none" is a value TrainingArguments reads, not "unset".
 _NONE_IS_TEXT = frozenset({"report_to"})
+# Fields with a str member that takes only these texts (the rest of the union is typed).
+_TEXT_CHOICES: dict[str, tuple[str, ...]] = {"pad_to_multiple_of": ("auto",)}
 
 
 @cache
@@ -61,6 +90,17 @@ def config_fields() -> dict[str, dataclasses.Field]:
 @cache
 def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(GRPOConfig)
+
+
+@cache
+def field_type(name: str) -> FieldType:
+    """What GRPOConfig field `name` takes: its annotation, `choices` metadata and limit."""
+    return FieldType.of(
+        _field_types()[name],
+        _TEXT_CHOICES.get(name, config_fields()[name].metadata.get("choices")),
+        none_is_text=name in _NONE_IS_TEXT,
+        limit=LIMITS.get(name),
+    )
 
 
 def own_field_names() -> set[str]:
@@ -90,8 +130,9 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
             dest=name,
             default=argparse.SUPPRESS,
             metavar=_metavar(name),
+            type=value_parser(name),
             nargs="?" if _is_bool(name) else None,
-            const="true" if _is_bool(name) else None,
+            const=True if _is_bool(name) else None,
             help=f"{help_text} (default: {default!r})",
         )
 
@@ -102,49 +143,79 @@ def option_name(field_name: str) -> str:
 
 
 def config_overrides(namespace: argparse.Namespace) -> dict[str, Any]:
-    """The GRPOConfig fields the command line set, converted to their types."""
+    """The GRPOConfig fields the command line set (already typed by their options' `type`)."""
     given = vars(namespace)
-    return {name: parse_value(name, given[name]) for name in config_fields() if name in given}
+    return {name: given[name] for name in config_fields() if name in given}
 
 
-def parse_value(name: str, text: Any) -> Any:
-    """Turn a command-line string into the type of field `name`; other values pass through.
+def parse_value(name: str, value: Any) -> Any:
+    """Field `name`'s value from command-line text or a config file's YAML value.
+
+    Text is read as the field's type (`none` clears an optional field; lists and dicts are
+    JSON, a list also `a,b`); other values must already have the type. Either way the value
+    must be one of the field's choices and inside its range (`LIMITS`).
+
+    Raises:
+        UsageError: Naming the option and what it takes.
 
     Example:
         >>> parse_value("learning_rate", "1e-5"), parse_value("use_vllm", "true")
         (1e-05, True)
         >>> parse_value("max_turns", "none"), parse_value("reward_weights", "[1, 0.5]")
-        (None, [1, 0.5])
+        (None, [1.0, 0.5])
         >>> parse_value("report_to", "none")  # a value of its own: no integrations
         ['none']
+        >>> parse_value("beta", "abc")
+        Traceback (most recent call last):
+        ...
+        agentgrpo.cli.options.UsageError: --beta takes a number, not 'abc'
 
     """
-    if not isinstance(text, str):
-        return text
-    kinds = _kinds(_field_types()[name])
-    if text.lower() in ("none", "null") and type(None) in kinds and name not in _NONE_IS_TEXT:
-        return None
-    if bool in kinds:
-        if text.lower() in ("true", "1", "yes", "on"):
-            return True
-        if text.lower() in ("false", "0", "no", "off"):
-            return False
-        if str not in kinds:
-            raise UsageError(f"{option_name(name)} takes true or false, not {text!r}")
-    for kind in (int, float):
-        if kind in kinds:
-            try:
-                return kind(text)
-            except ValueError:
-                if str not in kinds and float not in kinds:
-                    raise UsageError(f"{option_name(name)} takes a number, not {text!r}") from None
-    if kinds & {list, dict}:
+    try:
+        return field_type(name).read(value)
+    except InvalidValue as invalid:
+        raise UsageError(f"{option_name(name)} {invalid}") from None
+
+
+def value_parser(name: str, kind: type | None = None) -> Callable[[str], Any]:
+    """An argparse `type` for option `name`: GRPOConfig field `name`, or a plain `kind`.
+
+    A plain kind (a command's own option, e.g. eval's `num_episodes`) still gets
+    `LIMITS[name]`. Errors are argparse's `ArgumentTypeError`, worded `takes X, not V`.
+    """
+    field = field_type(name) if kind is None else FieldType.of(kind, limit=LIMITS.get(name))
+
+    def parse(text: str) -> Any:
         try:
-            return json.loads(text)
-        except json.JSONDecodeError:
-            if list in kinds:
-                return [part.strip() for part in text.split(",") if part.strip()]
-    return text
+            return field.read(text)
+        except InvalidValue as invalid:
+            raise argparse.ArgumentTypeError(str(invalid)) from None
+
+    parse.__name__ = name  # argparse names the type in some messages
+    return parse
+
+
+def config_file_values(
+    values: Mapping[str, Any], path: str, own_types: Mapping[str, FieldType]
+) -> dict[str, Any]:
+    """A config file's values, each typed and checked as `parse_value` does.
+
+    Args:
+        values: The file's mapping (keys already checked).
+        path: The file, for the error message.
+        own_types: The types of the command's own keys (`model`, ...); the rest are fields.
+
+    Raises:
+        UsageError: Naming the file, the key and what it takes.
+
+    """
+    typed = {}
+    for name, value in values.items():
+        try:
+            typed[name] = (own_types.get(name) or field_type(name)).read(value)
+        except InvalidValue as invalid:
+            raise UsageError(f"config file {path}: {name} {invalid}") from None
+    return typed
 
 
 def read_config_file(path: str) -> dict[str, Any]:
@@ -193,30 +264,12 @@ def suggestion(name: str, candidates: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _kinds(annotation: Any) -> set[type]:
-    """The plain types an annotation allows: `int | None` -> {int, NoneType}."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        members = typing.get_args(annotation)
-    else:
-        members = (annotation,)
-    kinds = set()
-    for member in members:
-        origin = typing.get_origin(member) or member
-        if origin is typing.Literal:
-            kinds |= {type(value) for value in typing.get_args(member)}
-        elif isinstance(origin, type):
-            kinds.add(str if issubclass(origin, str) else origin)
-        else:
-            kinds.add(str)
-    return kinds
-
-
 def _is_bool(name: str) -> bool:
-    return bool in _kinds(_field_types()[name])
+    return bool in field_type(name).kinds
 
 
 def _metavar(name: str) -> str:
-    kinds = _kinds(_field_types()[name])
+    kinds = field_type(name).kinds
     for kind, label in ((bool, "BOOL"), (int, "INT"), (float, "FLOAT"), (list, "LIST")):
         if kind in kinds:
             return label

@@ -17,6 +17,7 @@ from environments.resolve import load_attribute
 
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 DEFAULT_MODEL = "the embedded SmolLM2-135M-Instruct"
+_MODEL_FILES = ("config.json", "adapter_config.json")  # a model, or a PEFT adapter on one
 
 
 def environment_class(spec: str) -> type:
@@ -27,12 +28,45 @@ def environment_class(spec: str) -> type:
 
 
 def model_path(model: str | None) -> str:
-    """`--model` as given, or the embedded default (converted and cached on first use)."""
-    if model is not None:
-        return model
-    from agentgrpo.default_model import default_model_path
+    """`--model` checked: a local model folder, or a hub id the hub (or its cache) provides.
 
-    return str(default_model_path())
+    Without `--model`, the embedded default (converted and cached on first use). A hub id is
+    checked by fetching its `config.json`, so a typo or an unreachable hub fails in seconds.
+
+    Raises:
+        UsageError: The folder does not exist or holds no model, or the name is not a folder
+            and the hub cannot provide it; the message says which.
+
+    """
+    if model is None:
+        from agentgrpo.default_model import default_model_path
+
+        return str(default_model_path())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not any((path / name).is_file() for name in _MODEL_FILES):
+            raise UsageError(
+                f"--model folder {path.resolve()} holds no config.json; pass a folder saved "
+                f"with save_pretrained (config.json and the weights)"
+            )
+        return str(path)
+    if path.exists():
+        raise UsageError(f"--model {model} is a file; pass the model's folder (with config.json)")
+    if _looks_like_path(model):
+        raise UsageError(f"--model folder not found: {path.resolve()}")
+    _check_hub_model(model, path)
+    return model
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Raise `UsageError` if `output_dir`, or a folder above it, is an existing file."""
+    path = Path(output_dir).expanduser()
+    for folder in (path, *path.parents):
+        if folder.exists() and not folder.is_dir():
+            where = "is a file" if folder == path else f"is inside {folder}, a file"
+            raise UsageError(
+                f"--output-dir {output_dir} {where}; name a folder (it is created if missing)"
+            )
 
 
 def rows(env_class: type, dataset: str | None, split: str) -> Any:
@@ -65,6 +99,71 @@ def reward_functions(specs: list[str]) -> list[Callable[..., Any]]:
             raise UsageError(f"--reward {spec} names a {type(function).__name__}, not a function")
         functions.append(function)
     return functions
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether `name` can only be a folder: a hub id is `name` or `owner/name`, nothing more."""
+    parts = name.split("/")
+    return (
+        name.startswith((".", "~", "/"))
+        or "\\" in name
+        or len(parts) > 2
+        or "" in parts
+        or (len(parts) == 2 and Path(parts[0]).exists())
+    )
+
+
+def _check_hub_model(name: str, path: Path) -> None:
+    """Raise `UsageError` unless the hub, or its local cache, has model `name`'s config.json."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    problem = f"--model {name!r} is not a local folder (there is no {path.resolve()})"
+    try:
+        hf_hub_download(name, "config.json", local_files_only=not _hub_resolves())
+    except HFValidationError:
+        raise UsageError(f"{problem} nor a valid hub model id; pass a model folder") from None
+    except LocalEntryNotFoundError:
+        raise UsageError(
+            f"{problem}, and the Hugging Face hub cannot be reached from here to fetch it "
+            f"(offline, and not in the hub cache); pass a local model folder"
+        ) from None
+    except RepositoryNotFoundError:
+        raise UsageError(
+            f"{problem} nor a model on the Hugging Face hub (or it is private or gated: log "
+            f"in with `hf auth login`); pass a model folder or a hub id such as owner/name"
+        ) from None
+    except EntryNotFoundError:
+        raise UsageError(f"{problem}, and hub repo {name} has no config.json") from None
+    except HfHubHTTPError as error:
+        raise UsageError(f"{problem}, and the hub did not provide it: {error}") from None
+
+
+def _hub_resolves() -> bool:
+    """False when the hub's host name does not resolve and no proxy would resolve it for us.
+
+    Then only the hub cache is read: the hub client would otherwise retry for about 20 s,
+    logging each retry, before reporting what is already known.
+    """
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    if urllib.request.getproxies():
+        return True
+    try:
+        socket.getaddrinfo(urllib.parse.urlparse(constants.ENDPOINT).hostname, 443)
+    except OSError:
+        return False
+    return True
 
 
 def _load_dataset(source: str, split: str) -> Any:
