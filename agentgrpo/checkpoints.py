@@ -91,6 +91,11 @@ def incomplete_reason(path: str | Path) -> str | None:
     return None
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The global step a checkpoint was saved at (from its `trainer_state.json`)."""
+    return int(json.loads((Path(path) / TRAINER_STATE).read_text())["global_step"])
+
+
 def checked_checkpoint(path: str | os.PathLike) -> str:
     """`path` as text if it is a checkpoint to resume from; else a ValueError saying what to fix."""
     reason = incomplete_reason(path)

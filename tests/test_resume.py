@@ -233,3 +233,35 @@ def test_a_fresh_run_starts_an_empty_metrics_log(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none")
     MetricsLog().on_train_begin(args, TrainerState(global_step=0), TrainerControl())
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_resuming_a_finished_run_trains_nothing_and_restores_a_missing_final_model(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    reward_file = tmp_path / "scoring.py"
+    reward_file.write_text(textwrap.dedent(SCORING))
+    out = tmp_path / "out"
+    argv = [
+        "run", "env:Counter", "--model", str(tiny_model_dir), "--output-dir", str(out),
+        "--max-steps", "1", "--save-steps", "1", "--per-device-train-batch-size", "2",
+        "--num-generations", "2", "--max-completion-length", "8",
+        "--chat-template", "chatml_tools", "--warm-start-steps", "0",
+        "--reward", f"{reward_file}:varied",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    trained = weights(out / "model")
+    untrained = weights(tiny_model_dir)
+    assert any(not torch.equal(trained[name], untrained[name]) for name in trained)
+    capsys.readouterr()
+    (out / "model" / "model.safetensors").unlink()
+    (out / "model" / "config.json").unlink()
+
+    assert main([*argv, "--resume"]) == 0
+
+    said = capsys.readouterr().out
+    assert "reaches --max-steps 1: nothing to train" in said
+    assert logged_steps(out) == [1]
+    assert not (out / "checkpoint-2").exists()
+    restored = weights(out / "model")
+    assert all(torch.equal(restored[name], trained[name]) for name in trained)

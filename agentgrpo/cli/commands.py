@@ -73,12 +73,14 @@ def run(namespace: argparse.Namespace) -> int:
 
         tokenizer = trainer.processing_class
         tokenizer.chat_template = load_template(tokenizer, config.chat_template)
+    final = Path(config.output_dir) / "model"
+    if _finished(checkpoint, config):
+        return _finish_without_training(trainer, checkpoint, final)
     attach_run_callbacks(trainer)
     _print_start(namespace.env, settings["model"], trainer, len(train_rows), checkpoint)
     started = time.monotonic()
     if not _train(trainer, checkpoint, namespace):
         return INTERRUPTED
-    final = Path(config.output_dir) / "model"
     trainer.save_model(str(final))
     if trainer.is_world_process_zero():
         print(summary_table(Path(config.output_dir) / "metrics.jsonl"))
@@ -185,6 +187,32 @@ def _resume_from(resume: bool, config: Any) -> str | None:
         print(f"no checkpoint in {config.output_dir} yet: starting a new run", flush=True)
         return None
     return str(latest)
+
+
+def _finished(checkpoint: str | None, config: Any) -> bool:
+    """Whether the checkpoint to resume from already reached `max_steps` (nothing to train).
+
+    Without this check the Trainer would take one more step before it noticed.
+    """
+    return (
+        checkpoint is not None
+        and config.max_steps > 0
+        and checkpoints.checkpoint_step(checkpoint) >= config.max_steps
+    )
+
+
+def _finish_without_training(trainer: Any, checkpoint: str, final: Path) -> int:
+    """Save the finished run's final model from its checkpoint if it is missing, and say so."""
+    step = checkpoints.checkpoint_step(checkpoint)
+    if not (final / "config.json").is_file() and not (final / "adapter_config.json").is_file():
+        trainer._load_from_checkpoint(checkpoint)
+        trainer.save_model(str(final))
+    if trainer.is_world_process_zero():
+        print(
+            f"{checkpoint} is at step {step}, which reaches --max-steps {trainer.args.max_steps}: "
+            f"nothing to train (raise --max-steps to train further); final model: {final}"
+        )
+    return 0
 
 
 def _train(trainer: Any, checkpoint: str | None, namespace: argparse.Namespace) -> bool:
