@@ -65,7 +65,10 @@ def test_mean_reward_rises_on_a_toy_task(tokenizer, tmp_path):
     trainer.train()
     rewards = rewards_logged(trainer)
     assert len(rewards) == 8
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:2]) / 2 + 0.3, rewards
+    # Learning, with a wide margin: from about 0.2 at the start, the mean of the last 4 steps
+    # rose by 0.31 to 0.59 over seeds 0-7 (model and trainer seed). The earlier check, 0.3 over
+    # the last 3 steps, held by only 0.014 at seed 3, where step 7 fell back to 0.26.
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:2]) / 2 + 0.15, rewards
 
 
 @pytest.mark.slow
