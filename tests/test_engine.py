@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import threading
 
 import anyio
 import pytest
@@ -106,6 +106,8 @@ async def test_a_bad_tool_call_becomes_an_error_message_and_the_episode_goes_on(
 
 
 class Flaky(Counter):
+    _released = threading.Event()  # each test sets its own, once the episode is over
+
     def explode(self, x: int) -> int:
         """Raise, always.
 
@@ -124,12 +126,12 @@ class Flaky(Counter):
         return x
 
     def block(self, x: int) -> int:
-        """Block a thread for a long time.
+        """Block a thread until the test lets go (at most 60 s).
 
         Args:
             x: Ignored.
         """
-        time.sleep(3)
+        self._released.wait(60)
         return x
 
 
@@ -141,14 +143,20 @@ class Flaky(Counter):
         ("block", "timeout", "timed out"),
     ],
 )
-async def test_a_tool_that_raises_or_hangs_is_reported_to_the_model(tokenizer, tool, kind, message):
+async def test_a_tool_that_raises_or_hangs_is_reported_to_the_model(
+    tokenizer, monkeypatch, tool, kind, message
+):
+    monkeypatch.setattr(Flaky, "_released", threading.Event())
     config = EpisodeConfig(max_completion_length=512, max_turns=5, tool_timeout_s=0.3)
     backend = scripted(tokenizer, [call(tool, x=1), "Sorry."])
-    started = time.perf_counter()
-    [episode] = await engine(tokenizer, backend, environment_factory=Flaky, config=config).run(
-        [ROW]
-    )
-    assert time.perf_counter() - started < 2.5
+    try:
+        with anyio.fail_after(30):  # "does not hang" only: the hung tools wait 60 s
+            [episode] = await engine(
+                tokenizer, backend, environment_factory=Flaky, config=config
+            ).run([ROW])
+        assert not Flaky._released.is_set()  # the episode ended while "block" still blocked
+    finally:
+        Flaky._released.set()
     assert episode.finish is Finish.STOP
     assert episode.stats.tool_errors == {kind: 1}
     assert message in episode.messages[2]["content"]
@@ -233,49 +241,66 @@ async def test_group_members_share_row_and_seed_and_every_environment_is_closed(
     assert len({id(e.environment) for e in episodes}) == 6
 
 
+# Concurrency is proven by ordering, not by wall-clock bounds a loaded machine may miss: a tool
+# waits for something only another episode can do, so serialised episodes would wait for ever
+# (no tool timeout here), and the test's own generous deadline turns that into a failure.
+NO_TOOL_TIMEOUT = EpisodeConfig(max_completion_length=512, max_turns=5, tool_timeout_s=None)
+
+
 async def test_sixteen_episodes_with_slow_tools_run_concurrently(tokenizer):
-    class Slow(Counter):
+    calls: list[int] = []
+    all_calls_started = anyio.Event()
+
+    class Rendezvous(Counter):
         async def increment(self, step: int) -> int:
-            """Add step, slowly.
+            """Add step, once the calls of all 16 episodes have started.
 
             Args:
                 step: Value to add.
             """
-            await anyio.sleep(0.5)
+            calls.append(step)
+            if len(calls) == 16:
+                all_calls_started.set()
+            await all_calls_started.wait()
             return super().increment(step)
 
     backend = scripted(tokenizer, [call("increment", step=7), "Done."])
-    started = time.perf_counter()
-    episodes = await engine(tokenizer, backend, environment_factory=Slow).run([ROW] * 16)
-    elapsed = time.perf_counter() - started
-    assert elapsed < 2.0, f"16 x 0.5 s tools took {elapsed:.2f} s: episodes were serialised"
+    eng = engine(tokenizer, backend, environment_factory=Rendezvous, config=NO_TOOL_TIMEOUT)
+    with anyio.move_on_after(60) as deadline:
+        episodes = await eng.run([ROW] * 16)
+    assert not deadline.cancelled_caught, f"{len(calls)} of 16 calls ran at once: serialised"
     assert all(e.env_reward == 1.0 for e in episodes)
 
 
 async def test_a_slow_episode_does_not_stall_the_others(tokenizer):
+    fast_finished = anyio.Event()
+
     class Mixed(Counter):
         async def increment(self, step: int) -> int:
-            """Add step; slow when the target is 9.
+            """Add step; when the target is 9, only once the other episode has finished.
 
             Args:
                 step: Value to add.
             """
-            await anyio.sleep(1.5 if self.target == 9 else 0.0)
+            if self.target == 9:
+                await fast_finished.wait()
             return super().increment(step)
 
     backend = scripted(tokenizer, [call("increment", step=1), call("increment", step=1), "Done."])
-    finished: dict[int, float] = {}
-    eng = engine(tokenizer, backend, environment_factory=Mixed)
-    started = time.perf_counter()
+    finished: list[int] = []
+    eng = engine(tokenizer, backend, environment_factory=Mixed, config=NO_TOOL_TIMEOUT)
 
-    async def run(row, key):
+    async def run(row):
         await eng.run([row])
-        finished[key] = time.perf_counter() - started
+        finished.append(row["target"])
+        if row["target"] == 2:
+            fast_finished.set()
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run, {"prompt": "slow", "target": 9}, 9)
-        tg.start_soon(run, {"prompt": "fast", "target": 2}, 2)
-    assert finished[2] < 0.5 < 3.0 < finished[9] + 0.1
+    with anyio.fail_after(60):  # a stalled fast episode would leave the slow one waiting
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, {"prompt": "slow", "target": 9})
+            tg.start_soon(run, {"prompt": "fast", "target": 2})
+    assert finished == [2, 9]
 
 
 async def test_a_failing_reset_names_the_environment_and_the_row(tokenizer):
@@ -334,16 +359,30 @@ async def test_plain_tool_functions_work_without_an_environment(tokenizer):
 
 
 async def test_a_slow_reset_does_not_stall_the_other_episodes(tokenizer):
+    fast_finished = threading.Event()
+
     class SlowStart(Counter):
         def reset(self, target: int) -> str:
-            time.sleep(0.5)  # e.g. starting a sandbox: blocking, in the environment's own code
+            # Blocking, in the environment's own code (e.g. starting a sandbox): with target 9,
+            # until the other episode has finished, which it can only do if this did not stall it.
+            if target == 9:
+                fast_finished.wait(60)
             return super().reset(target)
 
-    backend = scripted(tokenizer, ["Ok."])
-    started = time.perf_counter()
-    episodes = await engine(tokenizer, backend, environment_factory=SlowStart).run([ROW] * 8)
-    assert time.perf_counter() - started < 2.0
-    assert all(e.finish is Finish.STOP for e in episodes)
+    eng = engine(tokenizer, scripted(tokenizer, ["Ok."]), environment_factory=SlowStart)
+    finished: list[tuple[int, Finish]] = []
+
+    async def run(row):
+        [episode] = await eng.run([row])
+        finished.append((row["target"], episode.finish))
+        if row["target"] == 2:
+            fast_finished.set()
+
+    with anyio.fail_after(120):  # "does not hang" only: the slow reset gives up after 60 s
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, {"prompt": "slow", "target": 9})
+            tg.start_soon(run, {"prompt": "fast", "target": 2})
+    assert finished == [(2, Finish.STOP), (9, Finish.STOP)]
 
 
 async def test_the_environment_is_closed_even_when_the_episode_fails(tokenizer):
@@ -394,29 +433,33 @@ async def test_a_row_without_prompt_needs_reset_to_return_the_task(tokenizer):
 
 
 async def test_each_group_is_handed_over_as_soon_as_its_episodes_end(tokenizer):
+    fast_group_handed = anyio.Event()
+
     class SlowForNine(Counter):
         async def increment(self, step: int) -> int:
-            """Add step; slow when the target is 9.
+            """Add step; when the target is 9, only once the other group was handed over.
 
             Args:
                 step: Value to add.
             """
-            await anyio.sleep(1.0 if self.target == 9 else 0.0)
+            if self.target == 9:
+                await fast_group_handed.wait()
             return super().increment(step)
 
     backend = scripted(tokenizer, [call("increment", step=1), "Done."])
-    handed: list[tuple[int, float]] = []
-    started = time.perf_counter()
+    handed: list[int] = []
 
     async def on_group(episodes):
-        handed.append((episodes[0].row["target"], time.perf_counter() - started))
+        handed.append(episodes[0].row["target"])
         assert [e.group for e in episodes] == [episodes[0].group] * 2
+        if handed[-1] == 2:
+            fast_group_handed.set()
 
     rows = [{"prompt": "slow", "target": 9}, {"prompt": "fast", "target": 2}]
-    eng = engine(tokenizer, backend, environment_factory=SlowForNine)
-    await eng.run(rows, num_generations=2, on_group=on_group)
-    assert [target for target, _ in handed] == [2, 9]
-    assert handed[0][1] < 0.5 < 0.9 < handed[1][1]
+    eng = engine(tokenizer, backend, environment_factory=SlowForNine, config=NO_TOOL_TIMEOUT)
+    with anyio.fail_after(60):  # groups handed over only at the end would leave 9 waiting
+        await eng.run(rows, num_generations=2, on_group=on_group)
+    assert handed == [2, 9]
 
 
 async def test_a_string_prompt_without_tools_is_raw_text_not_a_chat(tokenizer):

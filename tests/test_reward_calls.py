@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 import math
-import time
+import threading
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
@@ -175,22 +176,24 @@ def test_score_with_no_functions_is_an_empty_matrix():
 
 @pytest.mark.anyio
 async def test_async_and_sync_functions_run_concurrently():
+    # Each function waits until all three are running: one at a time, the first would wait
+    # in vain, its barrier would break after 30 s, and scoring would fail.
+    all_running = threading.Barrier(3, timeout=30)
+
     async def slow_async(completions):
-        await anyio.sleep(0.3)
+        await anyio.to_thread.run_sync(all_running.wait)
         return [1.0] * len(completions)
 
     def slow_sync(completions):
-        time.sleep(0.3)
+        all_running.wait()
         return [2.0] * len(completions)
 
     def slow_sync_too(completions):
-        time.sleep(0.3)
+        all_running.wait()
         return [3.0] * len(completions)
 
     funcs = reward_functions([slow_async, slow_sync, slow_sync_too])
-    start_s = time.perf_counter()
     rewards = await score(funcs, make_batch())
-    assert time.perf_counter() - start_s < 0.5
     assert rewards[0].tolist() == [1.0, 2.0, 3.0]
 
 

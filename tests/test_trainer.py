@@ -24,6 +24,16 @@ def low_token_share(completion_ids, **kwargs):
     return [sum(t < 10_000 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
+def rank_in_call(completion_ids, **kwargs):
+    """Toy reward 0, 1, 2, ... in the order given: no group ever ties.
+
+    The tests of training mechanics need every step to move the weights. With a reward read
+    from the samples, such as `low_token_share`, all 4 completions of a group can score the
+    same (a valid draw), leaving a step with zero advantages and no gradient.
+    """
+    return [float(k) for k in range(len(completion_ids))]
+
+
 def config(tmp_path, **overrides) -> GRPOConfig:
     fields = dict(
         output_dir=str(tmp_path),
@@ -55,7 +65,10 @@ def test_mean_reward_rises_on_a_toy_task(tokenizer, tmp_path):
     trainer.train()
     rewards = rewards_logged(trainer)
     assert len(rewards) == 8
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:2]) / 2 + 0.3, rewards
+    # Learning, with a wide margin: from about 0.2 at the start, the mean of the last 4 steps
+    # rose by 0.31 to 0.59 over seeds 0-7 (model and trainer seed). The earlier check, 0.3 over
+    # the last 3 steps, held by only 0.014 at seed 3, where step 7 fell back to 0.26.
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:2]) / 2 + 0.15, rewards
 
 
 @pytest.mark.slow
@@ -138,7 +151,7 @@ def test_peft_lora_trains_the_adapter_and_leaves_the_base_weights(tokenizer, tmp
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     trainer = GRPOTrainer(
         base,
-        low_token_share,
+        rank_in_call,
         config(tmp_path),
         PROMPTS,
         processing_class=tokenizer,
@@ -153,7 +166,7 @@ def test_peft_lora_trains_the_adapter_and_leaves_the_base_weights(tokenizer, tmp
 def test_a_positive_beta_uses_a_reference_model_and_logs_kl(tokenizer, tmp_path):
     args = config(tmp_path, beta=0.1, max_steps=2)
     trainer = GRPOTrainer(
-        tiny_llama(tokenizer), low_token_share, args, PROMPTS, processing_class=tokenizer
+        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
     )
     assert trainer.ref_model is not None
     trainer.train()
@@ -165,7 +178,7 @@ def test_a_positive_beta_uses_a_reference_model_and_logs_kl(tokenizer, tmp_path)
 def test_several_updates_per_round_use_the_generating_policys_logprobs(tokenizer, tmp_path):
     args = config(tmp_path, num_iterations=2, max_steps=2)
     trainer = GRPOTrainer(
-        tiny_llama(tokenizer), low_token_share, args, PROMPTS, processing_class=tokenizer
+        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
     )
     rounds = []
     original = trainer._generate_round
@@ -296,7 +309,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tokenizer, tmp_path)
         max_steps=1,
     )
     trainer = GRPOTrainer(
-        tiny_llama(tokenizer), low_token_share, args, PROMPTS, processing_class=tokenizer
+        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
     )
     start = trainer.ref_model.lm_head.weight.clone()
     trainer.train()

@@ -77,29 +77,34 @@ def test_example_1_rewards_longer_completions_by_token_count(tokenizer, tmp_path
 
 
 def test_example_1_1_rewards_longer_completions_by_character_count(tokenizer, tmp_path):
-    seen = []
+    calls = []
 
     def reward_func(completions, **kwargs):
         """Longer completions (in characters) score higher."""
-        seen.extend(completions)
+        calls.append(list(completions))
         return [float(len(completion)) for completion in completions]
 
     dataset = Dataset.from_dict({"prompt": ["The sky is", "The sun is"]})
     trainer, log = train(
         tokenizer, config(tmp_path), reward_funcs=reward_func, train_dataset=dataset
     )
+    seen = [completion for call in calls for completion in call]
     # Standard (text) prompts give text completions.
     assert len(seen) == 4 and all(isinstance(completion, str) for completion in seen)
     assert log["reward/reward_func/mean"] == pytest.approx(sum(map(len, seen)) / 4)
     assert log["reward"] == pytest.approx(log["reward/reward_func/mean"])
-    # Completions of different lengths get different advantages, so the step moved the weights.
-    assert log["frac_reward_zero_std"] < 1.0
-    assert math.isfinite(log["loss"]) and log["grad_norm"] > 0.0
+    # A group (2 completions, scored in one call) whose lengths differ has nonzero advantages;
+    # one whose lengths tie, which a valid draw can give, has none. The step moves the weights
+    # exactly when some group does not tie.
+    groups = [call[g : g + 2] for call in calls for g in range(0, len(call), 2)]
+    tied = [len(first) == len(second) for first, second in groups]
+    assert log["frac_reward_zero_std"] == sum(tied) / 2
+    assert math.isfinite(log["loss"]) and (log["grad_norm"] > 0.0) == (not all(tied))
     untrained = tiny_llama(tokenizer).parameters()
     changed = [
         not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), untrained, strict=True)
     ]
-    assert any(changed)
+    assert any(changed) == (not all(tied))
 
 
 def test_example_2_format_reward_on_conversational_completions(tokenizer, tmp_path):
@@ -154,6 +159,8 @@ def test_example_3_dataset_columns_reach_the_reward_function(tokenizer, tmp_path
 
 
 def test_example_4_multi_task_rewards_of_none_are_ignored(tokenizer, tmp_path):
+    scored = {"math": [], "coding": []}  # each function's rewards on its own rows
+
     def check_math_solution(prompt, completion):
         return completion.strip() == prompt.split("=")[-1].strip()
 
@@ -170,6 +177,7 @@ def test_example_4_multi_task_rewards_of_none_are_ignored(tokenizer, tmp_path):
         for prompt, completion, t in zip(prompts, completions, task, strict=True):
             if t == "math":
                 rewards.append(1.0 if check_math_solution(prompt, completion) else -1.0)
+                scored["math"].append(rewards[-1])
             else:
                 rewards.append(None)
         return rewards
@@ -180,6 +188,7 @@ def test_example_4_multi_task_rewards_of_none_are_ignored(tokenizer, tmp_path):
         for prompt, completion, t in zip(prompts, completions, task, strict=True):
             if t == "coding":
                 rewards.append(1.0 if check_code_solution(prompt, completion) else -1.0)
+                scored["coding"].append(rewards[-1])
             else:
                 rewards.append(None)
         return rewards
@@ -199,11 +208,13 @@ def test_example_4_multi_task_rewards_of_none_are_ignored(tokenizer, tmp_path):
             reward_funcs=[math_reward_func, coding_reward_func],
             train_dataset=dataset,
         )
-    # The random model solves nothing: each function gave -1.0 on its own rows. Had None
-    # counted as 0, each mean would be -0.5 and the total -1.0 on only some completions.
-    assert log["reward/math_reward_func/mean"] == -1.0
-    assert log["reward/coding_reward_func/mean"] == -1.0
-    assert log["reward"] == -1.0
+    # Each mean is over the function's own 2 rows (had None counted as 0, over all 4), and
+    # each completion's reward is its own task's. The random model almost always fails both
+    # tasks (-1.0 everywhere), but an empty completion does solve the math row.
+    assert [len(rewards) for rewards in scored.values()] == [2, 2]
+    assert log["reward/math_reward_func/mean"] == sum(scored["math"]) / 2
+    assert log["reward/coding_reward_func/mean"] == sum(scored["coding"]) / 2
+    assert log["reward"] == sum(scored["math"] + scored["coding"]) / 4
 
 
 def test_example_5_an_async_reward_function_is_awaited(tokenizer, tmp_path):

@@ -23,9 +23,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+# Limits that only say "does not hang": the spawned worker first imports torch, which takes
+# tens of seconds on a loaded 2-core machine, while the sender already waits to join.
+JOIN_TIMEOUT_S = 180
+
+
 def receive(port: int, device: str, specs: list, results) -> None:
     """Rank 0, as a server worker: host the store, receive every tensor."""
-    group = WeightGroup("127.0.0.1", port, 0, 2, torch.device(device), timeout_s=30)
+    group = WeightGroup("127.0.0.1", port, 0, 2, torch.device(device), timeout_s=JOIN_TIMEOUT_S)
     # Plain values: tensors would cross as shared memory that dies with this process.
     received = [(n, str(t.dtype), t.cpu().float().tolist()) for n, t in group.receive(specs)]
     results.put(received)
@@ -38,9 +43,10 @@ def broadcast_round_trip(device: str) -> dict[str, torch.Tensor]:
     worker = context.Process(target=receive, args=(port, device, specs, results))
     worker.start()
     sender_device = torch.device("cuda:1" if device == "cuda:0" else device)
-    WeightGroup("127.0.0.1", port, 1, 2, sender_device, timeout_s=30).send(WEIGHTS.items())
-    received = results.get(timeout=60)
-    worker.join(timeout=30)
+    sender = WeightGroup("127.0.0.1", port, 1, 2, sender_device, timeout_s=JOIN_TIMEOUT_S)
+    sender.send(WEIGHTS.items())
+    received = results.get(timeout=JOIN_TIMEOUT_S)
+    worker.join(timeout=JOIN_TIMEOUT_S)
     return {
         name: torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch.")))
         for name, dtype, values in received

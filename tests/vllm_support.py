@@ -57,6 +57,19 @@ def taught_model_path(tmp_path_factory, tokenizer, counter_episode) -> Path:
     return folder
 
 
+def untaught_model_path(tmp_path_factory, tokenizer) -> Path:
+    """A saved tiny Llama with random weights: it samples almost uniformly from 49,152 tokens.
+
+    So no two sampled completions are the same (the chance is astronomically small), unlike the
+    taught model's, which often repeat its one episode or all stop at the same length.
+    """
+    folder = tmp_path_factory.getbasetemp() / "vllm-tiny-untaught"
+    if not (folder / "config.json").exists():
+        vllm_tiny_llama(tokenizer, seed=0).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
 def load_policy(path: Path) -> LlamaForCausalLM:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
@@ -87,13 +100,22 @@ def trained_copy(model, episode, steps: int = 3) -> LlamaForCausalLM:
     return other.eval()
 
 
-def shorter_is_better(completion_ids, **kwargs):
-    """Toy reward with spread inside every group, so each GRPO step has a gradient."""
-    return [-len(ids) / 100 for ids in completion_ids]
+def rank_in_call(completion_ids, **kwargs):
+    """Toy reward 0, 1, 2, ... in the order the completions come: no group ever ties.
+
+    The trainer scores whole groups, so the rewards inside every group differ whatever was
+    sampled: every GRPO step has nonzero advantages (a reward read from the samples, such as
+    their length, can tie in a whole group and leave a step without a gradient).
+    """
+    return [float(k) for k in range(len(completion_ids))]
 
 
 def train_two_steps(policy_path: Path, tokenizer, output_dir: Path, **vllm_fields):
-    """The trainer after 2 GRPO steps on the Counter row via vLLM (`vllm_fields`: the mode)."""
+    """The trainer after 2 GRPO steps on the Counter row via vLLM (`vllm_fields`: the mode).
+
+    With the untaught model (distinct completions) and `rank_in_call` (distinct rewards in every
+    group), each step has a nonzero gradient by construction, not by luck of the draw.
+    """
     from conftest import COUNTER_ROW
     from datasets import Dataset
 
@@ -120,7 +142,7 @@ def train_two_steps(policy_path: Path, tokenizer, output_dir: Path, **vllm_field
     )
     trainer = GRPOTrainer(
         load_policy(policy_path),
-        shorter_is_better,
+        rank_in_call,
         args=args,
         train_dataset=Dataset.from_list([COUNTER_ROW] * 8),
         processing_class=tokenizer,
