@@ -265,3 +265,19 @@ def test_resuming_a_finished_run_trains_nothing_and_restores_a_missing_final_mod
     assert not (out / "checkpoint-2").exists()
     restored = weights(out / "model")
     assert all(torch.equal(restored[name], trained[name]) for name in trained)
+
+
+def test_the_resume_command_keeps_the_options_as_typed_and_drops_the_resume_ones():
+    from argparse import Namespace
+
+    from agentgrpo.cli.commands import _command_line
+
+    typed = [
+        "run", "env:Counter", "--save-steps", "1", "--output-dir=old", "--reward-weights",
+        "1, 0.5", "--resume-from-checkpoint", "old/checkpoint-2", "--resume",
+        "--generation-kwargs", '{"min_p": 0.1}',
+    ]  # fmt: skip
+    assert _command_line(Namespace(argv=typed)) == [
+        "agentgrpo", "run", "env:Counter", "--save-steps", "1", "--reward-weights", "1, 0.5",
+        "--generation-kwargs", '{"min_p": 0.1}',
+    ]  # fmt: skip

@@ -41,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         _quiet_loading()
         check_unknown_options(unknown, commands[namespace.command])
+        namespace.argv = argv  # as typed: `run` rebuilds its resume command from it
         return namespace.handler(namespace)
     except _USAGE_ERRORS + _runtime_user_errors() as error:
         if os.environ.get("AGENTGRPO_DEBUG"):

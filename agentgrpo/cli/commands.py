@@ -24,7 +24,6 @@ from agentgrpo.cli.options import (
     config_fields,
     config_file_values,
     config_overrides,
-    option_name,
     read_config_file,
 )
 from agentgrpo.cli.values import FieldType
@@ -245,17 +244,24 @@ def _interrupted_line(trainer: Any, namespace: argparse.Namespace) -> str:
 
 
 def _command_line(namespace: argparse.Namespace) -> list[str]:
-    """`agentgrpo run ENV` and the options the user gave, bar the output folder and resume."""
-    words = ["agentgrpo", "run", namespace.env]
-    given = vars(namespace)
-    if given.get("config"):
-        words += ["--config", given["config"]]
-    dropped = {"output_dir", "resume_from_checkpoint", "resume"}
-    for key in [*RUN_KEYS, *config_fields()]:
-        if key in given and key not in dropped:
-            values = given[key] if isinstance(given[key], list) else [given[key]]
-            words += [part for value in values for part in (option_name(key), str(value))]
+    """`agentgrpo` and the words the user typed, bar the output folder and resume options.
+
+    The words are kept as typed (not rebuilt from parsed values), so `--save-steps 1` stays
+    `1` and a JSON or list value keeps its spelling.
+    """
+    words, typed = ["agentgrpo"], iter(namespace.argv)
+    for word in typed:
+        name = word.split("=", 1)[0]
+        if name in _RESUME_OPTIONS:
+            if "=" not in word and _RESUME_OPTIONS[name]:
+                next(typed, None)  # the option's value
+            continue
+        words.append(word)
     return words
+
+
+# Options the resume command replaces, and whether each takes a value.
+_RESUME_OPTIONS = {"--output-dir": True, "--resume-from-checkpoint": True, "--resume": False}
 
 
 def _grpo_config(fields: dict[str, Any]) -> Any:
