@@ -107,3 +107,17 @@ class SyncReference(TrainerCallback):
             return
         for ref, current in zip(self.reference.parameters(), self.policy.parameters(), strict=True):
             ref.mul_(1.0 - self.alpha).add_(current.detach().to(ref.dtype), alpha=self.alpha)
+
+
+def reference_sync(reference: torch.nn.Module | None, policy: Any, args: Any) -> SyncReference:
+    """The `sync_ref_model` callback of a run.
+
+    Raises:
+        ValueError: There is no separate reference model (PEFT: the base model is the reference).
+    """
+    if reference is None:
+        raise ValueError(
+            "sync_ref_model mixes the policy into a separate reference model, but with PEFT "
+            "the reference is the base model under the adapter; turn sync_ref_model off"
+        )
+    return SyncReference(reference, policy, args.ref_model_mixup_alpha, args.ref_model_sync_steps)

@@ -275,3 +275,30 @@ def _sleeps(args: GRPOConfig) -> bool:
         )
         return False
     return args.vllm_enable_sleep_mode
+
+
+@contextlib.contextmanager
+def generation_weights(accelerator: Any, model: Any, ds3_gather: bool) -> Iterator[Any]:
+    """Generate in eval mode (no dropout, KV cache on), with ZeRO-3 weights gathered.
+
+    Args:
+        accelerator: The trainer's `Accelerator`.
+        model: The (possibly wrapped) policy.
+        ds3_gather: Gather ZeRO-3 partitioned weights for generation (`ds3_gather_for_generation`).
+
+    Yields the unwrapped policy; its train/eval mode is restored afterwards.
+    """
+    policy = accelerator.unwrap_model(model)
+    was_training = policy.training
+    policy.eval()
+    gather = contextlib.nullcontext()
+    zero_stage = getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0)
+    if ds3_gather and zero_stage == 3:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(policy.parameters()))
+    try:
+        with gather:
+            yield policy
+    finally:
+        policy.train(was_training)

@@ -168,8 +168,8 @@ def test_several_updates_per_round_use_the_generating_policys_logprobs(tokenizer
         tiny_llama(tokenizer), low_token_share, args, PROMPTS, processing_class=tokenizer
     )
     rounds = []
-    original = trainer._generate_round
-    trainer._generate_round = lambda *a: rounds.append(1) or original(*a)
+    original = trainer._new_round
+    trainer._new_round = lambda *a: rounds.append(1) or original(*a)
     trainer.train()
     assert len(rounds) == 1  # two optimizer steps from one generation round
     clipped = [

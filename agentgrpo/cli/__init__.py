@@ -141,7 +141,7 @@ def _run_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.
 
 
 def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.ArgumentParser:
-    from agentgrpo.cli.options import RUN_DEFAULTS, value_parser
+    from agentgrpo.cli.options import RUN_DEFAULTS, config_fields, option_name, value_parser
 
     parser = _command(sub, "eval", handler, "play held-out rows without training")
     _add_env(parser)
@@ -162,6 +162,16 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
         help="sampling temperature; 1.0, the default, is training's, so the success rate is "
         "that of the policy GRPO trains; 0 is greedy",
     )
+    for name in ("top_p", "top_k", "tool_timeout_s"):
+        default = config_fields()[name].default
+        help_text = config_fields()[name].metadata["help"].replace("%", "%%")
+        add(
+            option_name(name),
+            dest=name,
+            type=value_parser(name),
+            default=default,
+            help=f"{help_text} (default: {default}, as in training)",
+        )
     add(
         "--max-turns",
         type=value_parser("max_turns", int),

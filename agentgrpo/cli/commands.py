@@ -298,41 +298,41 @@ def _print_start(
 
 
 def _eval_engine(namespace: argparse.Namespace, env_class: type) -> tuple[Any, Any]:
+    """The engine and scorer `wiring.build_parts` builds for training, from eval's options."""
     from transformers import AutoTokenizer
 
     from agentgrpo.models import load_tokenizer
     from agentgrpo.reward_calls import reward_functions
-    from agentgrpo.rounds import Scorer, environment_reward_name
-    from rollout import EpisodeConfig, RolloutEngine
+    from agentgrpo.rounds import environment_reward_name
+    from agentgrpo.wiring import build_parts
 
+    rewards = reward_functions(sources.reward_functions(namespace.reward), None)
+    if not rewards and environment_reward_name(env_class) is None:
+        raise UsageError(f"{env_class.__name__} has no reward(); pass --reward module:function")
     path = sources.model_path(namespace.model)
     tokenizer = load_tokenizer(None, AutoTokenizer.from_pretrained(path))
+    backend = _eval_backend(namespace, path, tokenizer)
+    parts = build_parts(eval_config(namespace), backend, tokenizer, env_class, (), rewards)
+    return parts.engine, parts.scorer
+
+
+def eval_config(namespace: argparse.Namespace) -> Any:
+    """The `GRPOConfig` of a run whose episodes are played as `agentgrpo eval` plays them."""
     template = namespace.chat_template or (BUILTIN_TEMPLATE if namespace.model is None else None)
-    engine = RolloutEngine(
-        _eval_backend(namespace, path, tokenizer),
-        tokenizer,
-        environment_factory=env_class,
-        chat_template=template,
-        tool_call_parser=namespace.tool_call_parser,
-        config=EpisodeConfig(
-            max_completion_length=namespace.max_completion_length,
-            max_turns=namespace.max_turns,
-            temperature=namespace.temperature,
-        ),
+    return _grpo_config(
+        {
+            "max_completion_length": namespace.max_completion_length,
+            "max_turns": namespace.max_turns,
+            "temperature": namespace.temperature,
+            "top_p": namespace.top_p,
+            "top_k": namespace.top_k,
+            "tool_timeout_s": namespace.tool_timeout_s,
+            "chat_template": template,
+            "tool_call_parser": namespace.tool_call_parser,
+            "seed": namespace.seed,
+            "report_to": "none",
+        }
     )
-    scorer = Scorer(
-        funcs=reward_functions(sources.reward_functions(namespace.reward), None),
-        env_reward_name=environment_reward_name(env_class),
-        with_environments=True,
-        text_completions=False,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        trainer_state=lambda: None,
-        log_extra=lambda column, values: None,
-        log_metric=lambda name, value: None,
-    )
-    if not scorer.names:
-        raise UsageError(f"{env_class.__name__} has no reward(); pass --reward module:function")
-    return engine, scorer
 
 
 def _eval_backend(namespace: argparse.Namespace, path: str, tokenizer: Any) -> Any:
