@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from agentgrpo.advantages import combine_rewards, group_advantages
-from agentgrpo.batch import TrainingBatch
+from agentgrpo.learner.advantages import combine_rewards, group_advantages
+from agentgrpo.learner.batch import TrainingBatch
 from rollout import Episode
 
 Rows = Sequence[Mapping[str, Any]]

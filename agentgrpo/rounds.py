@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from agentgrpo.reward_calls import RewardBatch, RewardFunction, score
+from agentgrpo.rewards.calls import RewardBatch, RewardFunction, score
 from rollout import Episode, RolloutEngine
 
 

@@ -20,14 +20,17 @@ import torch
 from transformers import Trainer
 
 from agentgrpo import checkpoints
-from agentgrpo.batch import TrainingBatch, collate_episodes
 from agentgrpo.checkpoint_saving import AtomicCheckpoints
 from agentgrpo.config import GRPOConfig
 from agentgrpo.data import episodes_from_rollout_func, rows_collator, training_rows
-from agentgrpo.logprobs import batched_logprobs, completion_logprobs
-from agentgrpo.losses import normalises_by_num_items, policy_loss
+from agentgrpo.learner.batch import TrainingBatch, collate_episodes
+from agentgrpo.learner.logprobs import batched_logprobs, completion_logprobs
+from agentgrpo.learner.losses import normalises_by_num_items, policy_loss
+from agentgrpo.learner.token_weights import TokenWeighting, entropy_from_logits
 from agentgrpo.models import load_policy, load_tokenizer, reference_model, reference_sync
-from agentgrpo.reward_calls import check_trainer_arguments, reward_functions
+from agentgrpo.reporting.round_report import episode_records, gathered_metrics, print_completions
+from agentgrpo.reporting.run_log import EpisodeLog
+from agentgrpo.rewards.calls import check_trainer_arguments, reward_functions
 from agentgrpo.round import (
     RewardShaping,
     Round,
@@ -36,11 +39,8 @@ from agentgrpo.round import (
     play_and_batch,
     round_seed,
 )
-from agentgrpo.round_report import episode_records, gathered_metrics, print_completions
 from agentgrpo.rounds import play_round, score_played
-from agentgrpo.run_log import EpisodeLog
 from agentgrpo.sampler import RoundSampler, rows_loader
-from agentgrpo.token_weights import TokenWeighting, entropy_from_logits
 from agentgrpo.warm_start import environment_demonstrations, warm_start
 from agentgrpo.weight_sync import build_generator, generation_weights
 from agentgrpo.wiring import build_parts

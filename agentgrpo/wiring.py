@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentgrpo.losses import LossConfig
-from agentgrpo.reward_calls import RewardFunction
+from agentgrpo.learner.losses import LossConfig
+from agentgrpo.rewards.calls import RewardFunction
 from agentgrpo.rounds import Scorer, environment_reward_name
 from rollout import EpisodeConfig, GenerationBackend, RolloutEngine
 

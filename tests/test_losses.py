@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from agentgrpo.losses import (
+from agentgrpo.learner.losses import (
     LossConfig,
     aggregate,
     cispo_loss,
@@ -17,7 +17,7 @@ from agentgrpo.losses import (
     policy_loss,
     sapo_loss,
 )
-from agentgrpo.token_weights import (
+from agentgrpo.learner.token_weights import (
     entropy_from_logits,
     off_policy_sequence_mask,
     sampler_correction,

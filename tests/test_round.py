@@ -12,11 +12,11 @@ from conftest import scripted_backend
 from transformers import set_seed
 
 from agentgrpo import GRPOConfig
-from agentgrpo.batch import collate_episodes
 from agentgrpo.cli import build_parser
 from agentgrpo.cli.commands import eval_config
-from agentgrpo.logprobs import batched_logprobs
-from agentgrpo.reward_calls import reward_functions
+from agentgrpo.learner.batch import collate_episodes
+from agentgrpo.learner.logprobs import batched_logprobs
+from agentgrpo.rewards.calls import reward_functions
 from agentgrpo.round import RewardShaping, RoundParts, RoundPlan, play_and_batch
 from agentgrpo.rounds import play_round
 from agentgrpo.wiring import build_parts, episode_config_of

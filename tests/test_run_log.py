@@ -13,8 +13,8 @@ from transformers import PrinterCallback, ProgressCallback, TrainerControl, Trai
 
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.default_model import tiny_llama
-from agentgrpo.plot import COLOURS, line_chart
-from agentgrpo.run_log import (
+from agentgrpo.reporting.plot import COLOURS, line_chart
+from agentgrpo.reporting.run_log import (
     MetricsLog,
     ProgressBar,
     attach_run_callbacks,

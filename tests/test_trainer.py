@@ -12,7 +12,7 @@ from transformers import TrainerCallback
 
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.default_model import tiny_llama
-from agentgrpo.reward_calls import RewardFunctionError
+from agentgrpo.rewards.calls import RewardFunctionError
 from environments import Counter
 from rollout import ToolTemplateError
 

@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _USAGE_ERRORS + _runtime_user_errors() as error:
         if os.environ.get("AGENTGRPO_DEBUG"):
             raise
-        from agentgrpo.run_log import end_progress_line
+        from agentgrpo.reporting.run_log import end_progress_line
 
         end_progress_line()
         print(f"error: {error}", file=sys.stderr)
@@ -225,7 +225,7 @@ def _quiet_loading() -> None:
 
 def _runtime_user_errors() -> tuple[type[BaseException], ...]:
     """Errors raised mid-run that a user's environment, reward function or server caused."""
-    from agentgrpo.reward_calls import RewardFunctionError
+    from agentgrpo.rewards.calls import RewardFunctionError
     from environments import (
         EnvironmentCloseError,
         EnvironmentInitError,

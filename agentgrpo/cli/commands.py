@@ -48,7 +48,7 @@ def run(namespace: argparse.Namespace) -> int:
     and status 130.
     """
     from agentgrpo import GRPOTrainer
-    from agentgrpo.run_log import attach_run_callbacks, summary_table
+    from agentgrpo.reporting.run_log import attach_run_callbacks, summary_table
 
     env_class = sources.environment_class(namespace.env)
     settings = _run_settings(namespace, env_class)
@@ -91,7 +91,7 @@ def run(namespace: argparse.Namespace) -> int:
 
 def evaluate(namespace: argparse.Namespace) -> int:
     """Play one episode per held-out row without training and print the figures."""
-    from agentgrpo.evaluate import evaluate as play_and_report
+    from agentgrpo.reporting.evaluate import evaluate as play_and_report
 
     env_class = sources.environment_class(namespace.env)
     rows = sources.rows(env_class, namespace.dataset, namespace.split)
@@ -228,7 +228,7 @@ def _train(trainer: Any, checkpoint: str | None, namespace: argparse.Namespace) 
 
 
 def _close_progress_bar(trainer: Any) -> None:
-    from agentgrpo.run_log import ProgressBar
+    from agentgrpo.reporting.run_log import ProgressBar
 
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, ProgressBar):
@@ -302,7 +302,7 @@ def _eval_engine(namespace: argparse.Namespace, env_class: type) -> tuple[Any, A
     from transformers import AutoTokenizer
 
     from agentgrpo.models import load_tokenizer
-    from agentgrpo.reward_calls import reward_functions
+    from agentgrpo.rewards.calls import reward_functions
     from agentgrpo.rounds import environment_reward_name
     from agentgrpo.wiring import build_parts
 
@@ -355,7 +355,7 @@ def _eval_backend(namespace: argparse.Namespace, path: str, tokenizer: Any) -> A
 
 
 def _write_episodes(path: Path, episodes: list, rewards: list[float]) -> None:
-    from agentgrpo.run_log import format_episode
+    from agentgrpo.reporting.run_log import format_episode
 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(

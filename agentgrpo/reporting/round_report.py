@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from agentgrpo.metrics import episode_stats, round_metrics
+from agentgrpo.reporting.metrics import episode_stats, round_metrics
 from agentgrpo.round import Gather, Round
 from rollout import Episode, EpisodeRecord
 

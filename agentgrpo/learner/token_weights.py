@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from agentgrpo.batch import TrainingBatch
-from agentgrpo.losses import IMPORTANCE_LEVELS, log_importance_ratio, masked_mean_per_row
+from agentgrpo.learner.batch import TrainingBatch
+from agentgrpo.learner.losses import IMPORTANCE_LEVELS, log_importance_ratio, masked_mean_per_row
 
 # --------------------------------------------------------------------------- sampler mismatch
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from agentgrpo.advantages import group_std
+from agentgrpo.learner.advantages import group_std
 from rollout import Episode
 
 TOOL_ERROR_KINDS = ("parse", "unknown_tool", "bad_arguments", "exception", "timeout")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from rollout import Episode
+from rollout.types import Episode
 
 
 @dataclass(frozen=True)
