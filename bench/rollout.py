@@ -125,6 +125,7 @@ class RealComputeScriptedText:
         self.backend = backend
         self.script = script
         self.context_limit = backend.context_limit
+        self.stop_token_ids = frozenset({script.eos})
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         ids = self.script(prompt_ids)[: params.max_tokens]
