@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 from datasets import Dataset
+from tiny_model import tiny_llama
 
 from agentgrpo import GRPOConfig, GRPOTrainer, vllm_serve
-from agentgrpo.default_model import tiny_llama
 from agentgrpo.weight_sync import policy_weights, sampling_overrides
 from environments import Counter
 from rollout import GenerationBackend
