@@ -42,6 +42,7 @@ def unused_port() -> int:
         (dict(vllm_gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization=1.5"),
         (dict(vllm_server_timeout=0), "vllm_server_timeout=0 must be positive"),
         (dict(generation_kwargs={"max_tokens": 5}), r"may not set \['max_tokens'\]"),
+        (dict(generation_kwargs="min_p=0.1"), "must be a dict or a JSON object string"),
         (
             dict(vllm_guided_decoding_regex="a+", vllm_structured_outputs_regex="b+"),
             "two names for one setting",
