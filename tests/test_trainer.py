@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import scripted_episode, teach, tool_call
 from datasets import Dataset
+from tiny_model import tiny_llama
 from transformers import TrainerCallback
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.default_model import tiny_llama
 from agentgrpo.rewards.calls import RewardFunctionError
 from environments import Counter
 from rollout import ToolTemplateError
