@@ -10,13 +10,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from agentgrpo import checkpoints
 
 
-class AtomicCheckpoints:
-    """Mixin placed before `transformers.Trainer`: its checkpoint saves become atomic.
+class AtomicCheckpoints(Trainer):
+    """transformers' `Trainer` whose checkpoint saves are atomic.
 
     The Trainer writes `checkpoint-<step>` inside `checkpoints.temporary_dir` (through
     `_get_output_dir`); once every process has written its files, the main process renames it

@@ -17,7 +17,6 @@ from typing import Any
 
 import anyio
 import torch
-from transformers import Trainer
 
 from agentgrpo import checkpoints
 from agentgrpo.checkpoint_saving import AtomicCheckpoints
@@ -47,7 +46,7 @@ from agentgrpo.wiring import build_parts
 from rollout import Episode, EpisodeRecord
 
 
-class GRPOTrainer(AtomicCheckpoints, Trainer):
+class GRPOTrainer(AtomicCheckpoints):
     """Train a causal LM with GRPO on single-turn prompts or multi-turn tool-calling episodes.
 
     Accepts the arguments of TRL's `GRPOTrainer` with the same meanings, so a TRL script ports
@@ -74,6 +73,13 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
     """
 
     _tag_names = ("trl", "grpo", "agentgrpo")
+    # What this trainer holds, narrower than transformers' declarations: a GRPOConfig, a causal
+    # LM (possibly PEFT-wrapped), a tokenizer, and row datasets that are played, not tensorised.
+    args: GRPOConfig
+    model: Any
+    processing_class: Any
+    train_dataset: Any
+    eval_dataset: Any
 
     def __init__(
         self,
@@ -104,7 +110,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=rows_collator,
+            data_collator=rows_collator,  # type: ignore[arg-type]  # rows are played, not tensorised
             train_dataset=training_rows(train_dataset, environment_factory, self.plan.rows_needed),
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
@@ -182,9 +188,10 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         checkpoint save left are removed first. A Ctrl-C stops training at once (the
         KeyboardInterrupt propagates); the checkpoints already saved stay intact.
         """
-        checkpoint = checkpoints.resume_point(resume_from_checkpoint, self.args.output_dir)
+        output_dir = str(self.args.output_dir)  # TrainingArguments always sets one
+        checkpoint = checkpoints.resume_point(resume_from_checkpoint, output_dir)
         if self.args.should_save:
-            checkpoints.remove_temporary(self.args.output_dir)
+            checkpoints.remove_temporary(output_dir)
         if self.args.warm_start_steps and checkpoint is None:
             self._warm_start()
         return super().train(checkpoint, *args, **kwargs)
@@ -222,7 +229,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
             plan.prompts_per_process,
             plan.num_processes,
             plan.repeats,
-            args.shuffle_dataset,
+            bool(args.shuffle_dataset),
             args.seed,
         )
         loader = rows_loader(self.train_dataset, sampler, args.dataloader_num_workers)
@@ -246,7 +253,8 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
 
     # ------------------------------------------------------------------ rounds
 
-    def _prepare_inputs(self, rows: list[Mapping[str, Any]]) -> TrainingBatch:
+    # The Trainer's hooks carry whatever the collator yields: here rows in, a TrainingBatch out.
+    def _prepare_inputs(self, rows: list[Mapping[str, Any]]) -> TrainingBatch:  # type: ignore[override]
         """The micro-batch to train on: a fresh round every `plan.repeats` micro-batches."""
         if not self.model.training:
             return self._new_round(rows, self._eval_plan).micro_batches[0]
@@ -268,7 +276,7 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
         return round_
 
     def _play(
-        self, rows: list[Mapping[str, Any]], num_generations: int, seed: int
+        self, rows: Sequence[Mapping[str, Any]], num_generations: int, seed: int
     ) -> tuple[list[Episode], torch.Tensor]:
         """Play the rows (the engine, or `rollout_func`) and score them: the `round.Play` stage."""
         with (
@@ -304,13 +312,14 @@ class GRPOTrainer(AtomicCheckpoints, Trainer):
     def compute_loss(
         self,
         model: torch.nn.Module,
-        inputs: TrainingBatch,
+        inputs: TrainingBatch,  # type: ignore[override]  # what _prepare_inputs returns
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
         """The GRPO loss of one micro-batch, over its mask-1 tokens only."""
         batch, args = inputs, self.args
         logprobs_B_C, logits_B_C_V = completion_logprobs(model, batch, args.temperature, True)
+        assert logits_B_C_V is not None  # asked for with_logits=True
         entropy_B_C = entropy_from_logits(logits_B_C_V.detach())
         del logits_B_C_V
         old_B_C = batch.old_logprobs_B_C

@@ -74,7 +74,7 @@ def run(namespace: argparse.Namespace) -> int:
         tokenizer = trainer.processing_class
         tokenizer.chat_template = load_template(tokenizer, config.chat_template)
     final = Path(config.output_dir) / "model"
-    if _finished(checkpoint, config):
+    if checkpoint is not None and _finished(checkpoint, config):
         return _finish_without_training(trainer, checkpoint, final)
     attach_run_callbacks(trainer)
     _print_start(namespace.env, settings["model"], trainer, len(train_rows), checkpoint)
@@ -148,7 +148,7 @@ def _run_settings(namespace: argparse.Namespace, env_class: type) -> dict[str, A
     config.update({k: v for k, v in from_file.items() if k in config_fields()})
     config.update(config_overrides(namespace))
     if "output_dir" not in config:
-        config["output_dir"] = _default_output_dir(env_class, config, own["resume"])
+        config["output_dir"] = _default_output_dir(env_class, config, bool(own["resume"]))
     return {**own, "config": config}
 
 
@@ -189,16 +189,12 @@ def _resume_from(resume: bool, config: Any) -> str | None:
     return str(latest)
 
 
-def _finished(checkpoint: str | None, config: Any) -> bool:
+def _finished(checkpoint: str, config: Any) -> bool:
     """Whether the checkpoint to resume from already reached `max_steps` (nothing to train).
 
     Without this check the Trainer would take one more step before it noticed.
     """
-    return (
-        checkpoint is not None
-        and config.max_steps > 0
-        and checkpoints.checkpoint_step(checkpoint) >= config.max_steps
-    )
+    return config.max_steps > 0 and checkpoints.checkpoint_step(checkpoint) >= config.max_steps
 
 
 def _finish_without_training(trainer: Any, checkpoint: str, final: Path) -> int:
