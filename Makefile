@@ -19,6 +19,8 @@ install:
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
+	# Types of tools, environments, rollout and agentgrpo ([tool.mypy] in pyproject.toml).
+	$(PYTHON) -m mypy
 
 test: install lint
 	$(PYTHON) -m pytest

@@ -67,7 +67,7 @@ def remove_temporary(output_dir: str | Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def incomplete_reason(path: str | Path) -> str | None:
+def incomplete_reason(path: str | os.PathLike) -> str | None:
     """Why `path` is not a checkpoint a run can resume from, or None if it is one.
 
     A checkpoint is a folder holding a readable `trainer_state.json` and the model's weights
@@ -121,7 +121,7 @@ def latest_checkpoint(output_dir: str | Path) -> tuple[Path | None, list[str]]:
             match = _STEP.match(child.name)
             if match and child.is_dir():
                 steps[int(match.group(1))] = child
-    skipped = []
+    skipped: list[str] = []
     for step in sorted(steps, reverse=True):
         reason = incomplete_reason(steps[step])
         if reason is None:

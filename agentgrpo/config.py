@@ -107,14 +107,15 @@ class GRPOConfig(TrainingArguments):
         default=True,
         metadata={"help": "Recompute activations in the backward pass to save memory."},
     )
-    remove_unused_columns: bool | None = field(
+    remove_unused_columns: bool = field(
         default=False,
         metadata={
             "help": "Drop dataset columns other than 'prompt'. Keep False when reward functions "
             "or environments read other columns."
         },
     )
-    bf16: bool | None = field(
+    # None until __post_init__ resolves it, a bool from then on, as TrainingArguments expects.
+    bf16: bool | None = field(  # type: ignore[assignment]
         default=None,
         metadata={
             "help": "Train in bf16 mixed precision. None: True on a CUDA GPU that supports bf16 "
@@ -159,7 +160,7 @@ class GRPOConfig(TrainingArguments):
     )
 
     # --- Data and batching -----------------------------------------------------------------------
-    num_generations: int | None = field(
+    num_generations: int = field(
         default=8,
         metadata={
             "help": "Completions (episodes) sampled per prompt: the group size G. At least 2; "
@@ -778,7 +779,13 @@ class GRPOConfig(TrainingArguments):
             self.vllm_server_timeout > 0,
             f"vllm_server_timeout={self.vllm_server_timeout} must be positive (seconds).",
         )
-        check_sampling_overrides(self.generation_kwargs or {})
+        generation_kwargs = self.generation_kwargs or {}
+        if not isinstance(generation_kwargs, dict):  # TrainingArguments parses only "{...}"
+            raise ValueError(
+                f"generation_kwargs={generation_kwargs!r} must be a dict or a JSON object string "
+                """such as '{"min_p": 0.1}'."""
+            )
+        check_sampling_overrides(generation_kwargs)
 
     def _check_importance_sampling_bounds(self) -> None:
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
@@ -799,13 +806,12 @@ class GRPOConfig(TrainingArguments):
     def _resolve_batches(self) -> None:
         """Derive `steps_per_generation` and `generation_batch_size` from each other."""
         global_batch = self.per_device_train_batch_size * self.world_size
-        given = self.generation_batch_size is not None
         _require(
-            not (given and self.steps_per_generation is not None),
+            self.generation_batch_size is None or self.steps_per_generation is None,
             "generation_batch_size and steps_per_generation each determine the other; set only "
             "one of them.",
         )
-        if given:
+        if self.generation_batch_size is not None:
             _require(
                 self.generation_batch_size % global_batch == 0,
                 f"generation_batch_size={self.generation_batch_size} is not divisible by "
@@ -876,4 +882,5 @@ def _reject_unknown_keywords(init):
     return __init__
 
 
-GRPOConfig.__init__ = _reject_unknown_keywords(GRPOConfig.__init__)
+# Replacing a method is what this means to do: wrap the __init__ the dataclass made.
+GRPOConfig.__init__ = _reject_unknown_keywords(GRPOConfig.__init__)  # type: ignore[method-assign]

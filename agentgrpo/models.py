@@ -18,10 +18,11 @@ def load_policy(model: str | PreTrainedModel, args: Any, peft_config: Any = None
             `gradient_checkpointing`).
         peft_config: A PEFT config; the model is wrapped with it (LoRA and friends).
     """
+    policy: Any = model  # a PreTrainedModel, a PeftModel, or loaded from a name just below
     if isinstance(model, str):
         kwargs = dict(args.model_init_kwargs or {})
         kwargs.setdefault("dtype", "auto")
-        model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        policy = AutoModelForCausalLM.from_pretrained(model, **kwargs)
     elif args.model_init_kwargs:
         raise ValueError(
             "model_init_kwargs only applies when model is a name or path; "
@@ -30,14 +31,14 @@ def load_policy(model: str | PreTrainedModel, args: Any, peft_config: Any = None
     if peft_config is not None:
         from peft import get_peft_model
 
-        model = get_peft_model(model, peft_config)
+        policy = get_peft_model(policy, peft_config)
     if args.disable_dropout:
-        disable_dropout(model)
+        disable_dropout(policy)
     if args.cast_lm_head_to_fp32:
-        cast_lm_head_to_fp32(model)
-    if args.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
-        model.enable_input_require_grads()  # checkpointed LoRA needs grads at the inputs
-    return model
+        cast_lm_head_to_fp32(policy)
+    if args.gradient_checkpointing and hasattr(policy, "enable_input_require_grads"):
+        policy.enable_input_require_grads()  # checkpointed LoRA needs grads at the inputs
+    return policy
 
 
 def load_tokenizer(model: Any, processing_class: Any = None) -> Any:
@@ -107,3 +108,17 @@ class SyncReference(TrainerCallback):
             return
         for ref, current in zip(self.reference.parameters(), self.policy.parameters(), strict=True):
             ref.mul_(1.0 - self.alpha).add_(current.detach().to(ref.dtype), alpha=self.alpha)
+
+
+def reference_sync(reference: torch.nn.Module | None, policy: Any, args: Any) -> SyncReference:
+    """The `sync_ref_model` callback of a run.
+
+    Raises:
+        ValueError: There is no separate reference model (PEFT: the base model is the reference).
+    """
+    if reference is None:
+        raise ValueError(
+            "sync_ref_model mixes the policy into a separate reference model, but with PEFT "
+            "the reference is the base model under the adapter; turn sync_ref_model off"
+        )
+    return SyncReference(reference, policy, args.ref_model_mixup_alpha, args.ref_model_sync_steps)

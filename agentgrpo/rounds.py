@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from agentgrpo.reward_calls import RewardBatch, RewardFunction, score
+from agentgrpo.rewards.calls import RewardBatch, RewardFunction, score
 from rollout import Episode, RolloutEngine
 
 
@@ -105,3 +105,11 @@ async def play_round(
     episodes = await engine.run(rows, num_generations, seed=seed, on_group=on_group)
     rewards_N_F = torch.cat([rewards_by_group[g] for g in range(len(rows))])
     return episodes, rewards_N_F
+
+
+async def score_played(
+    scorer: Scorer, episodes: Sequence[Episode], num_generations: int
+) -> torch.Tensor:
+    """rewards_N_F of episodes already played (in groups of `num_generations`), group by group."""
+    groups = [episodes[g : g + num_generations] for g in range(0, len(episodes), num_generations)]
+    return torch.cat([await scorer.score_group(group) for group in groups])

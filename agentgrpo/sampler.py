@@ -13,8 +13,11 @@ accelerate hands batch k to process k % num_processes, so each process sees its 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+
+from agentgrpo.data import rows_collator
 
 
 class RoundSampler(torch.utils.data.Sampler[int]):
@@ -69,3 +72,16 @@ class RoundSampler(torch.utils.data.Sampler[int]):
 
     def __len__(self) -> int:
         return (self.num_rows // self.rows_per_round) * self.rows_per_round * self.repeats
+
+
+def rows_loader(
+    dataset: Any, sampler: RoundSampler, num_workers: int = 0
+) -> torch.utils.data.DataLoader:
+    """A DataLoader handing over each process's rows of a round as a list (not tensorised)."""
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=sampler.prompts_per_process,
+        sampler=sampler,
+        collate_fn=rows_collator,
+        num_workers=num_workers,
+    )

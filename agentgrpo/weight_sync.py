@@ -61,8 +61,8 @@ def build_generator(
     stop = default_stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     if args.vllm_mode == "colocate":
         sleeps = _sleeps(args)
-        backend = _colocated_vllm(model, tokenizer, args, stop, sleeps)
-        return backend, ColocatedPush(backend, sleeps)
+        colocated = _colocated_vllm(model, tokenizer, args, stop, sleeps)
+        return colocated, ColocatedPush(colocated, sleeps)
     connection = ServerConnection(
         server_url(args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port),
         args.vllm_server_timeout,
@@ -88,11 +88,13 @@ def sampling_overrides(args: GRPOConfig) -> dict[str, Any]:
         overrides["min_p"] = args.min_p
     if args.repetition_penalty != 1.0:
         overrides["repetition_penalty"] = args.repetition_penalty
-    return overrides | dict(args.generation_kwargs or {})
+    generation_kwargs = args.generation_kwargs or {}
+    assert isinstance(generation_kwargs, dict)  # GRPOConfig refuses any other kind
+    return overrides | generation_kwargs
 
 
 @contextlib.contextmanager
-def policy_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def policy_weights(model: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The policy's `(checkpoint name, tensor)` pairs, as vLLM loads them.
 
     A PEFT model is merged for the duration of the context (and unmerged after): the pairs
@@ -184,7 +186,7 @@ class ServerPush:
         if step != self.pushed_step:
             if self.accelerator.is_main_process:
                 with policy_weights(model) as weights:
-                    self.push(weights, model.device)
+                    self.push(weights, next(model.parameters()).device)
             self.accelerator.wait_for_everyone()
             self.pushed_step = step
         yield
@@ -209,6 +211,8 @@ class ServerPush:
             }
         )
         host = urlsplit(self.connection.base_url).hostname
+        if host is None:
+            raise ValueError(f"the vLLM server URL {self.connection.base_url} names no host")
         self._group = self._while_server_runs(
             "agentgrpo_join",
             options,
@@ -275,3 +279,30 @@ def _sleeps(args: GRPOConfig) -> bool:
         )
         return False
     return args.vllm_enable_sleep_mode
+
+
+@contextlib.contextmanager
+def generation_weights(accelerator: Any, model: Any, ds3_gather: bool) -> Iterator[Any]:
+    """Generate in eval mode (no dropout, KV cache on), with ZeRO-3 weights gathered.
+
+    Args:
+        accelerator: The trainer's `Accelerator`.
+        model: The (possibly wrapped) policy.
+        ds3_gather: Gather ZeRO-3 partitioned weights for generation (`ds3_gather_for_generation`).
+
+    Yields the unwrapped policy; its train/eval mode is restored afterwards.
+    """
+    policy = accelerator.unwrap_model(model)
+    was_training = policy.training
+    policy.eval()
+    gather = contextlib.nullcontext()
+    zero_stage = getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0)
+    if ds3_gather and zero_stage == 3:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(policy.parameters()))
+    try:
+        with gather:
+            yield policy
+    finally:
+        policy.train(was_training)

@@ -1,6 +1,7 @@
 """Environments: plain Python classes whose methods are the model's tools.
 
-The contract. An environment is any class with ``reset(self, **row) -> str | None``:
+The contract (`Environment`, checked by `check_environment`). An environment is any class with
+``reset(self, **row) -> str | None``:
 
 - ``reset`` starts an episode on a fresh instance. It receives the dataset row's columns that it
   names as parameters (all of them if it takes ``**kwargs``), and ``seed`` if it has a ``seed``
@@ -67,6 +68,7 @@ Example:
 from environments.arithmetic import Arithmetic
 from environments.contract import (
     RESERVED_NAMES,
+    Environment,
     check_environment,
     class_tools,
     environment_tools,
@@ -97,6 +99,7 @@ __all__ = [
     "RESERVED_NAMES",
     "Arithmetic",
     "Counter",
+    "Environment",
     "EnvironmentCloseError",
     "EnvironmentInitError",
     "EnvironmentResetError",

@@ -19,7 +19,7 @@ tool's becomes an error message for the model, and ``__init__``, ``reset``, ``re
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from environments.errors import EnvironmentSpecError
 from tools import Tool, ToolDefinitionError, as_tool
@@ -28,6 +28,44 @@ RESERVED_NAMES: frozenset[str] = frozenset(
     {"reset", "reward", "get_reward", "close", "dataset", "demonstrations", "done"}
 )
 """Names with a meaning in the contract; never exposed to the model as tools."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """An environment: a class with ``reset``; its other public plain methods are tools.
+
+    ``reset`` is the one required member. The engine creates a fresh instance per episode and
+    calls ``reset`` with the dataset row's columns it names, by name (all of them if it takes
+    ``**row``), plus ``seed`` if it has a ``seed`` parameter. It returns text to append to the
+    last user message, or None. Its parameters are typed ``*args, **row`` here only so that a
+    type checker accepts any parameter list; the engine never passes one positionally.
+
+    ``isinstance(env, Environment)`` checks only that ``reset`` exists; `check_environment`
+    checks a class against the whole contract, the optional members included.
+
+    Optional members (a class without them is still an environment, so they are documented
+    here rather than declared; a checker cannot express an optional method):
+
+    - ``reward(self) -> float`` (or ``get_reward``, TRL's name; not both): the episode's reward
+      from the final state, sync or ``async def``, a finite number.
+    - ``close(self) -> None``: always called when the episode ends, failed or not; synchronous.
+    - ``done``: a bool attribute or property; setting it true ends the episode after the current
+      turn's tool calls. Never a method (a method is always true).
+    - ``dataset(cls, split: str = "train")``: a classmethod returning the task rows (a
+      ``datasets.Dataset``), used when no dataset is given.
+    - ``demonstrations(cls, n: int, seed: int = 0) -> list[list[dict]]``: a classmethod
+      returning ``n`` chat conversations that show the tool-call format, for a warm start.
+
+    Example:
+        >>> from environments import Counter
+        >>> isinstance(Counter(), Environment), isinstance(object(), Environment)
+        (True, False)
+
+    """
+
+    def reset(self, *args: Any, **row: Any) -> str | None:
+        """Start an episode on this instance; return text for the prompt, or None."""
+        ...
 
 
 class _Unbound:
@@ -88,7 +126,7 @@ def class_tools(cls: type) -> dict[str, Tool]:
 
 
 def check_environment(cls: type) -> None:
-    """Check that a class meets the Environment contract, without instantiating it.
+    """Check that a class meets the `Environment` contract, without instantiating it.
 
     Checks that ``reset`` is a method whose parameters can be passed by name, that every tool
     method yields a JSON schema, and that the optional members have the right kind: ``reward``

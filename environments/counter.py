@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import datasets
@@ -78,7 +78,7 @@ class Counter:
         return datasets.Dataset.from_dict({"prompt": prompts, "target": targets})
 
     @classmethod
-    def demonstrations(cls, n: int, seed: int = 0) -> list[list[dict]]:
+    def demonstrations(cls, n: int, seed: int = 0) -> list[list[dict[str, Any]]]:
         """`n` conversations that show how to call `increment`, not which step solves a row.
 
         Each is a user request that names no target (with reset's text, as episodes show it),
@@ -90,7 +90,7 @@ class Counter:
 
         """
         rng = random.Random(f"counter-demonstrations-{seed}")
-        conversations = []
+        conversations: list[list[dict[str, Any]]] = []
         for _ in range(n):
             env, step = cls(), rng.randint(1, 9)
             observation = env.reset(target=0)

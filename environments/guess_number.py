@@ -36,7 +36,7 @@ _PHRASINGS = {  # eval phrasings are held out: a policy must not just memorise t
 _DEMO_PHRASING = "Example game: find the number I picked, using guess."
 _ROWS = {"train": 256, "eval": 64}
 _FIRST_SEED = {"train": 0, "eval": 1_000_000}
-_TOOL = {
+_TOOL: dict[str, Any] = {
     "action_tool": "guess",
     "argument": "number",
     "action_doc": "Guess the secret number; the answer says if it is too low, too high or correct.",
@@ -93,7 +93,8 @@ class GuessNumberGame(gymnasium.Env):
         return answer, 0.0, False, self.guesses >= self.max_guesses, {}
 
 
-class GuessNumber(gym_environment(GuessNumberGame, name="GuessNumberGym", **_TOOL)):
+# A checker cannot see through a base class made by a call, hence the ignore.
+class GuessNumber(gym_environment(GuessNumberGame, name="GuessNumberGym", **_TOOL)):  # type: ignore[misc]
     """Find a secret number from 1 to 100 with ``guess`` in 7 tries; reward 1.0 when found.
 
     A `GuessNumberGame` through `gym_environment`: the group's seed picks the secret, so the
@@ -153,7 +154,7 @@ def _play_demo(seed: int) -> list[dict[str, Any]]:
     try:
         while not env.done:
             guess = (low + high) // 2
-            answer = env.guess(guess)
+            answer = getattr(env, _TOOL["action_tool"])(guess)  # the tool gym_environment made
             messages += _tool_turn("guess", {"number": guess}, answer)
             if answer.startswith("Too low"):
                 low = guess + 1

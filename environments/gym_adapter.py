@@ -119,20 +119,21 @@ class GymEnvironment:
 
     def _act(self, action: Any) -> str:
         """What the tool method calls: take the action, one call at a time."""
-        if self.env is None:
+        env = self.env
+        if env is None:
             raise RuntimeError(f"{type(self).__qualname__}: call reset() before acting")
         with self._stepping:
-            return self._step(action)
+            return self._step(env, action)
 
-    def _step(self, action: Any) -> str:
-        """Check the action, step the env, and return the observation as text."""
+    def _step(self, env: gymnasium.Env, action: Any) -> str:
+        """Check the action, step `env` (this instance's), and return the observation as text."""
         spec = self._gym
         if self.done:
             raise ValueError("the episode is over; no more actions are accepted")
         problem = _invalid_action(spec.action_space, spec.argument, action)
         if problem:
             raise ValueError(problem)
-        observation, reward, terminated, truncated, _ = self.env.step(action)
+        observation, reward, terminated, truncated, _ = env.step(action)
         self.steps += 1
         self.total_reward += float(reward)
         limit = spec.max_episode_steps

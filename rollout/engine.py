@@ -100,7 +100,7 @@ class RolloutEngine:
             group `g`, whose members all reset from `rows[g]` with seed `seed + g`.
 
         """
-        episodes: list[Episode | None] = [None] * (len(rows) * num_generations)
+        episodes: dict[int, Episode] = {}  # by index; all of them once the task group ends
         limiter = anyio.CapacityLimiter(self.max_concurrent_episodes)
         unfinished = [num_generations] * len(rows)
 
@@ -113,7 +113,7 @@ class RolloutEngine:
             unfinished[group] -= 1
             if unfinished[group] == 0 and on_group is not None:
                 start = group * num_generations
-                await on_group(episodes[start : start + num_generations])  # type: ignore[arg-type]
+                await on_group([episodes[i] for i in range(start, start + num_generations)])
 
         try:
             async with anyio.create_task_group() as tasks:
@@ -124,7 +124,7 @@ class RolloutEngine:
             # One episode's error cancels the rest; the user should see that error, not a group.
             first = _first_error(failures)
         else:
-            return episodes  # type: ignore[return-value]  (every slot is filled)
+            return [episodes[i] for i in range(len(rows) * num_generations)]
         raise first  # outside the handler: its own __cause__ (the user's error) stays intact
 
 

@@ -253,7 +253,9 @@ def parse_llama3_json(text: str) -> ParsedTurn:
             calls.append(_tool_call(call))
         except _BadCall as exc:
             errors.append(_error(str(exc), _LLAMA3_HINT))
-        pos = _LLAMA3_SEPARATOR.match(body, pos).end()
+        separator = _LLAMA3_SEPARATOR.match(body, pos)
+        assert separator is not None  # the pattern matches the empty string
+        pos = separator.end()
     return ParsedTurn(content=body[pos:].strip(), tool_calls=calls, errors=errors)
 
 

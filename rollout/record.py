@@ -1,9 +1,9 @@
 """The episode record: an episode as trained on, with its scores, as one JSON line and back.
 
-A training run writes one line per episode (`agentgrpo.run_log.EpisodeLog`); eval, viewers and
-tests read them back with `read_records`. `record_from_dict(record_to_dict(r)) == r` for every
-record whose values are JSON data, and the episode read back equals the one trained on in every
-field but `environment` (a live object, not data: it reads back None).
+A training run writes one line per episode (`agentgrpo.reporting.run_log.EpisodeLog`); eval,
+viewers and tests read them back with `read_records`. `record_from_dict(record_to_dict(r)) == r`
+for every record whose values are JSON data, and the episode read back equals the one trained on
+in every field but `environment` (a live object, not data: it reads back None).
 
 Each line is a JSON object holding the episode's fields (`prompt_ids`, `completion_ids`,
 `loss_mask`, `sampler_logprobs`, `messages`, `tool_calls`, `finish`, `error`, `stats`, `row`,

@@ -35,6 +35,8 @@ class ScriptedBackend:
         delay_s: float = 0.0,
         context_limit: int | None = None,
     ):
+        if not stop_token_ids:
+            raise ValueError("stop_token_ids is empty: generation would never end a turn")
         self.respond = respond
         self.stop_token_ids = frozenset(stop_token_ids)
         self.delay_s = delay_s

@@ -360,7 +360,7 @@ class ChatRenderer:
         }
         # The call names another tool, so the schema marker can only come from `tools=`.
         call = {"type": "function", "function": {"name": "f", "arguments": {_PROBE_ARGUMENT: 1}}}
-        messages = [
+        messages: list[dict[str, Any]] = [
             {"role": "user", "content": "Probe."},
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "name": "f", "content": _PROBE_RESULT},

@@ -89,6 +89,7 @@ class TransformersBackend:
                     await anyio.to_thread.run_sync(self._run_batch, batch)
         if request.error is not None:
             raise request.error
+        assert request.result is not None  # the loop ends on a result or an error
         return request.result
 
     def _run_batch(self, batch: list[_Request]) -> None:
@@ -106,7 +107,7 @@ class TransformersBackend:
     def _sample(
         self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
     ) -> list[Completion]:
-        device = self.model.device
+        device = next(self.model.parameters()).device  # what transformers' `model.device` reads
         ids_B_T, mask_B_T = self._left_pad(prompts, device)
         positions_B_T = (mask_B_T.cumsum(-1) - 1).clamp(min=0)
         temperature_B = torch.tensor([p.temperature for p in params], device=device)
@@ -120,8 +121,8 @@ class TransformersBackend:
             use_cache=True,
             logits_to_keep=1,
         )
-        tokens = [[] for _ in prompts]
-        logprobs = [[] for _ in prompts]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
         stopped = [False] * len(prompts)
         done = [False] * len(prompts)
         for _ in range(max(p.max_tokens for p in params)):

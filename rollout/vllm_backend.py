@@ -206,6 +206,7 @@ class VLLMColocateBackend:
                 self._forget(request)
         if request.error is not None:
             raise request.error
+        assert request.result is not None  # done, without an error
         return request.result
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -263,9 +264,9 @@ class VLLMColocateBackend:
             return
         with self._guard:
             for output in outputs:
-                request = self._running.pop(output.request_id, None) if output.finished else None
-                if request is not None:
-                    request.result = _completion(output.outputs[0])
+                finished = self._running.pop(output.request_id, None) if output.finished else None
+                if finished is not None:
+                    finished.result = _completion(output.outputs[0])
 
     def _admit(self, request: _Request) -> None:
         """Hand a request to vLLM; one it refuses (bad parameters) fails alone."""

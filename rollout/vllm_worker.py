@@ -42,8 +42,9 @@ def load_weights(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]])
             pass
     model = worker.model_runner.get_model()
     head = getattr(model, "lm_head", None)
-    if _ties_embeddings(worker) and hasattr(head, "quant_method"):
-        head.quant_method.process_weights_after_loading(head)
+    quant_method = getattr(head, "quant_method", None)
+    if _ties_embeddings(worker) and quant_method is not None:
+        quant_method.process_weights_after_loading(head)
 
 
 def _ties_embeddings(worker: Any) -> bool:
@@ -58,6 +59,11 @@ class WeightReceiver:
     `POST /collective_rpc` (which `VLLM_SERVER_DEV_MODE=1` enables), with JSON-encoded string
     arguments, the only kind that endpoint forwards.
     """
+
+    # The vLLM worker this class is mixed into sets these two.
+    device: torch.device
+    rank: int
+    _agentgrpo_group: WeightGroup | None
 
     def agentgrpo_ready(self) -> bool:
         """Answer True: the server was started with this extension."""
@@ -87,4 +93,7 @@ class WeightReceiver:
     def agentgrpo_receive(self, specs_json: str) -> None:
         """Receive one push (the trainer broadcasts the tensors `specs_json` lists) and load it."""
         specs = json.loads(specs_json)
-        load_weights(self, self._agentgrpo_group.receive(specs))
+        group = getattr(self, "_agentgrpo_group", None)
+        if group is None:
+            raise RuntimeError("agentgrpo_receive before agentgrpo_join: join the weight group")
+        load_weights(self, group.receive(specs))

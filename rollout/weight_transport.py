@@ -62,10 +62,10 @@ class WeightGroup:
         timeout_s: float,
     ):
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(
+        tcp_store = dist.TCPStore(
             host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
         )
-        store = dist.PrefixStore("agentgrpo-weights", store)
+        store = dist.PrefixStore("agentgrpo-weights", tcp_store)
         self.device = device
         self.source = world_size - 1
         self._store = store  # the backend does not keep the store alive by itself
@@ -89,12 +89,13 @@ class WeightGroup:
     def _broadcast(self, tensor: torch.Tensor) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = self.source
-        self._group.broadcast([tensor], options).wait()
+        # torch's stubs leave out broadcast on the gloo and NCCL backends, which do have it.
+        self._group.broadcast([tensor], options).wait()  # type: ignore[union-attr]
 
 
 def _backend(
     name: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta
-) -> dist.ProcessGroup:
+) -> dist.ProcessGroupGloo | dist.ProcessGroupNCCL:
     """A bare gloo or NCCL backend over `store`, addressed by group ranks only."""
     if name == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)

@@ -7,9 +7,10 @@ import json
 import anyio
 import pytest
 import torch
+from tiny_model import tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agentgrpo.default_model import default_model_path, tiny_llama
+from agentgrpo.default_model import default_model_path
 from environments import Counter
 from rollout import Episode, EpisodeConfig, RolloutEngine, ScriptedBackend
 

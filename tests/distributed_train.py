@@ -52,21 +52,17 @@ class RecordingTrainer(GRPOTrainer):
             self.micro_batch_rows.append([row["id"] for row in rows])
         return super()._prepare_inputs(rows)
 
-    def _play(self, rows, num_generations, seed):
-        episodes, rewards_N_F = super()._play(rows, num_generations, seed)
+    def _new_round(self, rows, plan):
+        round_ = super()._new_round(rows, plan)
         self.rounds.append(
             {
                 "rows": [row["id"] for row in rows],
-                "episodes": [[episode.group, episode.row["id"]] for episode in episodes],
-                "rewards": rewards_N_F[:, 0].tolist(),
+                "episodes": [[episode.group, episode.row["id"]] for episode in round_.episodes],
+                "rewards": round_.rewards_N_F[:, 0].tolist(),
+                "advantages": round_.advantages_N.tolist(),
             }
         )
-        return episodes, rewards_N_F
-
-    def _local_advantages(self, rewards_N, num_generations):
-        advantages_N = super()._local_advantages(rewards_N, num_generations)
-        self.rounds[-1]["advantages"] = advantages_N.tolist()
-        return advantages_N
+        return round_
 
 
 def parameter_sums(model: torch.nn.Module) -> dict[str, float]:

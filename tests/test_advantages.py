@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from agentgrpo.advantages import combine_rewards, group_advantages, group_std
+from agentgrpo.learner.advantages import combine_rewards, group_advantages, group_std
 
 NAN = float("nan")
 

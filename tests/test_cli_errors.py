@@ -38,7 +38,7 @@ def user_error(capsys, monkeypatch, tmp_path):
     [
         ("--learning-rate", "abc", "--learning-rate takes a number, not 'abc'"),
         ("--beta", "abc", "--beta takes a number, not 'abc'"),
-        ("--num-generations", "four", "--num-generations takes a whole number or none"),
+        ("--num-generations", "four", "--num-generations takes a whole number, not 'four'"),
         ("--max-turns", "x", "--max-turns takes a whole number or none, not 'x'"),
         ("--use-vllm", "maybe", "--use-vllm takes true or false, not 'maybe'"),
         ("--lr-scheduler-type", "cosin", "--lr-scheduler-type takes one of linear, cosine,"),

@@ -20,8 +20,8 @@ import pytest
 import torch
 import yaml
 
-from agentgrpo.advantages import group_advantages
-from agentgrpo.run_log import read_episodes, recorded_steps
+from agentgrpo.learner.advantages import group_advantages
+from agentgrpo.reporting.run_log import read_episodes, recorded_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed_train.py"

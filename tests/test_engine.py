@@ -12,6 +12,7 @@ from environments import Counter, EnvironmentResetError
 from rollout import (
     EpisodeConfig,
     Finish,
+    GenerationBackend,
     PromptTooLongError,
     RolloutEngine,
     ScriptedBackend,
@@ -468,3 +469,11 @@ async def test_a_string_prompt_without_tools_is_raw_text_not_a_chat(tokenizer):
     [episode] = await eng.run([{"prompt": "The sky is"}])
     assert episode.prompt_ids == tokenizer.encode("The sky is")
     assert episode.finish is Finish.STOP
+
+
+def test_the_scripted_backend_is_a_generation_backend_that_needs_a_stop_id(tokenizer):
+    backend = scripted(tokenizer, ["Done."])
+    assert isinstance(backend, GenerationBackend)
+    assert backend.stop_token_ids == {tokenizer.eos_token_id}
+    with pytest.raises(ValueError, match="stop_token_ids is empty"):
+        ScriptedBackend(lambda context: [], [])

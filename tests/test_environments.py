@@ -11,6 +11,7 @@ import pytest
 from environments import (
     BUILTIN_ENVIRONMENTS,
     Counter,
+    Environment,
     EnvironmentCloseError,
     EnvironmentResetError,
     EnvironmentRewardError,
@@ -274,6 +275,21 @@ def test_conforming_classes_pass_the_check():
     check_environment(Counter)
     check_environment(Everything)
     check_environment(MoreOfEverything)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_ENVIRONMENTS))
+def test_every_builtin_is_an_environment_by_the_protocol(name):
+    assert isinstance(BUILTIN_ENVIRONMENTS[name](), Environment)
+
+
+def test_an_object_without_reset_is_not_an_environment_by_the_protocol():
+    class NoReset:
+        def step(self) -> str:
+            """Take a step."""
+            return "moved"
+
+    assert not isinstance(NoReset(), Environment)
+    assert isinstance(Everything(), Environment)
 
 
 def test_check_names_class_method_and_fix_for_a_tool_without_type_hints():

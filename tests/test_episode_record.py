@@ -15,12 +15,12 @@ import pytest
 import torch
 from conftest import tool_call
 from datasets import Dataset
+from tiny_model import tiny_llama
 from transformers import TrainerCallback
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.advantages import group_advantages
-from agentgrpo.default_model import tiny_llama
-from agentgrpo.run_log import episode_file, read_episodes, recorded_steps
+from agentgrpo.learner.advantages import group_advantages
+from agentgrpo.reporting.run_log import episode_file, read_episodes, recorded_steps
 from environments import Counter
 from rollout import (
     EpisodeConfig,

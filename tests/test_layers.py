@@ -34,6 +34,36 @@ def test_a_layer_imports_only_the_layers_to_its_left(layer):
     assert {p: names for p, names in offenders.items() if names} == {}
 
 
+def imported_modules(path: Path) -> set[str]:
+    """Full dotted names a module imports (absolute imports only)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+LEARNER_MAY_IMPORT = ("torch", "rollout.types", "agentgrpo.learner")
+
+
+def test_the_learner_imports_only_torch_the_episode_types_and_the_standard_library():
+    def allowed(name: str) -> bool:
+        top = name.split(".")[0]
+        return (
+            top in sys.stdlib_module_names
+            or top == "__future__"
+            or any(name == prefix or name.startswith(prefix + ".") for prefix in LEARNER_MAY_IMPORT)
+        )
+
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(n for n in imported_modules(path) if not allowed(n))
+        for path in (ROOT / "agentgrpo" / "learner").rglob("*.py")
+    }
+    assert offenders and {p: names for p, names in offenders.items() if names} == {}
+
+
 def test_every_layer_is_a_real_package():
     assert all((ROOT / layer / "__init__.py").is_file() for layer in LAYERS)
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from agentgrpo.losses import (
+from agentgrpo.learner.losses import (
     LossConfig,
     aggregate,
     cispo_loss,
@@ -17,7 +17,7 @@ from agentgrpo.losses import (
     policy_loss,
     sapo_loss,
 )
-from agentgrpo.token_weights import (
+from agentgrpo.learner.token_weights import (
     entropy_from_logits,
     off_policy_sequence_mask,
     sampler_correction,
@@ -355,6 +355,52 @@ def test_dapo_on_policy_loss_is_minus_the_advantage_sum_over_num_items():
     close(out.loss, -0.5)
     out.loss.backward()
     close(logprobs.grad, [[-1 / 3, -1 / 3, 0.0], [1 / 6, 0.0, 0.0]])
+
+
+def per_token_objective(config: LossConfig, logprobs, old, advantages, mask) -> torch.Tensor:
+    """The objective of config.loss_type per token, built from the public functions alone."""
+    log_ratio = log_importance_ratio(logprobs, old, mask, config.importance_sampling_level)
+    advantages_B_1 = advantages.unsqueeze(-1)
+    if config.loss_type == "cispo":
+        return cispo_loss(log_ratio, advantages_B_1, logprobs, config.epsilon_high).loss_B_T
+    if config.loss_type == "sapo":
+        temperatures = (config.sapo_temperature_pos, config.sapo_temperature_neg)
+        return sapo_loss(log_ratio, advantages_B_1, *temperatures).loss_B_T
+    epsilons = (config.epsilon_low, config.epsilon_high)
+    return clipped_surrogate_loss(log_ratio, advantages_B_1, *epsilons).loss_B_T
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LossConfig(loss_type="grpo"),
+        LossConfig(loss_type="bnpo"),
+        LossConfig(loss_type="dr_grpo", max_completion_length=8),
+        LossConfig(loss_type="dapo"),
+        LossConfig(loss_type="cispo", epsilon_high=5.0),
+        LossConfig(loss_type="sapo"),
+        LossConfig(loss_type="luspo", importance_sampling_level="sequence"),
+    ],
+    ids=lambda config: config.loss_type,
+)
+def test_policy_loss_reduces_its_per_token_loss_with_aggregate(config):
+    # Off-policy, rows of 2 and 1 active tokens, num_items 7: grpo, bnpo, dr_grpo and the
+    # num_items normalisers each give a different number here, so policy_loss normalising any
+    # other way than aggregate would show.
+    logprobs = torch.tensor([[-0.5, -1.5, 0.0], [-0.3, 0.0, 0.0]])
+    old = torch.tensor([[-0.6, -1.2, 0.0], [-0.2, 0.0, 0.0]])
+    advantages = torch.tensor([2.0, -1.0])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    out = policy_loss(logprobs, old, advantages, mask, config, num_items=7)
+    per_token = per_token_objective(config, logprobs, old, advantages, mask)
+    expected = aggregate(
+        per_token,
+        mask,
+        config.loss_type,
+        num_items=7,
+        max_completion_length=config.max_completion_length,
+    )
+    close(out.loss, expected.item())
 
 
 CONFIGS = {

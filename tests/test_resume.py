@@ -22,7 +22,7 @@ from agentgrpo.checkpoints import (
     temporary_dir,
 )
 from agentgrpo.cli import main
-from agentgrpo.run_log import MetricsLog, read_metrics
+from agentgrpo.reporting.run_log import MetricsLog, read_metrics
 
 KILL_ON_OPEN = Path(__file__).with_name("kill_on_open.py")
 

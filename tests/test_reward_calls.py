@@ -1,4 +1,4 @@
-"""Tests for agentgrpo/reward_calls.py: TRL's calling convention, concurrency, loud errors."""
+"""Tests for agentgrpo/rewards/calls.py: TRL's calling convention, concurrency, loud errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from agentgrpo.reward_calls import (
+from agentgrpo.rewards.calls import (
     TRAINER_ARGUMENTS,
     RewardBatch,
     RewardFunction,

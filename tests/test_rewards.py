@@ -1,4 +1,4 @@
-"""Tests for agentgrpo/rewards.py: answer accuracy, think format, soft overlong punishment."""
+"""Tests for agentgrpo/rewards/builtin.py: accuracy, think format, soft overlong punishment."""
 
 from __future__ import annotations
 

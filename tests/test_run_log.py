@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 from conftest import scripted_episode, tool_call
 from datasets import Dataset
+from tiny_model import tiny_llama
 from transformers import PrinterCallback, ProgressCallback, TrainerControl, TrainerState
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.default_model import tiny_llama
-from agentgrpo.plot import COLOURS, line_chart
-from agentgrpo.run_log import (
+from agentgrpo.reporting.plot import COLOURS, line_chart
+from agentgrpo.reporting.run_log import (
     MetricsLog,
     ProgressBar,
     attach_run_callbacks,

@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import scripted_episode, teach, tool_call
 from datasets import Dataset
+from tiny_model import tiny_llama
 from transformers import TrainerCallback
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.default_model import tiny_llama
-from agentgrpo.reward_calls import RewardFunctionError
+from agentgrpo.rewards.calls import RewardFunctionError
 from environments import Counter
 from rollout import ToolTemplateError
 
@@ -181,8 +181,8 @@ def test_several_updates_per_round_use_the_generating_policys_logprobs(tokenizer
         tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
     )
     rounds = []
-    original = trainer._generate_round
-    trainer._generate_round = lambda *a: rounds.append(1) or original(*a)
+    original = trainer._new_round
+    trainer._new_round = lambda *a: rounds.append(1) or original(*a)
     trainer.train()
     assert len(rounds) == 1  # two optimizer steps from one generation round
     clipped = [

@@ -8,7 +8,7 @@ import anyio
 import pytest
 import torch
 
-from rollout import SamplingParams, TransformersBackend
+from rollout import GenerationBackend, SamplingParams, TransformersBackend
 from rollout.sampling import sample_tokens
 
 PROMPTS = [[1, 520, 33, 8], [1, 1823, 9, 44, 101, 7, 3], [1, 77]]
@@ -24,6 +24,12 @@ async def generate_concurrently(backend, prompts, params) -> list:
         for i in range(len(prompts)):
             tg.start_soon(one, i)
     return results
+
+
+def test_the_transformers_backend_is_a_generation_backend(tiny_model):
+    backend = TransformersBackend(tiny_model, stop_token_ids=[2, 3], pad_token_id=2)
+    assert isinstance(backend, GenerationBackend)
+    assert backend.stop_token_ids == {2, 3}
 
 
 @pytest.mark.anyio

@@ -19,9 +19,9 @@ import warnings
 import pytest
 import torch
 from datasets import Dataset
+from tiny_model import tiny_llama
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.default_model import tiny_llama
 from rollout import ToolTemplateError
 
 MAX_COMPLETION_LENGTH = 8

@@ -25,7 +25,7 @@ from vllm_support import (
 
 from agentgrpo.weight_sync import ColocatedPush
 from environments import Counter
-from rollout import EpisodeConfig, Finish, RolloutEngine, SamplingParams
+from rollout import EpisodeConfig, Finish, GenerationBackend, RolloutEngine, SamplingParams
 from rollout.vllm_backend import VLLMColocateBackend
 
 pytestmark = needs_vllm
@@ -68,6 +68,11 @@ def counter_engine(backend, tokenizer, temperature: float) -> RolloutEngine:
         chat_template="chatml_tools",
         config=EpisodeConfig(max_completion_length=256, max_turns=5, temperature=temperature),
     )
+
+
+def test_the_colocated_backend_is_a_generation_backend_stopping_on_eos(backend, tokenizer):
+    assert isinstance(backend, GenerationBackend)
+    assert tokenizer.eos_token_id in backend.stop_token_ids
 
 
 def test_a_tool_episode_through_colocated_vllm_is_token_exact(backend, tokenizer):

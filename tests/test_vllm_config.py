@@ -9,13 +9,14 @@ import time
 import pytest
 import torch
 from datasets import Dataset
+from tiny_model import tiny_llama
 
 from agentgrpo import GRPOConfig, GRPOTrainer, vllm_serve
-from agentgrpo.default_model import tiny_llama
 from agentgrpo.weight_sync import policy_weights, sampling_overrides
 from environments import Counter
+from rollout import GenerationBackend
 from rollout.vllm_backend import import_vllm
-from rollout.vllm_server import ServerConnection, ServerUnavailableError
+from rollout.vllm_server import ServerConnection, ServerUnavailableError, VLLMServerBackend
 
 
 @pytest.fixture
@@ -43,6 +44,7 @@ def refusing_port():
         (dict(vllm_gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization=1.5"),
         (dict(vllm_server_timeout=0), "vllm_server_timeout=0 must be positive"),
         (dict(generation_kwargs={"max_tokens": 5}), r"may not set \['max_tokens'\]"),
+        (dict(generation_kwargs="min_p=0.1"), "must be a dict or a JSON object string"),
         (
             dict(vllm_guided_decoding_regex="a+", vllm_structured_outputs_regex="b+"),
             "two names for one setting",
@@ -99,6 +101,15 @@ def test_vllm_serve_starts_vllms_server_with_agentgrpos_worker_extension():
     assert command[-2:] == ["--max-num-seqs", "8"]  # unknown arguments reach vLLM unchanged
     assert ("--enforce-eager" in command) == (not torch.cuda.is_available())
     assert vllm_serve.serve_environment()["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_the_server_backend_is_a_generation_backend_that_needs_a_stop_id(refusing_port):
+    connection = ServerConnection(f"http://127.0.0.1:{refusing_port}", timeout_s=1.0)
+    backend = VLLMServerBackend(connection, "policy", stop_token_ids=[2])
+    assert isinstance(backend, GenerationBackend)
+    assert backend.stop_token_ids == {2}
+    with pytest.raises(ValueError, match="stop_token_ids is empty"):
+        VLLMServerBackend(connection, "policy", stop_token_ids=[])
 
 
 def test_no_server_within_the_timeout_is_a_clear_connection_error(refusing_port):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_model import tiny_llama
 
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.warm_start import environment_demonstrations, warm_start
@@ -58,8 +59,6 @@ def test_counter_demonstrations_teach_the_format_not_the_answers():
 
 
 def test_warm_start_lowers_the_loss_on_the_demonstrations(tokenizer, renderer):
-    from agentgrpo.default_model import tiny_llama
-
     model = tiny_llama(tokenizer).eval()
     conversations = Counter.demonstrations(12, seed=0)
     losses = warm_start(model, renderer, conversations, 3e-3, tokenizer.eos_token)
@@ -78,8 +77,6 @@ def test_an_environment_without_demonstrations_is_a_clear_error():
 
 
 def test_trainer_warm_starts_before_grpo_and_not_on_resume(tokenizer, tmp_path, capsys):
-    from agentgrpo.default_model import tiny_llama
-
     model = tiny_llama(tokenizer)
     before = [p.detach().clone() for p in model.parameters()]
     args = GRPOConfig(

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import teach
+from tiny_model import tiny_llama
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from agentgrpo.default_model import tiny_llama
 from rollout.vllm_backend import INSTALL_HINT
 
 needs_vllm = [

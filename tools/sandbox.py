@@ -47,6 +47,7 @@ import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -158,7 +159,7 @@ async def run_python(code: str, limits: SandboxLimits) -> SandboxRun:
             return await _execute(code.encode(), config, limits)
 
 
-async def _execute(code: bytes, config: dict, limits: SandboxLimits) -> SandboxRun:
+async def _execute(code: bytes, config: dict[str, Any], limits: SandboxLimits) -> SandboxRun:
     """Start the child, feed it the code, collect capped output until it ends or times out."""
     start_s = time.perf_counter()
     command = [sys.executable, "-I", _CHILD_SCRIPT, json.dumps(config)]
@@ -177,6 +178,7 @@ async def _execute(code: bytes, config: dict, limits: SandboxLimits) -> SandboxR
         _kill_group(process.pid)
         with anyio.CancelScope(shield=True):
             await process.aclose()
+    assert process.returncode is not None  # aclose() waited for the process to exit
     stdout_text, stdout_cut, stderr_text, stderr_cut = _fit(stdout, stderr, limits.max_output_chars)
     return SandboxRun(
         stdout=stdout_text,
@@ -266,7 +268,8 @@ async def _isolation_works() -> bool:
     """Whether the sandbox can isolate on this machine; probed once, warned about once."""
     global _isolation_checked
     if _isolation_checked is None:
-        config = {"isolate": True, "cgroup_procs": None, "cpu_s": 10, "memory_bytes": 1 << 30}
+        config: dict[str, Any] = {"isolate": True, "cgroup_procs": None}
+        config |= {"cpu_s": 10, "memory_bytes": 1 << 30}
         config |= {"max_processes": 16, "disk_bytes": 1 << 20, "python": sys.executable}
         config |= {"env": _CODE_ENV, "workdir": None, "script": None}
         probe = await _execute(b"", config, SandboxLimits(timeout_s=60))

@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _USAGE_ERRORS + _runtime_user_errors() as error:
         if os.environ.get("AGENTGRPO_DEBUG"):
             raise
-        from agentgrpo.run_log import end_progress_line
+        from agentgrpo.reporting.run_log import end_progress_line
 
         end_progress_line()
         print(f"error: {error}", file=sys.stderr)
@@ -142,7 +142,7 @@ def _run_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.
 
 
 def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.ArgumentParser:
-    from agentgrpo.cli.options import RUN_DEFAULTS, value_parser
+    from agentgrpo.cli.options import RUN_DEFAULTS, config_fields, option_name, value_parser
 
     parser = _command(sub, "eval", handler, "play held-out rows without training")
     _add_env(parser)
@@ -163,6 +163,16 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
         help="sampling temperature; 1.0, the default, is training's, so the success rate is "
         "that of the policy GRPO trains; 0 is greedy",
     )
+    for name in ("top_p", "top_k", "tool_timeout_s"):
+        default = config_fields()[name].default
+        help_text = config_fields()[name].metadata["help"].replace("%", "%%")
+        add(
+            option_name(name),
+            dest=name,
+            type=value_parser(name),
+            default=default,
+            help=f"{help_text} (default: {default}, as in training)",
+        )
     add(
         "--max-turns",
         type=value_parser("max_turns", int),
@@ -216,7 +226,7 @@ def _quiet_loading() -> None:
 
 def _runtime_user_errors() -> tuple[type[BaseException], ...]:
     """Errors raised mid-run that a user's environment, reward function or server caused."""
-    from agentgrpo.reward_calls import RewardFunctionError
+    from agentgrpo.rewards.calls import RewardFunctionError
     from environments import (
         EnvironmentCloseError,
         EnvironmentInitError,

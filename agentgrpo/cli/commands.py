@@ -47,7 +47,7 @@ def run(namespace: argparse.Namespace) -> int:
     and status 130.
     """
     from agentgrpo import GRPOTrainer
-    from agentgrpo.run_log import attach_run_callbacks, summary_table
+    from agentgrpo.reporting.run_log import attach_run_callbacks, summary_table
 
     env_class = sources.environment_class(namespace.env)
     settings = _run_settings(namespace, env_class)
@@ -73,7 +73,7 @@ def run(namespace: argparse.Namespace) -> int:
         tokenizer = trainer.processing_class
         tokenizer.chat_template = load_template(tokenizer, config.chat_template)
     final = Path(config.output_dir) / "model"
-    if _finished(checkpoint, config):
+    if checkpoint is not None and _finished(checkpoint, config):
         return _finish_without_training(trainer, checkpoint, final)
     attach_run_callbacks(trainer)
     _print_start(namespace.env, settings["model"], trainer, len(train_rows), checkpoint)
@@ -90,7 +90,7 @@ def run(namespace: argparse.Namespace) -> int:
 
 def evaluate(namespace: argparse.Namespace) -> int:
     """Play one episode per held-out row without training and print the figures."""
-    from agentgrpo.evaluate import evaluate as play_and_report
+    from agentgrpo.reporting.evaluate import evaluate as play_and_report
 
     env_class = sources.environment_class(namespace.env)
     rows = sources.rows(env_class, namespace.dataset, namespace.split)
@@ -147,7 +147,7 @@ def _run_settings(namespace: argparse.Namespace, env_class: type) -> dict[str, A
     config.update({k: v for k, v in from_file.items() if k in config_fields()})
     config.update(config_overrides(namespace))
     if "output_dir" not in config:
-        config["output_dir"] = _default_output_dir(env_class, config, own["resume"])
+        config["output_dir"] = _default_output_dir(env_class, config, bool(own["resume"]))
     return {**own, "config": config}
 
 
@@ -188,16 +188,12 @@ def _resume_from(resume: bool, config: Any) -> str | None:
     return str(latest)
 
 
-def _finished(checkpoint: str | None, config: Any) -> bool:
+def _finished(checkpoint: str, config: Any) -> bool:
     """Whether the checkpoint to resume from already reached `max_steps` (nothing to train).
 
     Without this check the Trainer would take one more step before it noticed.
     """
-    return (
-        checkpoint is not None
-        and config.max_steps > 0
-        and checkpoints.checkpoint_step(checkpoint) >= config.max_steps
-    )
+    return config.max_steps > 0 and checkpoints.checkpoint_step(checkpoint) >= config.max_steps
 
 
 def _finish_without_training(trainer: Any, checkpoint: str, final: Path) -> int:
@@ -227,7 +223,7 @@ def _train(trainer: Any, checkpoint: str | None, namespace: argparse.Namespace) 
 
 
 def _close_progress_bar(trainer: Any) -> None:
-    from agentgrpo.run_log import ProgressBar
+    from agentgrpo.reporting.run_log import ProgressBar
 
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, ProgressBar):
@@ -304,41 +300,41 @@ def _print_start(
 
 
 def _eval_engine(namespace: argparse.Namespace, env_class: type) -> tuple[Any, Any]:
+    """The engine and scorer `wiring.build_parts` builds for training, from eval's options."""
     from transformers import AutoTokenizer
 
     from agentgrpo.models import load_tokenizer
-    from agentgrpo.reward_calls import reward_functions
-    from agentgrpo.rounds import Scorer, environment_reward_name
-    from rollout import EpisodeConfig, RolloutEngine
+    from agentgrpo.rewards.calls import reward_functions
+    from agentgrpo.rounds import environment_reward_name
+    from agentgrpo.wiring import build_parts
 
+    rewards = reward_functions(sources.reward_functions(namespace.reward), None)
+    if not rewards and environment_reward_name(env_class) is None:
+        raise UsageError(f"{env_class.__name__} has no reward(); pass --reward module:function")
     path = sources.model_path(namespace.model)
     tokenizer = load_tokenizer(None, AutoTokenizer.from_pretrained(path))
+    backend = _eval_backend(namespace, path, tokenizer)
+    parts = build_parts(eval_config(namespace), backend, tokenizer, env_class, (), rewards)
+    return parts.engine, parts.scorer
+
+
+def eval_config(namespace: argparse.Namespace) -> Any:
+    """The `GRPOConfig` of a run whose episodes are played as `agentgrpo eval` plays them."""
     template = namespace.chat_template or (BUILTIN_TEMPLATE if namespace.model is None else None)
-    engine = RolloutEngine(
-        _eval_backend(namespace, path, tokenizer),
-        tokenizer,
-        environment_factory=env_class,
-        chat_template=template,
-        tool_call_parser=namespace.tool_call_parser,
-        config=EpisodeConfig(
-            max_completion_length=namespace.max_completion_length,
-            max_turns=namespace.max_turns,
-            temperature=namespace.temperature,
-        ),
+    return _grpo_config(
+        {
+            "max_completion_length": namespace.max_completion_length,
+            "max_turns": namespace.max_turns,
+            "temperature": namespace.temperature,
+            "top_p": namespace.top_p,
+            "top_k": namespace.top_k,
+            "tool_timeout_s": namespace.tool_timeout_s,
+            "chat_template": template,
+            "tool_call_parser": namespace.tool_call_parser,
+            "seed": namespace.seed,
+            "report_to": "none",
+        }
     )
-    scorer = Scorer(
-        funcs=reward_functions(sources.reward_functions(namespace.reward), None),
-        env_reward_name=environment_reward_name(env_class),
-        with_environments=True,
-        text_completions=False,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        trainer_state=lambda: None,
-        log_extra=lambda column, values: None,
-        log_metric=lambda name, value: None,
-    )
-    if not scorer.names:
-        raise UsageError(f"{env_class.__name__} has no reward(); pass --reward module:function")
-    return engine, scorer
 
 
 def _eval_backend(namespace: argparse.Namespace, path: str, tokenizer: Any) -> Any:
@@ -361,7 +357,7 @@ def _eval_backend(namespace: argparse.Namespace, path: str, tokenizer: Any) -> A
 
 
 def _write_episodes(path: Path, episodes: list, rewards: list[float]) -> None:
-    from agentgrpo.run_log import format_episode
+    from agentgrpo.reporting.run_log import format_episode
 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(

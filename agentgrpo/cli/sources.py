@@ -92,7 +92,7 @@ def rows(env_class: type, dataset: str | None, split: str) -> Any:
 
 def reward_functions(specs: list[str]) -> list[Callable[..., Any]]:
     """Each `module:function` or `file.py:function` spec, loaded and checked to be callable."""
-    functions = []
+    functions: list[Callable[..., Any]] = []
     for spec in specs:
         function = load_attribute(spec)
         if not callable(function):

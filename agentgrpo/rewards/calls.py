@@ -506,3 +506,20 @@ class _SequenceClassifierReward:
 
 def _as_messages(value: Any, role: str) -> list[dict[str, Any]]:
     return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
+
+
+def check_trainer_arguments(
+    funcs: Sequence[RewardFunction], dataset: Any, with_environments: bool
+) -> None:
+    """`check_arguments` against what the trainer passes: its arguments and `dataset`'s columns.
+
+    Args:
+        funcs: The reward functions.
+        dataset: The training rows; every column but ``prompt`` becomes an argument.
+        with_environments: Episodes have environments, so ``environments`` is passed.
+    """
+    names = getattr(dataset, "column_names", None)
+    if names is None:
+        names = list(dataset[0]) if len(dataset) else []
+    available = [a for a in TRAINER_ARGUMENTS if with_environments or a != "environments"]
+    check_arguments(funcs, available + [name for name in names if name != "prompt"])

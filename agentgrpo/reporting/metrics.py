@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from agentgrpo.advantages import group_std
+from agentgrpo.learner.advantages import group_std
 from rollout import Episode
 
 TOOL_ERROR_KINDS = ("parse", "unknown_tool", "bad_arguments", "exception", "timeout")
@@ -77,7 +77,7 @@ def _length_metrics(lengths_N: torch.Tensor, truncated_N: torch.Tensor) -> dict[
 
 def _tool_metrics(column: dict[str, torch.Tensor]) -> dict[str, float]:
     calls_N = column["tool_calls"]
-    failures_N = sum(column[kind] for kind in TOOL_ERROR_KINDS)
+    failures_N = torch.stack([column[kind] for kind in TOOL_ERROR_KINDS]).sum(dim=0)
     calls = float(calls_N.sum())
     metrics = {
         "tools/call_rate": float((calls_N > 0).float().mean()),

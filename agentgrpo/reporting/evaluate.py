@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from agentgrpo.advantages import combine_rewards
+from agentgrpo.learner.advantages import combine_rewards
 from agentgrpo.rounds import Scorer, play_round
 from rollout import Episode, RolloutEngine
 

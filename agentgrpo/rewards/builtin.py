@@ -1,6 +1,6 @@
 r"""Built-in reward functions: answer accuracy, think format, soft overlong punishment.
 
-Each is a plain reward function with the calling convention of `agentgrpo.reward_calls` (TRL's):
+Each is a plain reward function with the calling convention of `agentgrpo.rewards.calls` (TRL's):
 called once per batch with keyword arguments, returning one float (or None, "not applicable") per
 completion.
 

@@ -7,9 +7,13 @@ T positions, V vocab), detached: they weight the gradient, they are not differen
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from agentgrpo.losses import IMPORTANCE_LEVELS, log_importance_ratio, masked_mean_per_row
+from agentgrpo.learner.batch import TrainingBatch
+from agentgrpo.learner.losses import IMPORTANCE_LEVELS, log_importance_ratio, masked_mean_per_row
 
 # --------------------------------------------------------------------------- sampler mismatch
 
@@ -165,3 +169,70 @@ def top_entropy_mask(
         return mask_B_T.clone()
     threshold = torch.quantile(entropy_B_T.detach()[active_B_T].float(), 1 - quantile)
     return (active_B_T & (entropy_B_T.detach() >= threshold)).to(mask_B_T.dtype)
+
+
+# --------------------------------------------------------------------------- all together
+
+
+@dataclass(frozen=True)
+class TokenWeighting:
+    """Which per-token weights multiply the policy term, with their settings.
+
+    Attributes:
+        top_entropy_quantile: rho of `top_entropy_mask`; 1.0 keeps every token.
+        off_policy_mask_threshold: Threshold of `off_policy_sequence_mask`, or None for none.
+        sampler_correction_mode: `sampler_correction`'s mode, or None for no correction.
+        clip_max, clip_min: `sampler_correction`'s bounds.
+    """
+
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    sampler_correction_mode: str | None = None
+    clip_max: float | None = None
+    clip_min: float | None = None
+
+    @classmethod
+    def from_config(cls, args: Any) -> TokenWeighting:
+        """The weighting a `GRPOConfig` asks for (the correction only when vLLM samples)."""
+        corrects = args.use_vllm and args.vllm_importance_sampling_correction
+        return cls(
+            args.top_entropy_quantile,
+            args.off_policy_mask_threshold,
+            args.vllm_importance_sampling_mode if corrects else None,
+            args.vllm_importance_sampling_clip_max,
+            args.vllm_importance_sampling_clip_min,
+        )
+
+    def weights(
+        self,
+        batch: TrainingBatch,
+        logprobs_B_C: torch.Tensor,
+        old_B_C: torch.Tensor,
+        entropy_B_C: torch.Tensor,
+    ) -> torch.Tensor:
+        """weights_B_C: the product of the enabled weights (all ones when none is)."""
+        mask_B_C = batch.loss_mask_B_C
+        weights_B_C = torch.ones_like(mask_B_C)
+        if self.top_entropy_quantile < 1.0:
+            weights_B_C = weights_B_C * top_entropy_mask(
+                entropy_B_C, mask_B_C, self.top_entropy_quantile
+            )
+        if self.off_policy_mask_threshold is not None:
+            keep_B = off_policy_sequence_mask(
+                logprobs_B_C,
+                batch.sampler_logprobs_B_C,
+                batch.advantages_B,
+                mask_B_C,
+                self.off_policy_mask_threshold,
+            )
+            weights_B_C = weights_B_C * keep_B.unsqueeze(-1)
+        if self.sampler_correction_mode is not None:
+            weights_B_C = weights_B_C * sampler_correction(
+                old_B_C,
+                batch.sampler_logprobs_B_C,
+                mask_B_C,
+                self.sampler_correction_mode,
+                self.clip_max,
+                self.clip_min,
+            )
+        return weights_B_C

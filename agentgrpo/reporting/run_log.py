@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
 
-from agentgrpo.plot import line_chart
+from agentgrpo.reporting.plot import line_chart
 from rollout import Episode, EpisodeRecord, read_records, record_line
 
 METRICS_FILE = "metrics.jsonl"

@@ -618,10 +618,14 @@ def policy_loss(
         ref_logprobs_B_T,
         sampler_weights_B_T,
     )
-    mask_B_T = mask_B_T.to(per_token_B_T.dtype)
-    loss = _LOSS_TYPES[config.loss_type].normalise(
-        per_token_B_T, mask_B_T, num_items, config.max_completion_length
+    loss = aggregate(
+        per_token_B_T,
+        mask_B_T,
+        config.loss_type,
+        num_items=num_items,
+        max_completion_length=config.max_completion_length,
     )
+    mask_B_T = mask_B_T.to(per_token_B_T.dtype)
     if entropy_B_T is not None:
         mean_entropy = _masked_mean(torch.where(mask_B_T != 0, entropy_B_T, 0.0), mask_B_T)
         metrics["entropy"] = mean_entropy.detach()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from agentgrpo.batch import TrainingBatch
+from agentgrpo.learner.batch import TrainingBatch
 
 
 def completion_logprobs(

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
-from rollout import Episode
+from rollout.types import Episode
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class TrainingBatch:
 
     def select(self, rows: torch.Tensor | Sequence[int]) -> TrainingBatch:
         """The given rows, with the padding columns no selected row needs trimmed away."""
-        taken = {
+        taken: dict[str, Any] = {
             f.name: value[rows]
             if isinstance(value := getattr(self, f.name), torch.Tensor)
             else value
@@ -75,7 +76,7 @@ class TrainingBatch:
         """Drop `left` leading prompt columns and `right` trailing completion columns."""
         end_L = self.input_ids_B_L.shape[1] - right
         end_C = self.completion_width - right
-        changes = {}
+        changes: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor) and value.dim() == 2:

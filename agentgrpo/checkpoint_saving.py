@@ -1,0 +1,74 @@
+"""Atomic checkpoint saves for transformers' Trainer: write a temporary folder, then rename it.
+
+A process killed mid-save leaves only a temporary folder (removed at the next start, see
+`checkpoints.remove_temporary`), never a `checkpoint-<step>` folder that looks whole but is not.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from agentgrpo import checkpoints
+
+
+class AtomicCheckpoints(Trainer):
+    """transformers' `Trainer` whose checkpoint saves are atomic.
+
+    The Trainer writes `checkpoint-<step>` inside `checkpoints.temporary_dir` (through
+    `_get_output_dir`); once every process has written its files, the main process renames it
+    into the output folder, then rotates old checkpoints and pushes to the Hub as the Trainer
+    would have.
+    """
+
+    _staging_dir: Path | None = None  # set while a checkpoint is being written
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Trainer's checkpoint save, written to a temporary folder and renamed when whole."""
+        run_dir = super()._get_output_dir(trial)
+        staging = checkpoints.temporary_dir(run_dir, self.state.global_step)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a save killed at this step
+        self.accelerator.wait_for_everyone()
+        self._staging_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            self._publish_checkpoint(
+                staging / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", run_dir
+            )
+        self.accelerator.wait_for_everyone()
+
+    def _get_output_dir(self, trial: Any) -> str:
+        """The temporary folder while a checkpoint is being written, else the Trainer's."""
+        if self._staging_dir is not None:
+            return str(self._staging_dir)
+        return super()._get_output_dir(trial)
+
+    def _publish_checkpoint(self, staged: Path, run_dir: str) -> None:
+        """Point the state at the final folder, rename the checkpoint there, rotate, push."""
+        best = self.state.best_model_checkpoint
+        if best is not None and Path(best).parent == staged.parent:
+            self.state.best_model_checkpoint = str(Path(run_dir) / Path(best).name)
+            self.state.save_to_json(str(staged / checkpoints.TRAINER_STATE))
+        final = checkpoints.publish(staged, run_dir)
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
+        if self.args.push_to_hub:
+            super()._push_from_checkpoint(str(final))
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Push once the checkpoint is in its final folder (see `_publish_checkpoint`)."""
+        if self._staging_dir is None:
+            super()._push_from_checkpoint(checkpoint_folder)

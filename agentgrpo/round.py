@@ -1,0 +1,319 @@
+"""One generation round as plain code: rows in, micro-batches out, each stage named in order.
+
+A round plays `num_generations` episodes per row and scores them (`rounds.play_round`), combines
+the reward columns, turns rewards into group-relative advantages, lays the episodes out as one
+`TrainingBatch`, adds the old and reference logprobs the loss needs, and cuts the batch into the
+micro-batches the optimizer steps consume. `play_and_batch` is that list of stages; everything
+it touches comes in through `RoundParts` (the distributed gather included), so a round runs on
+CPU without a Trainer, and each stage has explicit inputs and outputs.
+
+`RoundPlan` holds the round's sizes, worked out once from the config and the number of processes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from agentgrpo.learner.advantages import combine_rewards, group_advantages
+from agentgrpo.learner.batch import TrainingBatch
+from rollout import Episode
+
+Rows = Sequence[Mapping[str, Any]]
+# (rows, num_generations, seed) -> (episodes in group order, rewards_N_F): plays and scores.
+Play = Callable[[Rows, int, int], tuple[list[Episode], torch.Tensor]]
+# A tensor of this process's rows -> every process's rows, in process order, on the CPU.
+Gather = Callable[[torch.Tensor], torch.Tensor]
+Logprobs = Callable[[TrainingBatch], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """The sizes of a generation round, on each process.
+
+    A round plays `prompts_per_process` rows `num_generations` times each (groups never span
+    processes) and feeds `repeats` micro-batches of `micro_batch_size` episodes: the round is
+    cut into `micro_batches` of them, and each is trained on `num_iterations` times.
+    `accumulation_steps` micro-batches make one optimizer step.
+
+    Attributes:
+        prompts_per_process: Rows each process plays per round.
+        num_generations: Episodes per row (a group).
+        num_processes: Processes taking part.
+        micro_batch_size: Episodes per micro-batch (`per_device_train_batch_size`).
+        micro_batches: Micro-batches a round is cut into (`steps_per_generation`).
+        accumulation_steps: Micro-batches per optimizer step (`gradient_accumulation_steps`).
+        num_iterations: Times each micro-batch is trained on.
+        max_steps: Optimizer steps of the run, or 0 when the epochs decide.
+        train: A training round (shuffled, several micro-batches); False for evaluation
+            (one micro-batch holding the whole round, never old logprobs).
+    """
+
+    prompts_per_process: int
+    num_generations: int
+    num_processes: int = 1
+    micro_batch_size: int = 0
+    micro_batches: int = 1
+    accumulation_steps: int = 1
+    num_iterations: int = 1
+    max_steps: int = 0
+    train: bool = True
+
+    @classmethod
+    def from_config(cls, args: Any, num_processes: int) -> RoundPlan:
+        """The training round of a `GRPOConfig` (its batch fields already resolved).
+
+        Raises:
+            ValueError: The round cannot give every process whole groups.
+        """
+        return cls(
+            prompts_per_process=prompts_per_process(
+                args.generation_batch_size, args.num_generations, num_processes
+            ),
+            num_generations=args.num_generations,
+            num_processes=num_processes,
+            micro_batch_size=args.per_device_train_batch_size,
+            micro_batches=args.steps_per_generation,
+            accumulation_steps=args.gradient_accumulation_steps,
+            num_iterations=args.num_iterations,
+            max_steps=args.max_steps,
+        )
+
+    @classmethod
+    def for_eval(cls, args: Any, num_processes: int) -> RoundPlan:
+        """An evaluation round: `per_device_eval_batch_size` episodes a process, one batch."""
+        num_generations = args.num_generations_eval or args.num_generations
+        per_process = prompts_per_process(
+            args.per_device_eval_batch_size * num_processes, num_generations, num_processes
+        )
+        return cls(
+            per_process,
+            num_generations,
+            num_processes,
+            micro_batch_size=per_process * num_generations,
+            train=False,
+        )
+
+    @property
+    def episodes_per_process(self) -> int:
+        """Episodes each process plays per round."""
+        return self.prompts_per_process * self.num_generations
+
+    @property
+    def repeats(self) -> int:
+        """Micro-batches one round feeds: each of its `micro_batches`, `num_iterations` times."""
+        return self.micro_batches * self.num_iterations
+
+    @property
+    def optimizer_steps(self) -> float:
+        """Optimizer steps one pass over the round makes (a fraction when a step spans rounds)."""
+        return self.micro_batches / self.accumulation_steps
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """The policy can change before a micro-batch is trained on: keep the generating one's."""
+        whole_steps = self.micro_batches // self.accumulation_steps
+        return self.train and (self.num_iterations > 1 or whole_steps > 1)
+
+    @property
+    def rows_needed(self) -> int | None:
+        """Rows (over all processes) that `max_steps` consumes; None without max_steps."""
+        if self.max_steps <= 0:
+            return None
+        rounds_per_step = self.accumulation_steps / self.micro_batches
+        rounds = max(1, int(self.max_steps * rounds_per_step + 0.999))
+        return rounds * self.prompts_per_process * self.num_processes
+
+    def num_items(self, round_tokens: float) -> float:
+        """The loss normaliser of each micro-batch: active tokens of one optimizer step.
+
+        Args:
+            round_tokens: Mask-1 tokens of the whole round, summed over all processes.
+        """
+        return round_tokens / self.optimizer_steps if self.train else round_tokens
+
+    def first_micro_batch(self, global_step: int) -> int:
+        """The index (counted from the run's start) of the micro-batch that `global_step` starts."""
+        return global_step * self.accumulation_steps
+
+    def starts_round(self, micro_index: int) -> bool:
+        """Whether micro-batch `micro_index` (counted from the run's start) opens a new round."""
+        return micro_index % self.repeats == 0
+
+    def position(self, micro_index: int) -> int:
+        """Which of its round's micro-batches micro-batch `micro_index` is."""
+        return micro_index % self.repeats % self.micro_batches
+
+
+def prompts_per_process(completions: int, num_generations: int, processes: int) -> int:
+    """Prompts each process plays per round; groups are never split across processes.
+
+    Example:
+        >>> prompts_per_process(completions=16, num_generations=4, processes=2)
+        2
+    """
+    if completions % (num_generations * processes):
+        raise ValueError(
+            f"a round of {completions} completions over {processes} process(es) cannot give "
+            f"each process whole groups of num_generations={num_generations}; choose batch "
+            f"sizes so that the round is a multiple of num_generations x processes"
+        )
+    return completions // (num_generations * processes)
+
+
+def round_seed(seed: int, train: bool, global_step: int, process_index: int) -> int:
+    """The sampling seed of a round: fixed by the run's seed, mode, step and process.
+
+    Only ints are hashed: Python salts the hash of strings per interpreter, which would break
+    reproducibility across runs (and checkpoint resumes).
+    """
+    return hash((seed, train, global_step, process_index)) % 2**31
+
+
+@dataclass(frozen=True)
+class RewardShaping:
+    """How reward columns become one reward per episode, and rewards become advantages.
+
+    Attributes:
+        weights_F: One weight per reward column, or None for all ones.
+        aggregation: `multi_objective_aggregation` ("sum_then_normalize" or
+            "normalize_then_sum").
+        scale: `scale_rewards` ("group", "batch" or "none").
+    """
+
+    weights_F: Sequence[float] | None = None
+    aggregation: str = "sum_then_normalize"
+    scale: str = "group"
+
+    @classmethod
+    def from_config(cls, args: Any) -> RewardShaping:
+        """The shaping a `GRPOConfig` asks for."""
+        return cls(args.reward_weights, args.multi_objective_aggregation, args.scale_rewards)
+
+    def combine(self, rewards_N_F: torch.Tensor, num_generations: int) -> torch.Tensor:
+        """rewards_N: the weighted columns; 0 (with a warning) where every column is None."""
+        weights = self.weights_F or [1.0] * rewards_N_F.shape[1]
+        rewards_N = combine_rewards(
+            rewards_N_F,
+            torch.tensor(weights, dtype=torch.float32),
+            num_generations,
+            self.aggregation,
+        )
+        if rewards_N.isnan().any():
+            warnings.warn(
+                "every reward function returned None for some completions; they get reward 0",
+                stacklevel=2,
+            )
+            rewards_N = rewards_N.nan_to_num(0.0)
+        return rewards_N
+
+    def advantages(self, everyone_N: torch.Tensor, num_generations: int) -> torch.Tensor:
+        """advantages_N over every process's rewards (batch scaling needs them all)."""
+        scale = self.scale
+        if self.aggregation == "normalize_then_sum":
+            scale = "batch"  # each reward was normalised per group already (GDPO)
+        return group_advantages(everyone_N, num_generations, scale)
+
+
+@dataclass(frozen=True)
+class RoundParts:
+    """What a round needs besides its rows: the stages that touch models or other processes.
+
+    Attributes:
+        play: Plays the rows and scores the episodes (see `Play`).
+        shaping: Rewards to advantages.
+        collate: (episodes, advantages_B) -> `TrainingBatch` without logprobs.
+        old_logprobs: The current policy's logprobs of a batch, no grad (used when the plan
+            says `needs_old_logprobs`).
+        ref_logprobs: The reference model's logprobs of a batch, or None when beta is 0.
+        gather: See `Gather`; the identity on one process.
+        process_index: This process's index in the gather's order.
+    """
+
+    play: Play
+    shaping: RewardShaping
+    collate: Callable[[Sequence[Episode], torch.Tensor], TrainingBatch]
+    old_logprobs: Logprobs
+    ref_logprobs: Logprobs | None = None
+    gather: Gather = lambda tensor: tensor
+    process_index: int = 0
+
+
+@dataclass(frozen=True)
+class Round:
+    """One played round on this process: its episodes, their scores, and the micro-batches.
+
+    Attributes:
+        episodes: N episodes in group order.
+        rewards_N_F: One column per reward function (NaN where it returned None).
+        rewards_N: The combined rewards.
+        advantages_N: The advantages the loss uses.
+        micro_batches: The batches to train on, in order (one in evaluation).
+    """
+
+    episodes: list[Episode]
+    rewards_N_F: torch.Tensor
+    rewards_N: torch.Tensor
+    advantages_N: torch.Tensor
+    micro_batches: list[TrainingBatch]
+
+
+def play_and_batch(parts: RoundParts, plan: RoundPlan, rows: Rows, seed: int) -> Round:
+    """Play one round of `rows` and turn it into micro-batches, stage by stage.
+
+    Every process calls this with its own rows at the same time: the advantages and the loss
+    normaliser gather over all processes.
+    """
+    episodes, rewards_N_F = parts.play(rows, plan.num_generations, seed)  # play, score
+    rewards_N = parts.shaping.combine(rewards_N_F, plan.num_generations)
+    advantages_N = local_advantages(parts, rewards_N, plan.num_generations)
+    batch = parts.collate(episodes, advantages_N)
+    batch = with_logprobs(parts, plan, batch)
+    micro_batches = split_micro_batches(batch, plan, global_tokens(parts.gather, batch))
+    return Round(episodes, rewards_N_F, rewards_N, advantages_N, micro_batches)
+
+
+def local_advantages(
+    parts: RoundParts, rewards_N: torch.Tensor, num_generations: int
+) -> torch.Tensor:
+    """advantages_N of this process's episodes, computed over every process's rewards."""
+    advantages_N = parts.shaping.advantages(parts.gather(rewards_N), num_generations)
+    start = parts.process_index * len(rewards_N)
+    return advantages_N[start : start + len(rewards_N)]
+
+
+def with_logprobs(parts: RoundParts, plan: RoundPlan, batch: TrainingBatch) -> TrainingBatch:
+    """Add old logprobs (when the plan needs them) and reference logprobs (when there is one)."""
+    if plan.needs_old_logprobs:
+        batch = replace(batch, old_logprobs_B_C=parts.old_logprobs(batch))
+    if parts.ref_logprobs is not None:
+        batch = replace(batch, ref_logprobs_B_C=parts.ref_logprobs(batch))
+    return batch
+
+
+def global_tokens(gather: Gather, batch: TrainingBatch) -> float:
+    """Mask-1 tokens of `batch` summed over every process."""
+    return float(gather(batch.loss_mask_B_C.sum().reshape(1)).sum())
+
+
+def split_micro_batches(
+    batch: TrainingBatch, plan: RoundPlan, round_tokens: float
+) -> list[TrainingBatch]:
+    """Shuffle a training round and cut it into micro-batches; an eval round stays whole.
+
+    Every micro-batch carries `plan.num_items(round_tokens)`. The shuffle draws from torch's
+    global generator (seeded by the Trainer, restored on resume).
+    """
+    num_items = plan.num_items(round_tokens)
+    if not plan.train:
+        return [replace(batch, num_items=num_items)]
+    order = torch.randperm(len(batch)).tolist()
+    size = plan.micro_batch_size
+    return [
+        replace(batch.select(order[i : i + size]), num_items=num_items)
+        for i in range(0, len(batch), size)
+    ]

@@ -1,0 +1,129 @@
+"""The one place a run's parts are built from a `GRPOConfig`: training and `agentgrpo eval` alike.
+
+`build_parts` turns the config, a generation backend, the tokenizer, the environment, the tools
+and the reward functions into the episode settings, the rollout engine that plays them, the
+scorer that rates them and the loss settings, so that evaluation plays exactly the episodes
+training would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentgrpo.learner.losses import LossConfig
+from agentgrpo.rewards.calls import RewardFunction
+from agentgrpo.rounds import Scorer, environment_reward_name
+from rollout import EpisodeConfig, GenerationBackend, RolloutEngine
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """A run's parts, built by `build_parts`.
+
+    Attributes:
+        episode_config: How each episode is played (lengths, turns, sampling, tool timeout).
+        engine: Plays episodes with the backend, the environment and the tools.
+        scorer: Rates a group of episodes with the reward functions and the environment.
+        loss_config: The loss and its hyperparameters.
+    """
+
+    episode_config: EpisodeConfig
+    engine: RolloutEngine
+    scorer: Scorer
+    loss_config: LossConfig
+
+
+def build_parts(
+    config: Any,
+    backend: GenerationBackend,
+    tokenizer: Any,
+    environment_factory: Callable[[], Any] | None,
+    tools: Sequence[Callable[..., Any]] = (),
+    reward_funcs: Sequence[RewardFunction] = (),
+    trainer_state: Callable[[], Any] = lambda: None,
+    log_metric: Callable[[str, float], None] = lambda name, value: None,
+) -> RunParts:
+    """Build the parts of a run from `config` (a `GRPOConfig`).
+
+    Args:
+        config: The run's settings.
+        backend: Generates the model's turns.
+        tokenizer: The policy's tokenizer.
+        environment_factory: The environment class (or zero-argument factory), or None.
+        tools: Plain tool functions offered in every episode.
+        reward_funcs: Reward functions, already wrapped (`reward_calls.reward_functions`).
+        trainer_state: Returns the `TrainerState` passed to reward functions (None outside
+            training).
+        log_metric: Receives the metrics reward functions log.
+
+    Raises:
+        ValueError: No reward at all, or `reward_weights` not matching the rewards.
+    """
+    episode_config = episode_config_of(config)
+    engine = RolloutEngine(
+        backend,
+        tokenizer,
+        environment_factory=environment_factory,
+        tools=tools,
+        chat_template=config.chat_template,
+        tool_call_parser=config.tool_call_parser,
+        chat_template_kwargs=config.chat_template_kwargs,
+        config=episode_config,
+        max_concurrent_episodes=config.max_concurrent_episodes,
+    )
+    scorer = Scorer(
+        funcs=list(reward_funcs),
+        env_reward_name=environment_reward_name(environment_factory),
+        with_environments=environment_factory is not None,
+        text_completions=not engine.context.has_tools,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        trainer_state=trainer_state,
+        log_extra=lambda column, values: None,
+        log_metric=log_metric,
+    )
+    check_rewards(scorer.names, config.reward_weights)
+    return RunParts(episode_config, engine, scorer, loss_config_of(config))
+
+
+def episode_config_of(config: Any) -> EpisodeConfig:
+    """How each episode of a `GRPOConfig` run is played."""
+    return EpisodeConfig(
+        max_completion_length=config.max_completion_length,
+        max_turns=config.episode_max_turns,
+        tool_timeout_s=config.tool_timeout_s,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k or 0,
+    )
+
+
+def loss_config_of(config: Any) -> LossConfig:
+    """The loss settings of a `GRPOConfig`."""
+    return LossConfig(
+        loss_type=config.loss_type,
+        epsilon_low=config.epsilon,
+        epsilon_high=config.epsilon_high,
+        delta=config.delta,
+        importance_sampling_level=config.importance_sampling_level,
+        beta=config.beta,
+        use_bias_correction_kl=config.use_bias_correction_kl,
+        sapo_temperature_pos=config.sapo_temperature_pos,
+        sapo_temperature_neg=config.sapo_temperature_neg,
+        max_completion_length=config.max_completion_length,
+        entropy_coef=config.entropy_coef,
+    )
+
+
+def check_rewards(names: Sequence[str], weights: Sequence[float] | None) -> None:
+    """Fail unless there is a reward, and `weights` (when given) has one value per reward."""
+    if not names:
+        raise ValueError(
+            "no reward: pass reward_funcs, or an environment with a reward()/get_reward() method"
+        )
+    if weights is not None and len(weights) != len(names):
+        raise ValueError(
+            f"reward_weights has {len(weights)} values but there are "
+            f"{len(names)} rewards ({', '.join(names)})"
+        )
