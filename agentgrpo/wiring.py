@@ -53,7 +53,7 @@ def build_parts(
         tokenizer: The policy's tokenizer.
         environment_factory: The environment class (or zero-argument factory), or None.
         tools: Plain tool functions offered in every episode.
-        reward_funcs: Reward functions, already wrapped (`reward_calls.reward_functions`).
+        reward_funcs: Reward functions, already wrapped (`rewards.calls.reward_functions`).
         trainer_state: Returns the `TrainerState` passed to reward functions (None outside
             training).
         log_metric: Receives the metrics reward functions log.
