@@ -73,3 +73,14 @@ def test_importing_a_layer_never_imports_vllm(package):
     code = f"import sys, {package}; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_the_library_never_imports_trl(layer):
+    """trl is a test and benchmark dependency only (its templates, the side-by-side benchmarks)."""
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / layer).rglob("*.py")
+        if "trl" in imported_packages(path)
+    ]
+    assert offenders == []
