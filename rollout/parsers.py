@@ -11,8 +11,9 @@ JSON that no later stage could handle is a bad call too: nesting deeper than `MA
 an integer longer than Python converts (`sys.get_int_max_str_digits()`), or a string holding a
 lone surrogate escape (`"\ud800"`), which no tokenizer encodes.
 
-Two formats are written out by hand (`hermes`, `llama3_json`); `tokenizer_parser` wraps the
-tokenizer's own `parse_response` when the tokenizer ships a response template.
+Formats written out by hand: `hermes`, `llama3_json`, and DeepSeek V3 (`deepseek_v3`), Gemma 4
+(`gemma4`) and LFM2 (`lfm2`, Python call syntax read with `ast`, never run); `tokenizer_parser`
+wraps the tokenizer's own `parse_response` when the tokenizer ships a response template.
 """
 
 from __future__ import annotations
