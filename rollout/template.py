@@ -370,9 +370,10 @@ class ChatRenderer:
         )
         try:
             text = probe.render(messages, generation_prompt=True)
-        except jinja2.TemplateError as error:
+        except Exception as error:  # template code fails any way: `str + dict` is a TypeError
             raise ToolTemplateError(
-                f"The chat template fails on a conversation with a tool call: {error}. "
+                f"The chat template fails on a conversation with a tool call "
+                f"({type(error).__name__}: {error}). "
                 f"Pass chat_template='chatml_tools' (for ChatML models) or a template with tool "
                 f"support."
             ) from error
