@@ -484,6 +484,15 @@ class GRPOTrainer(AtomicCheckpoints):
         return self._last_records
 
     @property
+    def last_completions(self) -> CompletionsTable | None:
+        """The latest round's completions table (every process's rows), with `log_completions`.
+
+        None before the first round or without `log_completions`; replaced by the next round.
+        Its `step` is the global step the round was played at; the logged table's is the log's.
+        """
+        return self._completions
+
+    @property
     def last_episodes(self) -> list[tuple[Episode, float]]:
         """The latest round's episodes on this process (train or eval), each with its reward.
 
@@ -495,8 +504,9 @@ class GRPOTrainer(AtomicCheckpoints):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the GRPO metrics gathered since the last log, under TRL's names; show completions.
 
-        With `log_completions`, the latest round's completions table is printed and logged to
-        the `report_to` integrations that take tables.
+        With `log_completions`, a log holding round metrics prints the latest round's
+        completions table (its `step` column set to the global step) and logs it to the
+        `report_to` integrations that take tables.
 
         Each metric is the mean of its values since the last log, NaN values left out (None
         when every value was NaN, e.g. a reward function that returned None throughout).
@@ -509,7 +519,8 @@ class GRPOTrainer(AtomicCheckpoints):
         self._metrics[mode].clear()
         super().log(logs, start_time)
         table = self._completions
-        if self.args.log_completions and self.accelerator.is_main_process and table is not None:
+        with_round = prefix + "reward" in logs  # not, e.g., the end-of-training summary
+        if with_round and self.accelerator.is_main_process and table is not None:
             table = replace(table, step=self.state.global_step)
             print_table(table, self.args.num_completions_to_print)
             log_to_integrations(table, self.args.report_to, self.args.log_unique_prompts)

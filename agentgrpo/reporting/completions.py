@@ -132,13 +132,14 @@ def _print_rich(table: CompletionsTable, indices: Sequence[int]) -> None:
     from rich.console import Console
     from rich.panel import Panel
     from rich.table import Table
+    from rich.text import Text
 
     shown = Table(show_header=True, expand=True)
     numbers = {*table.rewards, "Advantage"}
     for header in _headers(table):
         shown.add_column(header, justify="right" if header in numbers else "left")
     for i in indices:
-        shown.add_row(*_cells(table, i))
+        shown.add_row(*(Text(cell) for cell in _cells(table, i)))  # text, not rich markup
         shown.add_section()
     Console().print(Panel(shown, expand=False, title=f"Step {table.step}"))
 
