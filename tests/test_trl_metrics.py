@@ -19,6 +19,7 @@ from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.learner.advantages import combine_rewards
+from agentgrpo.learner.losses import LossConfig, policy_loss
 from agentgrpo.models import router_aux_loss_coef
 from agentgrpo.reporting.completions import CompletionsTable, plain_table, table_integrations
 from agentgrpo.reporting.metrics import RewardLayout, reward_metrics, round_metrics, tool_metrics
@@ -369,3 +370,18 @@ def test_tool_metrics_of_a_run_count_the_calls_of_its_episodes(
     assert log["turns/mean"] == pytest.approx(sum(e.stats.turns for e in episodes) / 4)
     assert "rewards/Counter/mean" in log
     assert trainer.last_completions is not None and len(trainer.last_completions) == 4
+
+
+def test_the_policy_loss_metric_is_the_loss_before_the_entropy_bonus():
+    # On-policy (ratio 1) with advantage 1, every token's loss is -1; bnpo takes their mean.
+    ones_1_2 = torch.ones(1, 2)
+    out = policy_loss(
+        torch.zeros(1, 2),
+        torch.zeros(1, 2),
+        torch.tensor([1.0]),
+        ones_1_2,
+        LossConfig(loss_type="bnpo", entropy_coef=0.1),
+        entropy_B_T=torch.tensor([[2.0, 4.0]]),
+    )
+    assert close(out.metrics["policy_loss"], -1.0)
+    assert close(out.loss, -1.0 - 0.1 * 3.0)
