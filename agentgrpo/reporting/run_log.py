@@ -359,8 +359,8 @@ class ProgressBar(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         """Show the log's reward, tool calls per episode and step time."""
-        if self.bar is None or not logs or "reward" not in logs:
-            return
+        if self.bar is None or not logs or not isinstance(logs.get("reward"), int | float):
+            return  # not a round's log, or one whose rewards were all None
         postfix = progress_postfix(logs, self._wall_s_per_step)
         self.bar.set_postfix_str(postfix, refresh=_on_terminal(self.bar))
 
