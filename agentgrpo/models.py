@@ -41,6 +41,28 @@ def load_policy(model: str | PreTrainedModel, args: Any, peft_config: Any = None
     return policy
 
 
+def router_aux_loss_coef(model: Any, configured: float | None) -> float:
+    """The weight of a mixture-of-experts model's load-balancing loss in the GRPO loss; 0: none.
+
+    A model is mixture-of-experts when its (text) config has `output_router_logits`. Its weight
+    is `configured`, or the config's `router_aux_loss_coef` (0.0 if it has none) when None.
+
+    Raises:
+        ValueError: A non-zero weight is configured for a model without experts.
+    """
+    text_config = model.config.get_text_config()
+    with_experts = hasattr(text_config, "output_router_logits")
+    if configured and not with_experts:
+        raise ValueError(
+            f"router_aux_loss_coef={configured} but {type(model).__name__} is not a "
+            "mixture-of-experts model (its config has no output_router_logits), so there is no "
+            "load-balancing loss to weight; leave router_aux_loss_coef unset"
+        )
+    if configured is None:
+        configured = getattr(text_config, "router_aux_loss_coef", 0.0)
+    return float(configured or 0.0) if with_experts else 0.0
+
+
 def load_tokenizer(model: Any, processing_class: Any = None) -> Any:
     """The tokenizer to use: the one given, else the model's own, with a pad token set."""
     if processing_class is None:

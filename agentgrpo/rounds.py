@@ -6,14 +6,65 @@ functions overlap with the generation of the groups still playing instead of add
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from agentgrpo.rewards.calls import RewardBatch, RewardFunction, score
 from rollout import Episode, RolloutEngine
+
+
+@dataclass
+class RewardLogs:
+    """What reward functions logged through `log_metric` and `log_extra`, round by round.
+
+    Reward functions run in worker threads and groups are scored as they finish, so values are
+    kept per group and put back in episode order by `take_extra`.
+
+    Attributes:
+        metrics: Metric name to every value logged since the last `take_metrics`.
+        extra: Column name to {group: one value per episode of that group}.
+    """
+
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, dict[int, list[Any]]] = field(default_factory=dict)
+
+    def add_metric(self, name: str, value: float) -> None:
+        """`log_metric(name, value)`: one scalar, averaged with the round's other values."""
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def add_extra(self, group: int, size: int, column: str, values: Sequence[Any]) -> None:
+        """`log_extra(column, values)` for a group of `size` episodes: one value per episode.
+
+        Raises:
+            ValueError: `values` does not hold one value per completion of the call.
+        """
+        if isinstance(values, str) or len(values) != size:
+            count = "a string" if isinstance(values, str) else f"{len(values)} values"
+            raise ValueError(
+                f"log_extra({column!r}, values) got {count} for {size} completions; pass a "
+                "list with one value per completion"
+            )
+        self.extra.setdefault(column, {})[group] = list(values)
+
+    def take_metrics(self) -> dict[str, tuple[float, int]]:
+        """Each metric's (sum, count) since the last call; then forget them."""
+        taken = {name: (sum(values), len(values)) for name, values in self.metrics.items()}
+        self.metrics = {}
+        return taken
+
+    def take_extra(self, num_groups: int, num_generations: int) -> dict[str, list[Any]]:
+        """Each extra column over a round's episodes in group order (None where not logged)."""
+        missing = [None] * num_generations
+        taken = {
+            column: [v for g in range(num_groups) for v in by_group.get(g, missing)]
+            for column, by_group in self.extra.items()
+        }
+        self.extra = {}
+        return taken
 
 
 @dataclass
@@ -28,7 +79,7 @@ class Scorer:
         text_completions: Completions are text (TRL's standard format) rather than messages.
         decode: Token ids to text, for text completions.
         trainer_state: Returns the current `TrainerState`, passed to reward functions.
-        log_extra, log_metric: Passed to reward functions.
+        logs: Collects what reward functions pass to `log_metric` and `log_extra`.
     """
 
     funcs: Sequence[RewardFunction]
@@ -37,8 +88,7 @@ class Scorer:
     text_completions: bool
     decode: Callable[[list[int]], str]
     trainer_state: Callable[[], Any]
-    log_extra: Callable[[str, list[Any]], None]
-    log_metric: Callable[[str, float], None]
+    logs: RewardLogs = field(default_factory=RewardLogs)
 
     @property
     def names(self) -> list[str]:
@@ -49,7 +99,7 @@ class Scorer:
 
     async def score_group(self, episodes: Sequence[Episode]) -> torch.Tensor:
         """rewards_G_F: one column per name in `names`; NaN where a function returned None."""
-        prompts, completions = zip(*(self._views(e) for e in episodes), strict=True)
+        prompts, completions = zip(*(self.views(e) for e in episodes), strict=True)
         batch = RewardBatch(
             prompts=list(prompts),
             completions=list(completions),
@@ -57,16 +107,16 @@ class Scorer:
             rows=[e.row for e in episodes],
             environments=[e.environment for e in episodes] if self.with_environments else None,
             trainer_state=self.trainer_state(),
-            log_extra=self.log_extra,
-            log_metric=self.log_metric,
+            log_extra=functools.partial(self.logs.add_extra, episodes[0].group, len(episodes)),
+            log_metric=self.logs.add_metric,
         )
         columns = [await score(list(self.funcs), batch)] if self.funcs else []
         if self.env_reward_name:
             columns.append(torch.tensor([[e.env_reward] for e in episodes], dtype=torch.float32))
         return torch.cat(columns, dim=1) if columns else torch.zeros(len(episodes), 0)
 
-    def _views(self, episode: Episode) -> tuple[Any, Any]:
-        """The (prompt, completion) a reward function sees for an episode."""
+    def views(self, episode: Episode) -> tuple[Any, Any]:
+        """The (prompt, completion) a reward function sees for an episode (text or messages)."""
         if self.text_completions and isinstance(episode.row.get("prompt"), str):
             return episode.row["prompt"], self.decode(episode.completion_ids)
         first_reply = next(i for i, m in enumerate(episode.messages) if m["role"] == "assistant")

@@ -10,13 +10,16 @@ Trainer does the rest: optimizer, schedule, accumulation, checkpoints (made atom
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
 import torch
+from accelerate.utils import gather_object
 
 from agentgrpo import checkpoints
 from agentgrpo.checkpoint_saving import AtomicCheckpoints
@@ -26,8 +29,21 @@ from agentgrpo.learner.batch import TrainingBatch, collate_episodes
 from agentgrpo.learner.logprobs import batched_logprobs, completion_logprobs
 from agentgrpo.learner.losses import normalises_by_num_items, policy_loss
 from agentgrpo.learner.token_weights import TokenWeighting, entropy_from_logits
-from agentgrpo.models import load_policy, load_tokenizer, reference_model, reference_sync
-from agentgrpo.reporting.round_report import episode_records, gathered_metrics, print_completions
+from agentgrpo.models import (
+    load_policy,
+    load_tokenizer,
+    reference_model,
+    reference_sync,
+    router_aux_loss_coef,
+)
+from agentgrpo.reporting.completions import CompletionsTable, log_to_integrations, print_table
+from agentgrpo.reporting.metrics import RewardLayout
+from agentgrpo.reporting.round_report import (
+    completions_table,
+    episode_records,
+    gathered_metrics,
+    logged_metrics,
+)
 from agentgrpo.reporting.run_log import EpisodeLog
 from agentgrpo.rewards.calls import check_trainer_arguments, reward_functions
 from agentgrpo.round import (
@@ -118,6 +134,8 @@ class GRPOTrainer(AtomicCheckpoints):
             optimizers=optimizers,
         )
         self.model_accepts_loss_kwargs = False  # compute_loss normalises; Trainer divides by GA
+        self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)
+        self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
         self._metrics: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.ref_model = reference_model(self.model, args)
         if args.sync_ref_model:
@@ -134,6 +152,7 @@ class GRPOTrainer(AtomicCheckpoints):
         self._step_seconds = 0.0
         self._last_episodes: list[tuple[Episode, float]] = []
         self._last_records: list[EpisodeRecord] = []
+        self._completions: CompletionsTable | None = None  # the latest round's, to log
         if self.args.log_episodes:
             self.add_callback(EpisodeLog(self))
 
@@ -143,7 +162,6 @@ class GRPOTrainer(AtomicCheckpoints):
         """Build the engine, scorer and loss settings (`wiring.build_parts`) and the round."""
         args, tokenizer = self.args, self.processing_class
         backend, self.weight_sync = build_generator(self.model, tokenizer, args, self.accelerator)
-        pending = self._metrics
         parts = build_parts(
             args,
             backend,
@@ -152,7 +170,6 @@ class GRPOTrainer(AtomicCheckpoints):
             tools,
             self.reward_funcs,
             trainer_state=lambda: self.state,
-            log_metric=lambda name, value: pending[self._mode][name].append(float(value)),
         )
         self.engine, self.scorer, self.loss_config = parts.engine, parts.scorer, parts.loss_config
         self.token_weighting = TokenWeighting.from_config(args)
@@ -175,6 +192,10 @@ class GRPOTrainer(AtomicCheckpoints):
     def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every process's rows of `tensor`, in process order, on the CPU."""
         return self.accelerator.gather(tensor.to(self.accelerator.device)).cpu()
+
+    def _gather_objects(self, values: list[Any]) -> list[Any]:
+        """Every process's `values`, concatenated in process order."""
+        return gather_object(values) if self.accelerator.num_processes > 1 else list(values)
 
     # ------------------------------------------------------------------ train
 
@@ -318,9 +339,16 @@ class GRPOTrainer(AtomicCheckpoints):
     ) -> torch.Tensor:
         """The GRPO loss of one micro-batch, over its mask-1 tokens only."""
         batch, args = inputs, self.args
-        logprobs_B_C, logits_B_C_V = completion_logprobs(model, batch, args.temperature, True)
+        forward = completion_logprobs(
+            model, batch, args.temperature, with_logits=True, with_aux_loss=self.aux_loss_enabled
+        )
+        logprobs_B_C, logits_B_C_V, aux_loss = forward
+        del forward
         assert logits_B_C_V is not None  # asked for with_logits=True
-        entropy_B_C = entropy_from_logits(logits_B_C_V.detach())
+        # The entropy bonus needs the entropy's gradient; everything else reads it detached.
+        entropy_B_C = entropy_from_logits(
+            logits_B_C_V if self._entropy_bonus else logits_B_C_V.detach()
+        )
         del logits_B_C_V
         old_B_C = batch.old_logprobs_B_C
         if old_B_C is None:  # one update per round: the generating policy is the current one
@@ -333,13 +361,45 @@ class GRPOTrainer(AtomicCheckpoints):
             self.loss_config,
             ref_logprobs_B_T=batch.ref_logprobs_B_C,
             sampler_weights_B_T=self.token_weighting.weights(
-                batch, logprobs_B_C.detach(), old_B_C, entropy_B_C
+                batch, logprobs_B_C.detach(), old_B_C, entropy_B_C.detach()
             ),
             num_items=batch.num_items,
             entropy_B_T=entropy_B_C,
         )
-        self._record_loss_metrics(output.metrics)
-        return output.loss * self._loss_scale()
+        return self._total_loss(output.loss, output.metrics, aux_loss)
+
+    @property
+    def _entropy_bonus(self) -> bool:
+        """Whether the loss has an entropy bonus (a coefficient, fixed or adapted)."""
+        return self.args.entropy_coef != 0.0 or self.args.use_adaptive_entropy
+
+    def _total_loss(
+        self,
+        loss: torch.Tensor,
+        metrics: Mapping[str, torch.Tensor],
+        aux_loss: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The loss to back-propagate; records the loss metrics.
+
+        The policy loss scaled by `_loss_scale`, plus a mixture-of-experts model's load-balancing
+        loss times `router_aux_loss_coef` (the Trainer then divides both by the accumulation).
+
+        As TRL: `policy_loss` (the loss before the entropy bonus) and `entropy_coef` (at each
+        optimizer step) are logged when there is an entropy bonus, `aux_loss` (unweighted)
+        when the model is mixture-of-experts.
+        """
+        scale = self._loss_scale()
+        loss = loss * scale
+        recorded = {name: value for name, value in metrics.items() if name != "policy_loss"}
+        if self._entropy_bonus:
+            recorded["policy_loss"] = metrics["policy_loss"] * scale
+            if self.model.training and self.accelerator.sync_gradients:
+                self._metrics["train"]["entropy_coef"].append(self.loss_config.entropy_coef)
+        if aux_loss is not None:
+            loss = loss + self.router_aux_loss_coef * aux_loss
+            recorded["aux_loss"] = aux_loss.detach()
+        self._record_loss_metrics(recorded)
+        return loss
 
     def _record_loss_metrics(self, metrics: Mapping[str, torch.Tensor]) -> None:
         """Average each loss metric over the processes (one gather for all of them)."""
@@ -375,21 +435,42 @@ class GRPOTrainer(AtomicCheckpoints):
     # ------------------------------------------------------------------ logging
 
     def _record_round(self, round_: Round, plan: RoundPlan) -> None:
-        """Queue the round's metrics for the next log; keep its episodes for the record."""
-        names = self.scorer.names
-        batch_std = self.args.scale_rewards == "batch"
-        metrics = gathered_metrics(round_, self._gather, names, plan.num_generations, batch_std)
+        """Queue the round's metrics for the next log; keep its episodes and completions table.
+
+        The metrics include those reward functions logged with `log_metric` during the round.
+        """
+        names, mode = self.scorer.names, self._mode
+        metrics = gathered_metrics(round_, self._gather, self._reward_layout(plan))
         round_tokens = int(metrics.pop("num_tokens_round"))
-        mode = self._mode
         if mode == "train":
             self.state.num_input_tokens_seen += round_tokens
             metrics["num_tokens"] = self.state.num_input_tokens_seen
+        logs = self.scorer.logs
+        metrics |= logged_metrics(logs.take_metrics(), self._gather, self._gather_objects)
         for name, value in metrics.items():
             self._metrics[mode][name].append(value)
+        extra = logs.take_extra(len(round_.episodes) // plan.num_generations, plan.num_generations)
+        if self.args.log_completions:
+            views = [self.scorer.views(episode) for episode in round_.episodes]
+            self._completions = completions_table(
+                round_, views, names, extra, self._gather_objects, self.state.global_step
+            )
         self._last_episodes = list(zip(round_.episodes, round_.rewards_N.tolist(), strict=True))
         if mode == "train":
             step, process = self.state.global_step, self.accelerator.process_index
             self._last_records = episode_records(round_, names, step, process)
+
+    def _reward_layout(self, plan: RoundPlan) -> RewardLayout:
+        """How this run's reward columns are named, weighted and scaled, for the metrics."""
+        shaping = self._round_parts.shaping
+        names = self.scorer.names
+        return RewardLayout(
+            names=names,
+            weights_F=shaping.weights_F or [1.0] * len(names),
+            num_generations=plan.num_generations,
+            batch_scaled=shaping.scale == "batch" or shaping.aggregation == "normalize_then_sum",
+            with_tools=self.engine.context.has_tools,
+        )
 
     @property
     def last_records(self) -> list[EpisodeRecord]:
@@ -403,6 +484,15 @@ class GRPOTrainer(AtomicCheckpoints):
         return self._last_records
 
     @property
+    def last_completions(self) -> CompletionsTable | None:
+        """The latest round's completions table (every process's rows), with `log_completions`.
+
+        None before the first round or without `log_completions`; replaced by the next round.
+        Its `step` is the global step the round was played at; the logged table's is the log's.
+        """
+        return self._completions
+
+    @property
     def last_episodes(self) -> list[tuple[Episode, float]]:
         """The latest round's episodes on this process (train or eval), each with its reward.
 
@@ -412,17 +502,28 @@ class GRPOTrainer(AtomicCheckpoints):
         return self._last_episodes
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the averaged GRPO metrics gathered since the last log, under TRL's names."""
+        """Add the GRPO metrics gathered since the last log, under TRL's names; show completions.
+
+        With `log_completions`, a log holding round metrics prints the latest round's
+        completions table (its `step` column set to the global step) and logs it to the
+        `report_to` integrations that take tables.
+
+        Each metric is the mean of its values since the last log, NaN values left out (None
+        when every value was NaN, e.g. a reward function that returned None throughout).
+        """
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
         prefix = "eval_" if mode == "eval" else ""
         for name, values in self._metrics[mode].items():
-            logs[prefix + name] = sum(values) / len(values)
+            valid = [v for v in values if not math.isnan(v)]
+            logs[prefix + name] = sum(valid) / len(valid) if valid else None  # type: ignore[assignment]
         self._metrics[mode].clear()
-        if self.args.log_completions and self.accelerator.is_main_process:
-            count = self.args.num_completions_to_print or len(self._last_episodes)
-            shown = self._last_episodes[:count]
-            print_completions(shown, self.processing_class.decode, self.state.global_step)
         super().log(logs, start_time)
+        table = self._completions
+        with_round = prefix + "reward" in logs  # not, e.g., the end-of-training summary
+        if with_round and self.accelerator.is_main_process and table is not None:
+            table = replace(table, step=self.state.global_step)
+            print_table(table, self.args.num_completions_to_print)
+            log_to_integrations(table, self.args.report_to, self.args.log_unique_prompts)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -43,7 +43,6 @@ def build_parts(
     tools: Sequence[Callable[..., Any]] = (),
     reward_funcs: Sequence[RewardFunction] = (),
     trainer_state: Callable[[], Any] = lambda: None,
-    log_metric: Callable[[str, float], None] = lambda name, value: None,
 ) -> RunParts:
     """Build the parts of a run from `config` (a `GRPOConfig`).
 
@@ -56,7 +55,6 @@ def build_parts(
         reward_funcs: Reward functions, already wrapped (`rewards.calls.reward_functions`).
         trainer_state: Returns the `TrainerState` passed to reward functions (None outside
             training).
-        log_metric: Receives the metrics reward functions log.
 
     Raises:
         ValueError: No reward at all, or `reward_weights` not matching the rewards.
@@ -80,8 +78,6 @@ def build_parts(
         text_completions=not engine.context.has_tools,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         trainer_state=trainer_state,
-        log_extra=lambda column, values: None,
-        log_metric=log_metric,
     )
     check_rewards(scorer.names, config.reward_weights)
     return RunParts(episode_config, engine, scorer, loss_config_of(config))

@@ -530,10 +530,9 @@ def _make_step_timer():
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = dict(logs or {})
-            # Tool calls per episode: agentgrpo's name, and TRL's (calls / completions).
-            for name in ("tools/calls_per_episode", "tools/call_frequency"):
-                if name in logs:
-                    logs["calls_per_episode"] = logs[name]
+            # Tool calls per episode (calls / completions), under TRL's name in both trainers.
+            if "tools/call_frequency" in logs:
+                logs["calls_per_episode"] = logs["tools/call_frequency"]
             self.logs.append({k: v for k, v in logs.items() if isinstance(v, int | float)})
 
     return StepTimer

@@ -13,7 +13,7 @@ environment scores each episode itself (`Counter.reward`: 1.0 on the target), so
 function is passed. Untrained, SmolLM2 never calls a tool, so every episode of a group would
 earn 0 and GRPO would have nothing to compare: the warm start first fine-tunes it on
 `Counter.demonstrations()`, which show the call format (not the answers). Watch `reward` and
-`tools/call_rate` in the logs.
+`tools/call_frequency` (tool calls per episode) in the logs.
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ def test_run_then_eval_on_the_tiny_model(tiny_model_dir, tmp_path):
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [entry for entry in logged if "reward" in entry]
     assert [entry["step"] for entry in steps] == [1, 2]
-    assert all("tools/call_rate" in entry for entry in steps)
+    assert all("tools/call_frequency" in entry for entry in steps)
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (out / "episodes").iterdir())
     assert (out / "checkpoint-2").is_dir() and (out / "model" / "config.json").is_file()

@@ -169,7 +169,7 @@ def test_logged_reward_metrics_are_reduced_over_both_processes(ddp_reports):
         # The mean over both processes' 16 completions, not over one process's 8.
         rewards = [r for report in ddp_reports for r in report["rounds"][round_index]["rewards"]]
         assert log_0["reward"] == pytest.approx(sum(rewards) / len(rewards), rel=1e-5)
-        assert log_0["reward/length_reward/mean"] == pytest.approx(log_0["reward"], rel=1e-5)
+        assert log_0["rewards/length_reward/mean"] == pytest.approx(log_0["reward"], rel=1e-5)
 
 
 def test_loss_metrics_are_reduced_over_processes(ddp_reports):

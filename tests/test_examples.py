@@ -82,7 +82,7 @@ def test_a_training_example_trains_and_saves_the_model_with_its_tokenizer(runs, 
 def test_train_counter_warm_starts_before_grpo(runs):
     output, _ = finished(runs, "train_counter")
     assert "warm start 1/1" in output
-    assert "'reward/Counter/mean'" in output  # the environment scored the episodes
+    assert "'rewards/Counter/mean'" in output  # the environment scored the episodes
 
 
 def test_rollout_counter_plays_and_prints_the_episodes(runs):

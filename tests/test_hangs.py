@@ -297,4 +297,4 @@ def test_agentgrpo_run_exits_after_a_tool_that_blocks_for_ever(
     assert "trained in" in done.stdout
     logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
     [step] = [entry for entry in logged if "reward" in entry]
-    assert step["tools/failure_rate/timeout"] > 0  # the model called the tool, which got stuck
+    assert step["tools/failure_frequency/timeout"] > 0  # the model called the tool, which got stuck

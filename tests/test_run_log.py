@@ -52,7 +52,10 @@ def pixel_colours(pixels: bytes) -> set[tuple[int, ...]]:
 
 def test_a_line_chart_is_a_valid_png_with_each_series_in_its_colour(tmp_path):
     path = tmp_path / "chart.png"
-    series = {"reward": [(1, 0.1), (2, 0.4), (3, 0.9)], "tools/call_rate": [(1, 1.0), (3, 0.5)]}
+    series = {
+        "reward": [(1, 0.1), (2, 0.4), (3, 0.9)],
+        "tools/call_frequency": [(1, 1.0), (3, 0.5)],
+    }
     line_chart(path, series, title="reward (%)", x_label="step", width=300, height=200)
     width, height, pixels = decode_png(path.read_bytes())
     assert (width, height) == (300, 200)
@@ -109,12 +112,12 @@ def test_metrics_log_appends_json_lines_and_charts_reward(tmp_path):
     log.on_train_begin(args, state, control)
     for step, reward in [(1, 0.25), (2, 1.5)]:
         state.global_step = step
-        log.on_log(args, state, control, logs={"reward": reward, "tools/call_rate": 0.5})
+        log.on_log(args, state, control, logs={"reward": reward, "tools/call_frequency": 0.5})
     log.on_train_end(args, state, control)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [
-        {"step": 1, "epoch": 0.0, "reward": 0.25, "tools/call_rate": 0.5},
-        {"step": 2, "epoch": 0.0, "reward": 1.5, "tools/call_rate": 0.5},
+        {"step": 1, "epoch": 0.0, "reward": 0.25, "tools/call_frequency": 0.5},
+        {"step": 2, "epoch": 0.0, "reward": 1.5, "tools/call_frequency": 0.5},
     ]
     _, _, pixels = decode_png((tmp_path / "reward.png").read_bytes())
     assert {COLOURS[0], COLOURS[1]} <= pixel_colours(pixels)
@@ -135,18 +138,18 @@ def test_the_progress_bar_shows_reward_tool_calls_and_step_time(tmp_path, capsys
     bar.on_train_begin(args, state, control)
     state.global_step = 1
     bar.on_step_end(args, state, control)
-    logs = {"reward": 0.5, "tools/call_rate": 0.25, "step_time": 2.0}
+    logs = {"reward": 0.5, "tools/call_frequency": 1.25, "step_time": 2.0}
     bar.on_log(args, state, control, logs=logs)
     assert bar.bar.n == 1
     bar.on_train_end(args, state, control)
-    assert "reward 0.500 | tools 25% | 2.0 s/step" in capsys.readouterr().err
+    assert "reward 0.500 | 1.25 calls/episode | 2.0 s/step" in capsys.readouterr().err
 
 
 def test_the_summary_table_gives_first_last_and_best(tmp_path):
     entries = [
-        {"step": 1, "reward": 0.2, "tools/call_rate": 0.5, "tools/failure_rate": 0.4},
-        {"step": 2, "reward": 0.9, "tools/call_rate": 1.0, "tools/failure_rate": 0.1},
-        {"step": 3, "reward": 0.6, "tools/call_rate": 0.75, "tools/failure_rate": 0.2},
+        {"step": 1, "reward": 0.2, "tools/call_frequency": 0.5, "tools/failure_frequency": 0.4},
+        {"step": 2, "reward": 0.9, "tools/call_frequency": 1.0, "tools/failure_frequency": 0.1},
+        {"step": 3, "reward": 0.6, "tools/call_frequency": 0.75, "tools/failure_frequency": 0.2},
         {"step": 3, "train_runtime": 125.0, "train_loss": 0.1},
     ]
     path = tmp_path / "metrics.jsonl"
@@ -154,8 +157,8 @@ def test_the_summary_table_gives_first_last_and_best(tmp_path):
     assert summary_table(path).splitlines() == [
         "metric                       first      last      best",
         "reward                         0.2       0.6       0.9",
-        "tools/call_rate                0.5      0.75         1",
-        "tools/failure_rate             0.4       0.2       0.1",
+        "tools/call_frequency           0.5      0.75         -",
+        "tools/failure_frequency        0.4       0.2       0.1",
         "steps 3 | train time 2m 05s",
     ]
 

@@ -72,8 +72,8 @@ def test_example_1_rewards_longer_completions_by_token_count(tokenizer, tmp_path
         tokenizer, config(tmp_path, max_steps=2), reward_funcs=reward_func, train_dataset=dataset
     )
     # The reward is the completion length, so it equals the length metric of the same round.
-    assert log["reward/reward_func/mean"] == pytest.approx(log["completions/mean_length"])
-    assert 1 <= log["reward/reward_func/mean"] <= MAX_COMPLETION_LENGTH
+    assert log["rewards/reward_func/mean"] == pytest.approx(log["completions/mean_length"])
+    assert 1 <= log["rewards/reward_func/mean"] <= MAX_COMPLETION_LENGTH
 
 
 def test_example_1_1_rewards_longer_completions_by_character_count(tokenizer, tmp_path):
@@ -91,8 +91,8 @@ def test_example_1_1_rewards_longer_completions_by_character_count(tokenizer, tm
     seen = [completion for call in calls for completion in call]
     # Standard (text) prompts give text completions.
     assert len(seen) == 4 and all(isinstance(completion, str) for completion in seen)
-    assert log["reward/reward_func/mean"] == pytest.approx(sum(map(len, seen)) / 4)
-    assert log["reward"] == pytest.approx(log["reward/reward_func/mean"])
+    assert log["rewards/reward_func/mean"] == pytest.approx(sum(map(len, seen)) / 4)
+    assert log["reward"] == pytest.approx(log["rewards/reward_func/mean"])
     # A group (2 completions, scored in one call) whose lengths differ has nonzero advantages;
     # one whose lengths tie, which a valid draw can give, has none. The step moves the weights
     # exactly when some group does not tie.
@@ -126,7 +126,7 @@ def test_example_2_format_reward_on_conversational_completions(tokenizer, tmp_pa
     # Conversational prompts give conversational completions: the assistant's messages.
     assert len(seen) == 4
     assert all(completion[0]["role"] == "assistant" for completion in seen)
-    assert log["reward/format_reward_func/mean"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert log["rewards/format_reward_func/mean"] in (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def test_example_3_dataset_columns_reach_the_reward_function(tokenizer, tmp_path):
@@ -155,7 +155,7 @@ def test_example_3_dataset_columns_reach_the_reward_function(tokenizer, tmp_path
     truth = dict(zip(dataset["prompt"], dataset["ground_truth"], strict=True))
     assert len(seen) == 4 and len({prompt for prompt, _ in seen}) == 1
     assert all(truth[prompt] == answer for prompt, answer in seen)
-    assert "reward/reward_func/mean" in log
+    assert "rewards/reward_func/mean" in log
 
 
 def test_example_4_multi_task_rewards_of_none_are_ignored(tokenizer, tmp_path):
@@ -212,8 +212,8 @@ def test_example_4_multi_task_rewards_of_none_are_ignored(tokenizer, tmp_path):
     # each completion's reward is its own task's. The random model almost always fails both
     # tasks (-1.0 everywhere), but an empty completion does solve the math row.
     assert [len(rewards) for rewards in scored.values()] == [2, 2]
-    assert log["reward/math_reward_func/mean"] == sum(scored["math"]) / 2
-    assert log["reward/coding_reward_func/mean"] == sum(scored["coding"]) / 2
+    assert log["rewards/math_reward_func/mean"] == sum(scored["math"]) / 2
+    assert log["rewards/coding_reward_func/mean"] == sum(scored["coding"]) / 2
     assert log["reward"] == sum(scored["math"] + scored["coding"]) / 4
 
 
@@ -227,7 +227,7 @@ def test_example_5_an_async_reward_function_is_awaited(tokenizer, tmp_path):
     _, log = train(
         tokenizer, config(tmp_path), reward_funcs=async_reward_func, train_dataset=dataset
     )
-    assert 0.0 <= log["reward/async_reward_func/mean"] <= 1.0
+    assert 0.0 <= log["rewards/async_reward_func/mean"] <= 1.0
 
 
 def test_several_reward_functions_sync_and_async_are_weighted(tokenizer, tmp_path):
@@ -246,7 +246,7 @@ def test_several_reward_functions_sync_and_async_are_weighted(tokenizer, tmp_pat
         train_dataset=dataset,
     )
     # The logged reward is the weighted sum of the functions' rewards.
-    weighted = 0.5 * log["reward/reward_len/mean"] + 2.0 * log["reward/reward_words/mean"]
+    weighted = 0.5 * log["rewards/reward_len/mean"] + 2.0 * log["rewards/reward_words/mean"]
     assert log["reward"] == pytest.approx(weighted, rel=1e-5)
 
 
@@ -310,9 +310,9 @@ def test_agent_training_with_sync_and_async_tools(tokenizer, tmp_path):
         train_dataset=Dataset.from_dict(AGENT_DATASET),
         tools=[multiply, async_add],
     )
-    assert "reward/correctness_reward/mean" in log
+    assert "rewards/correctness_reward/mean" in log
     assert len(seen) == 4 and all(completion[0]["role"] == "assistant" for completion in seen)
-    assert {"tools/call_rate", "tools/failure_rate", "turns/mean"} <= log.keys()
+    assert {"tools/call_frequency", "tools/failure_frequency", "turns/mean"} <= log.keys()
 
 
 def test_tools_with_a_template_that_cannot_show_them_name_chatml_tools(tokenizer, tmp_path):
@@ -363,7 +363,7 @@ def test_an_environment_states_its_own_tasks_and_scores_itself(tokenizer, tmp_pa
         environment_factory=IncrementEnv,
     )
     # The random model never reaches the target.
-    assert log["reward/IncrementEnv/mean"] == 0.0
+    assert log["rewards/IncrementEnv/mean"] == 0.0
     assert log["reward"] == 0.0
 
 
@@ -408,4 +408,4 @@ def test_an_environment_with_dataset_prompts_and_a_reward_function(tokenizer, tm
     # One fresh environment per completion, each reset before its episode.
     assert len({id(env) for env in seen}) == 4
     assert all(isinstance(env, IncrementEnv) and env.counter == 0 for env in seen)
-    assert log["reward/reward_func/mean"] == 0.0
+    assert log["rewards/reward_func/mean"] == 0.0

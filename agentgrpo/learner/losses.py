@@ -507,7 +507,8 @@ class LossOutput:
             ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (fraction of active tokens
             clipped on the low side with A < 0, the high side with A > 0, either);
             ``kl`` (mean of the per-token KL term, bias-corrected if configured) when a
-            reference is given; ``entropy`` (mean entropy) when entropies are given.
+            reference is given; ``entropy`` (mean entropy) when entropies are given;
+            ``policy_loss``: the loss before the entropy bonus.
 
     The entropy bonus and the grpo, bnpo and dr_grpo normalisers are means over this
     micro-batch; the dapo, cispo, sapo and luspo losses are shares of the global batch (they
@@ -625,6 +626,7 @@ def policy_loss(
         num_items=num_items,
         max_completion_length=config.max_completion_length,
     )
+    metrics["policy_loss"] = loss.detach()
     mask_B_T = mask_B_T.to(per_token_B_T.dtype)
     if entropy_B_T is not None:
         mean_entropy = _masked_mean(torch.where(mask_B_T != 0, entropy_B_T, 0.0), mask_B_T)

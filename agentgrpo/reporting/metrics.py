@@ -1,20 +1,49 @@
-"""The per-round metrics, under TRL's names plus `tools/*` and `turns/*`.
+"""The per-round metrics, under the names TRL 1.16's GRPOTrainer logs, plus `turns/*`.
 
 Each process reduces its episodes to a small stats tensor; the trainer gathers those across
 processes and computes the metrics once from the whole generation batch.
+
+| metric | meaning |
+|---|---|
+| `rewards/<name>/mean`, `/std` | each reward column over the episodes it applies to |
+| `reward`, `reward_std` | the weighted sum of the raw reward columns: batch mean and std |
+| `frac_reward_zero_std` | share of episodes whose advantage scale (group or batch std) is 0 |
+| `tools/call_frequency` | tool calls per episode (only when the run has tools) |
+| `tools/failure_frequency` | failed tool calls over tool calls; `/<kind>` per kind of failure |
+| `turns/mean`, `turns/max` | model turns per episode (only when the run has tools) |
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from agentgrpo.learner.advantages import group_std
 from rollout import Episode
 
 TOOL_ERROR_KINDS = ("parse", "unknown_tool", "bad_arguments", "exception", "timeout")
 _COLUMNS = ("prompt_tokens", "model_tokens", "truncated", "turns", "tool_calls", *TOOL_ERROR_KINDS)
+
+
+@dataclass(frozen=True)
+class RewardLayout:
+    """How a round's reward columns are named, weighted and scaled, for its metrics.
+
+    Attributes:
+        names: One name per reward column.
+        weights_F: One weight per reward column.
+        num_generations: Episodes per group (groups contiguous).
+        batch_scaled: Advantages are scaled by the batch std (`scale_rewards="batch"`, or
+            `multi_objective_aggregation="normalize_then_sum"`), not by each group's.
+        with_tools: The run offers tools, so tool and turn metrics are logged.
+    """
+
+    names: Sequence[str]
+    weights_F: Sequence[float]
+    num_generations: int
+    batch_scaled: bool = False
+    with_tools: bool = False
 
 
 def episode_stats(episodes: Sequence[Episode]) -> torch.Tensor:
@@ -37,26 +66,83 @@ def round_metrics(
     stats_N_S: torch.Tensor,
     rewards_N_F: torch.Tensor,
     rewards_N: torch.Tensor,
-    reward_names: Sequence[str],
-    num_generations: int,
-    batch_std: bool,
+    layout: RewardLayout,
 ) -> dict[str, float]:
     """The metrics of one generation round, from the stats and rewards of all its episodes.
 
     Lengths count model tokens only (tool and template tokens excluded), as TRL does with tools.
-    `reward_std` is the batch std when rewards are scaled by the batch, else the mean group std.
+
+    Args:
+        stats_N_S: `episode_stats` of every episode.
+        rewards_N_F: The raw reward columns (NaN where a function returned None).
+        rewards_N: The combined rewards the advantages were computed from.
+        layout: Names, weights and scaling of the reward columns.
     """
     column = dict(zip(_COLUMNS, stats_N_S.T, strict=True))
     metrics = _length_metrics(column["model_tokens"], column["truncated"].bool())
     metrics["num_tokens_round"] = float((column["prompt_tokens"] + column["model_tokens"]).sum())
-    for name, values in zip(reward_names, rewards_N_F.T, strict=True):
-        metrics[f"reward/{name}/mean"] = float(values.nanmean())
-        metrics[f"reward/{name}/std"] = float(_nanstd(values))
-    stds_G = group_std(rewards_N, num_generations)
-    metrics["reward"] = float(rewards_N.nanmean())
-    metrics["reward_std"] = float(rewards_N.std()) if batch_std else float(stds_G.mean())
-    metrics["frac_reward_zero_std"] = float((stds_G < 1e-6).float().mean())
-    metrics |= _tool_metrics(column)
+    metrics |= reward_metrics(rewards_N_F, rewards_N, layout)
+    if layout.with_tools:
+        metrics |= tool_metrics(column)
+    return metrics
+
+
+def reward_metrics(
+    rewards_N_F: torch.Tensor, rewards_N: torch.Tensor, layout: RewardLayout
+) -> dict[str, float]:
+    """`rewards/<name>/mean|std`, `reward`, `reward_std` and `frac_reward_zero_std`, as TRL.
+
+    `reward` and `reward_std` are the batch mean and std of the weighted sum of the raw
+    columns, whatever `multi_objective_aggregation` is (an episode no function applies to is
+    left out). `frac_reward_zero_std` is the share of episodes whose advantage was divided by
+    a zero std: its group's std of `rewards_N`, or the batch's when `layout.batch_scaled`.
+
+    Example:
+        >>> nan = float("nan")
+        >>> rewards_N_F = torch.tensor([[1.0, 0.0], [1.0, nan], [0.0, 1.0], [1.0, 1.0]])
+        >>> layout = RewardLayout(["a", "b"], [1.0, 0.5], num_generations=2)
+        >>> m = reward_metrics(rewards_N_F, torch.tensor([1.0, 1.0, 0.5, 1.5]), layout)
+        >>> round(m["rewards/b/mean"], 4), m["reward"], m["frac_reward_zero_std"]
+        (0.6667, 1.0, 0.5)
+    """
+    metrics = {}
+    for name, values_N in zip(layout.names, rewards_N_F.T, strict=True):
+        metrics[f"rewards/{name}/mean"] = float(values_N.nanmean())
+        metrics[f"rewards/{name}/std"] = float(_nanstd(values_N))
+    weights_F = torch.tensor(list(layout.weights_F), dtype=rewards_N_F.dtype)
+    weighted_N = (rewards_N_F * weights_F).nansum(dim=1)
+    weighted_N = weighted_N.masked_fill(rewards_N_F.isnan().all(dim=1), float("nan"))
+    metrics["reward"] = float(weighted_N.nanmean())
+    metrics["reward_std"] = float(_nanstd(weighted_N))
+    if layout.num_generations < 2:  # a lone episode: nothing to scale by
+        zero_std_N = torch.ones_like(rewards_N)
+    elif layout.batch_scaled:
+        zero_std_N = torch.full_like(rewards_N, float(rewards_N.std() < 1e-8))
+    else:
+        stds_M = rewards_N.view(-1, layout.num_generations).std(dim=1)
+        zero_std_N = (stds_M < 1e-8).float().repeat_interleave(layout.num_generations)
+    metrics["frac_reward_zero_std"] = float(zero_std_N.mean())
+    return metrics
+
+
+def tool_metrics(column: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Tool and turn metrics from the stats columns of every episode.
+
+    `tools/call_frequency` is tool calls per episode; `tools/failure_frequency` is failed calls
+    over calls (0 without calls), as TRL; `tools/failure_frequency/<kind>` splits it by kind.
+    """
+    calls_N = column["tool_calls"]
+    calls = float(calls_N.sum())
+    failures = sum(float(column[kind].sum()) for kind in TOOL_ERROR_KINDS)
+    metrics = {
+        "tools/call_frequency": calls / len(calls_N),
+        "tools/failure_frequency": failures / calls if calls else 0.0,
+    }
+    for kind in TOOL_ERROR_KINDS:
+        share = float(column[kind].sum()) / calls if calls else 0.0
+        metrics[f"tools/failure_frequency/{kind}"] = share
+    metrics["turns/mean"] = float(column["turns"].mean())
+    metrics["turns/max"] = float(column["turns"].max())
     return metrics
 
 
@@ -75,22 +161,7 @@ def _length_metrics(lengths_N: torch.Tensor, truncated_N: torch.Tensor) -> dict[
     }
 
 
-def _tool_metrics(column: dict[str, torch.Tensor]) -> dict[str, float]:
-    calls_N = column["tool_calls"]
-    failures_N = torch.stack([column[kind] for kind in TOOL_ERROR_KINDS]).sum(dim=0)
-    calls = float(calls_N.sum())
-    metrics = {
-        "tools/call_rate": float((calls_N > 0).float().mean()),
-        "tools/calls_per_episode": float(calls_N.mean()),
-        "tools/failure_rate": float(failures_N.sum()) / calls if calls else 0.0,
-        "turns/mean": float(column["turns"].mean()),
-        "turns/max": float(column["turns"].max()),
-    }
-    for kind in TOOL_ERROR_KINDS:
-        metrics[f"tools/failure_rate/{kind}"] = float(column[kind].sum()) / calls if calls else 0.0
-    return metrics
-
-
 def _nanstd(values_N: torch.Tensor) -> torch.Tensor:
+    """The unbiased std of the non-NaN values; 0 with fewer than two of them."""
     present = values_N[~values_N.isnan()]
     return present.std() if present.numel() > 1 else torch.tensor(0.0)

@@ -1,30 +1,87 @@
-"""What a played round reports: its metrics, its episode records, and a sample of completions."""
+"""What a played round reports: its metrics, its episode records, and its completions table."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from agentgrpo.reporting.metrics import episode_stats, round_metrics
+import torch
+
+from agentgrpo.reporting.completions import CompletionsTable
+from agentgrpo.reporting.metrics import RewardLayout, episode_stats, round_metrics
 from agentgrpo.round import Gather, Round
-from rollout import Episode, EpisodeRecord
+from rollout import EpisodeRecord
+
+# A list of this process's objects -> every process's, in process order.
+GatherObjects = Callable[[list[Any]], list[Any]]
 
 
-def gathered_metrics(
-    round_: Round,
-    gather: Gather,
-    reward_names: Sequence[str],
-    num_generations: int,
-    batch_std: bool,
-) -> dict[str, float]:
+def gathered_metrics(round_: Round, gather: Gather, layout: RewardLayout) -> dict[str, float]:
     """`metrics.round_metrics` over every process's episodes (`num_tokens_round` included)."""
     return round_metrics(
         gather(episode_stats(round_.episodes)),
         gather(round_.rewards_N_F),
         gather(round_.rewards_N),
-        reward_names,
-        num_generations,
-        batch_std,
+        layout,
+    )
+
+
+def logged_metrics(
+    sums: Mapping[str, tuple[float, int]], gather: Gather, gather_objects: GatherObjects
+) -> dict[str, float]:
+    """The round's mean of each metric reward functions logged, over every process's values.
+
+    Args:
+        sums: This process's (sum, count) per metric name (`RewardLogs.take_metrics`).
+        gather: Gathers tensors across processes.
+        gather_objects: Gathers lists across processes (names may differ between processes).
+    """
+    names = sorted(set(gather_objects(list(sums))))
+    if not names:
+        return {}
+    local_M_2 = torch.tensor([sums.get(name, (0.0, 0)) for name in names], dtype=torch.float64)
+    everyone_P_M_2 = gather(local_M_2.unsqueeze(0)).view(-1, len(names), 2)
+    totals_M_2 = everyone_P_M_2.sum(dim=0)
+    return {
+        name: total / count
+        for name, (total, count) in zip(names, totals_M_2.tolist(), strict=True)
+        if count
+    }
+
+
+def completions_table(
+    round_: Round,
+    views: Sequence[tuple[Any, Any]],
+    reward_names: Sequence[str],
+    extra: Mapping[str, list[Any]],
+    gather_objects: GatherObjects,
+    step: int,
+) -> CompletionsTable:
+    """Every process's rows of the round, for `log_completions`.
+
+    Args:
+        round_: The round, on this process.
+        views: (prompt, completion) of each episode, as reward functions saw them.
+        reward_names: One name per reward column.
+        extra: `log_extra` columns over this process's episodes (`RewardLogs.take_extra`).
+        gather_objects: Gathers lists across processes.
+        step: The global step the round is logged at.
+    """
+    prompts, completions = zip(*views, strict=True) if views else ((), ())
+    columns = round_.rewards_N_F.T.tolist() if len(views) else [[] for _ in reward_names]
+    # Every process takes part in every gather, in the same order, whatever it logged.
+    extra_names = sorted(set(gather_objects(list(extra))))
+    unlogged = [None] * len(views)
+    return CompletionsTable(
+        step=step,
+        prompts=gather_objects(list(prompts)),
+        completions=gather_objects(list(completions)),
+        rewards={
+            name: gather_objects(values) for name, values in zip(reward_names, columns, strict=True)
+        },
+        advantages=gather_objects(round_.advantages_N.tolist()),
+        extra={name: gather_objects(extra.get(name, unlogged)) for name in extra_names},
     )
 
 
@@ -56,16 +113,3 @@ def episode_records(
         )
         for episode, (rewards_F, reward, advantage) in zip(round_.episodes, scores, strict=True)
     ]
-
-
-def print_completions(
-    shown: Sequence[tuple[Episode, float]], decode: Callable[[list[int]], str], step: int
-) -> None:
-    """Print each episode's completion with its reward; tokens the model did not write are dim."""
-    print(f"--- completions at step {step}")
-    for episode, reward in shown:
-        text = "".join(
-            decode([token]) if mask else f"\x1b[2m{decode([token])}\x1b[0m"
-            for token, mask in zip(episode.completion_ids, episode.loss_mask, strict=True)
-        )
-        print(f"[reward {reward:+.3f} | {episode.finish}] {text}")

@@ -2,10 +2,10 @@
 
 `attach_run_callbacks(trainer)` swaps transformers' progress and printer callbacks for these:
 
-- `ProgressBar`: one tqdm bar over the optimizer steps, showing reward, tool-call rate and
-  seconds per step;
+- `ProgressBar`: one tqdm bar over the optimizer steps, showing reward, tool calls per episode
+  and seconds per step;
 - `MetricsLog`: every log as a JSON line in `<output_dir>/metrics.jsonl`, and
-  `<output_dir>/reward.png` charting mean reward and tool-call rate against the step;
+  `<output_dir>/reward.png` charting mean reward and tool calls per episode against the step;
 - `EpisodeSamples`: the latest round's first episodes as text in
   `<output_dir>/episodes/step-00010.txt`.
 
@@ -39,7 +39,7 @@ METRICS_FILE = "metrics.jsonl"
 CHART_FILE = "reward.png"
 EPISODES_DIR = "episodes"
 _EPISODE_FILE = re.compile(r"step-(\d+)\.jsonl")
-_CHARTED = {"reward": "mean reward", "tools/call_rate": "tool-call rate"}
+_CHARTED = {"reward": "mean reward", "tools/call_frequency": "tool calls per episode"}
 
 
 def attach_run_callbacks(trainer: Any, per_step: int = 4) -> None:
@@ -72,8 +72,8 @@ class MetricsLog(TrainerCallback):
     every step once. The file is rewritten only when a line must go, and then atomically, so a
     kill during the rewrite loses nothing.
 
-    The chart plots `reward` and `tools/call_rate` against the step on a 0..1 axis, widened if
-    rewards leave it. It is redrawn on a log at most every `chart_every_s` seconds (drawing is
+    The chart plots `reward` and `tools/call_frequency` against the step on a 0..1 axis, widened
+    if the values leave it. It is redrawn on a log at most every `chart_every_s` seconds (drawing is
     pure Python, a fraction of a second even for thousands of steps) and when training ends.
     """
 
@@ -274,13 +274,14 @@ def format_episode(episode: Episode, reward: float) -> str:
         f"finish {episode.finish} | turns {stats.turns} | "
         f"tool calls {stats.tool_calls} ({stats.tool_failures} failed)"
     )
-    lines = [header, *(_format_message(m) for m in episode.messages)]
+    lines = [header, *(format_message(m) for m in episode.messages)]
     if episode.error:
         lines.append(f"error: {episode.error}")
     return "\n".join(lines) + "\n"
 
 
-def _format_message(message: Mapping[str, Any]) -> str:
+def format_message(message: Mapping[str, Any]) -> str:
+    """A chat message as `role: text`, its tool calls as `[call ...]`, a tool result as `[tool]`."""
     role, content = message.get("role", "?"), message.get("content") or ""
     if role == "tool":
         return _labelled(f"[tool {message.get('name', '?')}] ->", content)
@@ -321,7 +322,7 @@ def end_progress_line() -> None:
 
 
 class ProgressBar(TrainerCallback):
-    """A tqdm bar over `max_steps`, its postfix showing reward, tool-call rate and s/step.
+    """A tqdm bar over `max_steps`, its postfix showing reward, tool calls per episode and s/step.
 
     Seconds per step come from the trainer's `step_time` metric when logged, else from the wall
     time between steps. Off a terminal (CI logs), the postfix waits for the bar's next redraw
@@ -357,9 +358,9 @@ class ProgressBar(TrainerCallback):
         self.bar.update(state.global_step - self.bar.n)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        """Show the log's reward, tool-call rate and step time."""
-        if self.bar is None or not logs or "reward" not in logs:
-            return
+        """Show the log's reward, tool calls per episode and step time."""
+        if self.bar is None or not logs or not isinstance(logs.get("reward"), int | float):
+            return  # not a round's log, or one whose rewards were all None
         postfix = progress_postfix(logs, self._wall_s_per_step)
         self.bar.set_postfix_str(postfix, refresh=_on_terminal(self.bar))
 
@@ -374,14 +375,14 @@ class ProgressBar(TrainerCallback):
 def progress_postfix(logs: Mapping[str, Any], wall_s_per_step: float | None = None) -> str:
     """The bar's postfix for a train log.
 
-    >>> progress_postfix({"reward": 0.5, "tools/call_rate": 0.75, "step_time": 3.21})
-    'reward 0.500 | tools 75% | 3.2 s/step'
+    >>> progress_postfix({"reward": 0.5, "tools/call_frequency": 1.25, "step_time": 3.21})
+    'reward 0.500 | 1.25 calls/episode | 3.2 s/step'
     >>> progress_postfix({"reward": -1.0}, wall_s_per_step=0.5)
     'reward -1.000 | 0.5 s/step'
     """
     parts = [f"reward {logs['reward']:.3f}"]
-    if "tools/call_rate" in logs:
-        parts.append(f"tools {logs['tools/call_rate']:.0%}")
+    if "tools/call_frequency" in logs:
+        parts.append(f"{logs['tools/call_frequency']:.2f} calls/episode")
     seconds = logs.get("step_time", wall_s_per_step)
     if seconds is not None:
         parts.append(f"{seconds:.1f} s/step")
@@ -399,8 +400,8 @@ def _on_terminal(bar: tqdm) -> bool:
 _SUMMARY_METRICS = {
     "reward": max,
     "eval_reward": max,
-    "tools/call_rate": max,
-    "tools/failure_rate": min,
+    "tools/call_frequency": None,
+    "tools/failure_frequency": min,
     "turns/mean": None,
     "completions/mean_length": None,
 }
@@ -409,9 +410,9 @@ _SUMMARY_METRICS = {
 def summary_table(log_path: str | Path) -> str:
     """A fixed-width table of a run's key metrics, read from its `metrics.jsonl`.
 
-    One row per metric that was logged (reward, eval_reward, tools/call_rate,
-    tools/failure_rate, turns/mean, completions/mean_length): its first and last logged value
-    and the best (highest reward and call rate, lowest failure rate; "-" where neither end is
+    One row per metric that was logged (reward, eval_reward, tools/call_frequency,
+    tools/failure_frequency, turns/mean, completions/mean_length): its first and last logged
+    value and the best (highest reward, lowest failure frequency; "-" where neither end is
     better). Then the last step and, when the final log holds it, the total train time.
     """
     entries = read_metrics(log_path)
