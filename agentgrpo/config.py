@@ -9,7 +9,7 @@ Decisions that differ from TRL, each for a reason given where it is made:
 
 - `bf16=None` means bf16 only on a CUDA GPU that supports it; on CPU, float32.
 - `sync_ref_model=True` with `beta=0.0` is rejected here rather than by the trainer.
-- Features agentgrpo lacks (adaptive entropy, transformers continuous batching, vLLM colocated
+- Features agentgrpo lacks (transformers continuous batching, vLLM colocated
   over several processes or tensor-parallel) are refused, never silently ignored.
 - An unknown keyword is a `TypeError` that names the nearest valid field.
 """
@@ -51,7 +51,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 # TRL features agentgrpo does not implement: a True value is refused with this advice.
 _OTHER_GENERATOR = "generate with the transformers backend (the default) or use_vllm=True"
 _UNSUPPORTED: dict[str, str] = {
-    "use_adaptive_entropy": "keep entropy_coef fixed (use_adaptive_entropy=False)",
     "use_transformers_continuous_batching": _OTHER_GENERATOR,
     "use_transformers_paged": _OTHER_GENERATOR,
 }
@@ -409,8 +408,8 @@ class GRPOConfig(TrainingArguments):
         metadata={
             "help": "Policy loss: 'dapo' (tokens averaged over the global batch), 'grpo' (per "
             "sequence, then per batch), 'dr_grpo' (divided by a constant), 'bnpo' (tokens "
-            "averaged over the local batch), 'cispo', 'sapo', 'luspo' or 'vespo'. The trainer "
-            "refuses a name agentgrpo does not implement."
+            "averaged over the local batch), 'cispo', 'sapo', 'luspo' or 'vespo' (a smooth "
+            "Gamma-kernel weight of the sequence importance ratio, vespo_k_* and vespo_lambda_*)."
         },
     )
     mask_truncated_completions: bool = field(
@@ -444,7 +443,12 @@ class GRPOConfig(TrainingArguments):
     )
     use_adaptive_entropy: bool = field(
         default=False,
-        metadata={"help": "Adapt entropy_coef toward entropy_target. Not supported by agentgrpo."},
+        metadata={
+            "help": "Adaptive entropy control (Skywork-OR1): after each optimizer step, raise "
+            "entropy_coef by entropy_coef_delta when the step's mean token entropy is at or "
+            "below entropy_target, else lower it, within [entropy_coef_min, entropy_coef_max]; "
+            "the bonus applies only while entropy is at or below the target."
+        },
     )
     entropy_coef_min: float = field(
         default=0.0, metadata={"help": "Adaptive entropy control: lowest entropy_coef."}
@@ -686,6 +690,12 @@ class GRPOConfig(TrainingArguments):
             f"max_completion_length={self.max_completion_length} must be at least 1 (or None).",
         )
         _require(
+            self.entropy_coef_min <= self.entropy_coef_max and self.entropy_coef_delta >= 0,
+            f"adaptive entropy control needs entropy_coef_min ({self.entropy_coef_min}) <= "
+            f"entropy_coef_max ({self.entropy_coef_max}) and entropy_coef_delta "
+            f"({self.entropy_coef_delta}) >= 0.",
+        )
+        _require(
             0.0 <= self.top_entropy_quantile <= 1.0,
             f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1].",
         )
@@ -744,8 +754,40 @@ class GRPOConfig(TrainingArguments):
             "supported: set both to 1.",
         )
         self._check_importance_sampling_bounds()
+        self._check_loss_combinations()
         if self.use_vllm:
             self._check_vllm()
+
+    def _check_loss_combinations(self) -> None:
+        """Warn where TRL warns about a loss type and a ratio level; refuse what cannot work."""
+        if self.importance_sampling_level == "sequence" and self.loss_type in _TOKEN_SUMMED:
+            warnings.warn(
+                f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: this "
+                "loss sums per-token contributions, which weights each sequence by its "
+                "completion length instead of optimizing the per-sequence objective; for the "
+                "GSPO paper's setup use loss_type='grpo'.",
+                UserWarning,
+                stacklevel=6,  # the caller of GRPOConfig(...)
+            )
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            warnings.warn(
+                "VESPO computes sequence-level importance weights internally; "
+                "importance_sampling_level should be 'token' (the default).",
+                UserWarning,
+                stacklevel=6,
+            )
+        _require(
+            not (
+                self.loss_type == "vespo"
+                and self.use_vllm
+                and self.vllm_importance_sampling_correction
+                and not self.vllm_importance_sampling_mode.startswith("token_")
+            ),
+            "VESPO loss requires vllm_importance_sampling_mode 'token_truncate' or 'token_mask' "
+            f"(got {self.vllm_importance_sampling_mode!r}): it folds per-token corrections into "
+            "its own sequence weight. Set one of those, or vllm_importance_sampling_correction="
+            "False.",
+        )
 
     def _check_vllm(self) -> None:
         """Check the vLLM fields when vLLM generates (they are inert otherwise)."""
@@ -849,6 +891,9 @@ class GRPOConfig(TrainingArguments):
 
 
 _SCALE_REWARDS_ALIASES = {"true": "group", "false": "none"}
+# Loss types whose value is a sum over tokens (normalised by a token count or a constant): with a
+# sequence-level ratio they weight each sequence by its length (TRL warns about the same four).
+_TOKEN_SUMMED = ("bnpo", "dr_grpo", "dapo", "cispo")
 
 
 def default_bf16(fp16: bool, use_cpu: bool) -> bool:

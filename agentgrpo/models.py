@@ -3,30 +3,80 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
 
-def load_policy(model: str | PreTrainedModel, args: Any, peft_config: Any = None) -> Any:
+def policy_init_kwargs(args: Any, quantization_config: Any = None) -> dict[str, Any]:
+    """The keyword arguments the policy's `from_pretrained` gets, as TRL builds them.
+
+    `args.model_init_kwargs` (copied), plus the trainer's `quantization_config`, plus
+    `trust_remote_code` from the config and `dtype="auto"` unless model_init_kwargs sets them.
+
+    Raises:
+        ValueError: `quantization_config` is given both ways.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> args = SimpleNamespace(model_init_kwargs={"revision": "v1"}, trust_remote_code=True)
+        >>> policy_init_kwargs(args)
+        {'revision': 'v1', 'trust_remote_code': True, 'dtype': 'auto'}
+
+    """
+    kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        if "quantization_config" in kwargs:
+            raise ValueError(
+                "quantization_config is set both as a trainer argument and in "
+                "args.model_init_kwargs; set it in only one place (the trainer argument)"
+            )
+        kwargs["quantization_config"] = quantization_config
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    kwargs.setdefault("dtype", "auto")
+    return kwargs
+
+
+def reward_model_kwargs(args: Any) -> dict[str, Any]:
+    """`from_pretrained` arguments of reward models given by name.
+
+    As in TRL: the policy's `model_init_kwargs` and `trust_remote_code` (never the trainer's
+    quantization config).
+    """
+    kwargs = dict(args.model_init_kwargs or {})
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    return kwargs
+
+
+def load_policy(
+    model: str | PreTrainedModel,
+    args: Any,
+    peft_config: Any = None,
+    quantization_config: Any = None,
+) -> Any:
     """The model to train: a hub id or local path is loaded, a model is used as given.
 
     Args:
         model: A hub id or local folder, a `PreTrainedModel`, or a `PeftModel`.
-        args: The `GRPOConfig` (`model_init_kwargs`, `disable_dropout`, `cast_lm_head_to_fp32`,
-            `gradient_checkpointing`).
+        args: The `GRPOConfig` (`model_init_kwargs`, `trust_remote_code`, `disable_dropout`,
+            `cast_lm_head_to_fp32`, `gradient_checkpointing`).
         peft_config: A PEFT config; the model is wrapped with it (LoRA and friends).
+        quantization_config: E.g. a `BitsAndBytesConfig`, for loading `model` by name.
+
+    Raises:
+        ValueError: Loading arguments given for a model that is already loaded.
     """
     policy: Any = model  # a PreTrainedModel, a PeftModel, or loaded from a name just below
     if isinstance(model, str):
-        kwargs = dict(args.model_init_kwargs or {})
-        kwargs.setdefault("dtype", "auto")
-        policy = AutoModelForCausalLM.from_pretrained(model, **kwargs)
-    elif args.model_init_kwargs:
+        policy = AutoModelForCausalLM.from_pretrained(
+            model, **policy_init_kwargs(args, quantization_config)
+        )
+    elif args.model_init_kwargs or quantization_config is not None:
         raise ValueError(
-            "model_init_kwargs only applies when model is a name or path; "
-            "the model you passed is already loaded"
+            "model_init_kwargs and quantization_config only apply when model is a name or "
+            "path; the model you passed is already loaded"
         )
     if peft_config is not None:
         from peft import get_peft_model
@@ -63,11 +113,20 @@ def router_aux_loss_coef(model: Any, configured: float | None) -> float:
     return float(configured or 0.0) if with_experts else 0.0
 
 
-def load_tokenizer(model: Any, processing_class: Any = None) -> Any:
-    """The tokenizer to use: the one given, else the model's own, with a pad token set."""
+def load_tokenizer(
+    model: Any, processing_class: Any = None, load_kwargs: dict[str, Any] | None = None
+) -> Any:
+    """The tokenizer to use: the one given, else the model's own, with a pad token set.
+
+    Args:
+        model: The policy (its name or path locates the tokenizer).
+        processing_class: A tokenizer to use as it is, or None.
+        load_kwargs: Passed to `AutoTokenizer.from_pretrained` (e.g. `trust_remote_code`,
+            `revision`).
+    """
     if processing_class is None:
         name = getattr(model, "name_or_path", None) or model.config._name_or_path
-        processing_class = AutoTokenizer.from_pretrained(name)
+        processing_class = AutoTokenizer.from_pretrained(name, **(load_kwargs or {}))
     if processing_class.pad_token is None:
         processing_class.pad_token = processing_class.eos_token
     return processing_class
@@ -92,16 +151,90 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
+def tokenizer_kwargs(args: Any, model: Any) -> dict[str, Any]:
+    """`AutoTokenizer.from_pretrained` arguments for the policy's own tokenizer.
+
+    As in TRL: `trust_remote_code`, and the `revision` of `model_init_kwargs` when the policy
+    was given by name.
+    """
+    revision = (args.model_init_kwargs or {}).get("revision") if isinstance(model, str) else None
+    return {"trust_remote_code": args.trust_remote_code, "revision": revision}
+
+
 def cast_lm_head_to_fp32(model: Any) -> None:
-    """Compute the output projection in float32 (ScaleRL); needs an untied head."""
-    if model.config.get_text_config().tie_word_embeddings:
-        raise ValueError(
-            "cast_lm_head_to_fp32 needs a model whose lm_head is not tied to its input "
-            "embeddings (tie_word_embeddings=False); this one ties them"
-        )
+    """Compute the output projection in float32 (ScaleRL), as TRL does.
+
+    The head's weight becomes float32 and its input is cast to float32. When the head is tied
+    to the input embeddings (Gemma, SmolLM2, ...) the tie is kept, so the shared weight is
+    float32 too, and the embeddings' output is cast back to the weight's original dtype so
+    that the rest of the model runs as before.
+
+    Raises:
+        ValueError: The head carries a PEFT adapter (TRL refuses it too).
+    """
     head = model.get_output_embeddings()
+    if _has_adapter(head):
+        raise ValueError(
+            "cast_lm_head_to_fp32=True is not supported when the lm_head carries a PEFT adapter "
+            "(target_modules includes lm_head); remove lm_head from the adapter's target "
+            "modules, or set cast_lm_head_to_fp32=False"
+        )
+    embeddings = model.get_input_embeddings()
+    tied = embeddings is not None and embeddings.weight is head.weight
+    original_dtype = head.weight.dtype
     head.float()
     head.register_forward_pre_hook(lambda _, args: (args[0].float(),))
+    if tied and original_dtype != torch.float32:
+        embeddings.register_forward_hook(lambda _, args, output: output.to(original_dtype))
+
+
+def check_liger_kernel(args: Any, model: Any) -> None:
+    """Check `use_liger_kernel=True` before transformers' Trainer applies liger's kernels.
+
+    As in TRL, only liger's layer kernels are applied (`fused_linear_cross_entropy` is set to
+    False: the loss needs the logits), and a PEFT adapter on the output layer is refused.
+    liger-kernel's Triton kernels run only on a GPU, so a CPU run is refused, as is a missing
+    install, each with the fix.
+
+    Raises:
+        ValueError: An unsupported combination, or no GPU.
+        ImportError: liger-kernel is not installed.
+    """
+    if not args.use_liger_kernel:
+        return
+    if _has_adapter(model.get_output_embeddings()):
+        raise ValueError(
+            "Applying a PEFT adapter to `lm_head` is not supported with use_liger_kernel=True: "
+            "remove 'lm_head' from your target_modules"
+        )
+    config = dict(args.liger_kernel_config or {})
+    if config.get("fused_linear_cross_entropy"):
+        raise ValueError(
+            'liger_kernel_config={"fused_linear_cross_entropy": True} is not supported: it '
+            "replaces the model's forward and never returns the logits the GRPO loss needs; "
+            "leave it out"
+        )
+    if args.device.type == "cpu":
+        raise ValueError(
+            "use_liger_kernel=True needs a GPU: liger-kernel's Triton kernels have no CPU "
+            "backend (Triton finds no active driver on CPU). Train on a CUDA GPU, or set "
+            "use_liger_kernel=False"
+        )
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ImportError(
+            "use_liger_kernel=True needs liger-kernel: pip install liger-kernel "
+            "(or set use_liger_kernel=False)"
+        )
+    args.liger_kernel_config = {**config, "fused_linear_cross_entropy": False}
+
+
+def _has_adapter(module: Any) -> bool:
+    """Whether `module` is a PEFT tuner layer (LoRA, ...), i.e. carries an adapter."""
+    if importlib.util.find_spec("peft") is None:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return isinstance(module, BaseTunerLayer)
 
 
 def _is_peft(model: Any) -> bool:

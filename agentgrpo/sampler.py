@@ -85,3 +85,22 @@ def rows_loader(
         collate_fn=rows_collator,
         num_workers=num_workers,
     )
+
+
+def eval_rows_loader(
+    dataset: Any, prompts_per_process: int, num_workers: int = 0
+) -> torch.utils.data.DataLoader:
+    """Every eval row once, in order, `prompts_per_process` rows a batch; the last may be short.
+
+    As in TRL, an eval set smaller than one eval round, or whose size is not a multiple of it,
+    is evaluated whole: the short batch is played like any other (each row still gets its
+    `num_generations_eval` episodes, so groups stay whole). With several processes accelerate
+    hands batch k to process k % num_processes.
+    """
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=prompts_per_process,
+        shuffle=False,
+        collate_fn=rows_collator,
+        num_workers=num_workers,
+    )

@@ -10,7 +10,9 @@ Trainer does the rest: optimizer, schedule, accumulation, checkpoints (made atom
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -26,15 +28,19 @@ from agentgrpo.checkpoint_saving import AtomicCheckpoints
 from agentgrpo.config import GRPOConfig
 from agentgrpo.data import episodes_from_rollout_func, rows_collator, training_rows
 from agentgrpo.learner.batch import TrainingBatch, collate_episodes
+from agentgrpo.learner.entropy_control import AdaptiveEntropy
 from agentgrpo.learner.logprobs import batched_logprobs, completion_logprobs
 from agentgrpo.learner.losses import normalises_by_num_items, policy_loss
 from agentgrpo.learner.token_weights import TokenWeighting, entropy_from_logits
 from agentgrpo.models import (
+    check_liger_kernel,
     load_policy,
     load_tokenizer,
     reference_model,
     reference_sync,
+    reward_model_kwargs,
     router_aux_loss_coef,
+    tokenizer_kwargs,
 )
 from agentgrpo.reporting.completions import CompletionsTable, log_to_integrations, print_table
 from agentgrpo.reporting.metrics import RewardLayout
@@ -55,11 +61,14 @@ from agentgrpo.round import (
     round_seed,
 )
 from agentgrpo.rounds import play_round, score_played
-from agentgrpo.sampler import RoundSampler, rows_loader
+from agentgrpo.sampler import RoundSampler, eval_rows_loader, rows_loader
 from agentgrpo.warm_start import environment_demonstrations, warm_start
 from agentgrpo.weight_sync import build_generator, generation_weights
 from agentgrpo.wiring import build_parts
 from rollout import Episode, EpisodeRecord
+
+# Where a checkpoint keeps the adaptive entropy controller (the name TRL 1.16 uses).
+ENTROPY_STATE_FILE = "entropy_ctrl_state.json"
 
 
 class GRPOTrainer(AtomicCheckpoints):
@@ -80,6 +89,8 @@ class GRPOTrainer(AtomicCheckpoints):
         reward_processing_classes: Tokenizers of reward models, by position.
         callbacks: transformers `TrainerCallback`s.
         optimizers: `(optimizer, lr_scheduler)`, as for `Trainer`.
+        quantization_config: E.g. a `BitsAndBytesConfig`, passed to `from_pretrained` when
+            `model` is a name or path (an error if `model_init_kwargs` sets one too).
         peft_config: A PEFT config; the model is trained through that adapter.
         tools: Plain tool functions (typed, Google-style docstrings), offered in every episode.
         rollout_func: `rollout_func(prompts, trainer) -> dict` replacing the engine (see
@@ -108,6 +119,7 @@ class GRPOTrainer(AtomicCheckpoints):
         reward_processing_classes: Any = None,
         callbacks: Any = None,
         optimizers: tuple[Any, Any] = (None, None),
+        quantization_config: Any = None,
         peft_config: Any = None,
         tools: Sequence[Callable[..., Any]] | None = None,
         rollout_func: Callable[[list[Any], GRPOTrainer], Mapping[str, Any]] | None = None,
@@ -118,9 +130,13 @@ class GRPOTrainer(AtomicCheckpoints):
             raise ValueError(
                 "a dict of environment factories is not supported; pass one environment class"
             )
-        model = load_policy(model, args, peft_config)
-        tokenizer = load_tokenizer(model, processing_class)
-        self.reward_funcs = reward_functions(reward_funcs or [], reward_processing_classes)
+        tokenizer_source = tokenizer_kwargs(args, model)
+        model = load_policy(model, args, peft_config, quantization_config)
+        check_liger_kernel(args, model)
+        tokenizer = load_tokenizer(model, processing_class, tokenizer_source)
+        self.reward_funcs = reward_functions(
+            reward_funcs or [], reward_processing_classes, reward_model_kwargs(args)
+        )
         self.rollout_func = rollout_func
         self.plan = RoundPlan.from_config(args, args.world_size)
         super().__init__(
@@ -173,6 +189,7 @@ class GRPOTrainer(AtomicCheckpoints):
         )
         self.engine, self.scorer, self.loss_config = parts.engine, parts.scorer, parts.loss_config
         self.token_weighting = TokenWeighting.from_config(args)
+        self.entropy_control = AdaptiveEntropy.from_config(args)
         self._round_parts = RoundParts(
             play=self._play,
             shaping=RewardShaping.from_config(args),
@@ -257,15 +274,17 @@ class GRPOTrainer(AtomicCheckpoints):
         return self.accelerator.prepare(loader)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
-        """Eval rows, `per_device_eval_batch_size / num_generations_eval` prompts a process."""
+        """Eval rows, `per_device_eval_batch_size / num_generations_eval` prompts a process.
+
+        Every row is evaluated, a short last batch (or a set smaller than one batch) included.
+        """
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         plan = self._eval_plan
-        sampler = RoundSampler(
-            len(dataset), plan.prompts_per_process, plan.num_processes, 1, shuffle=False
+        loader = eval_rows_loader(
+            dataset, plan.prompts_per_process, self.args.dataloader_num_workers
         )
-        loader = rows_loader(dataset, sampler, self.args.dataloader_num_workers)
         return self.accelerator.prepare(loader)
 
     @property
@@ -365,6 +384,7 @@ class GRPOTrainer(AtomicCheckpoints):
             ),
             num_items=batch.num_items,
             entropy_B_T=entropy_B_C,
+            entropy_coef=self._entropy_coef(entropy_B_C.detach(), batch.loss_mask_B_C),
         )
         return self._total_loss(output.loss, output.metrics, aux_loss)
 
@@ -393,13 +413,28 @@ class GRPOTrainer(AtomicCheckpoints):
         recorded = {name: value for name, value in metrics.items() if name != "policy_loss"}
         if self._entropy_bonus:
             recorded["policy_loss"] = metrics["policy_loss"] * scale
-            if self.model.training and self.accelerator.sync_gradients:
+            fixed = self.entropy_control is None  # the controller logs its own, once a step
+            if fixed and self.model.training and self.accelerator.sync_gradients:
                 self._metrics["train"]["entropy_coef"].append(self.loss_config.entropy_coef)
         if aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * aux_loss
             recorded["aux_loss"] = aux_loss.detach()
         self._record_loss_metrics(recorded)
         return loss
+
+    def _entropy_coef(self, entropy_B_C: torch.Tensor, mask_B_C: torch.Tensor) -> float | None:
+        """The adaptive coefficient for this micro-batch (None: the config's fixed one).
+
+        A training micro-batch also adds its entropy to the controller's window, which
+        `training_step` closes at each optimizer step; evaluation never changes the controller.
+        """
+        control = self.entropy_control
+        if control is None:
+            return None
+        if self.model.training:
+            mask_B_C = mask_B_C.to(entropy_B_C.dtype)
+            control.observe(float((entropy_B_C * mask_B_C).sum()), float(mask_B_C.sum()))
+        return control.applied_coef
 
     def _record_loss_metrics(self, metrics: Mapping[str, torch.Tensor]) -> None:
         """Average each loss metric over the processes (one gather for all of them)."""
@@ -423,7 +458,36 @@ class GRPOTrainer(AtomicCheckpoints):
         if self.accelerator.sync_gradients:
             self._metrics["train"]["step_time"].append(self._step_seconds)
             self._step_seconds = 0.0
+            self._end_entropy_window()
         return loss
+
+    def _end_entropy_window(self) -> None:
+        """At an optimizer step: update the adaptive coefficient from every process's window."""
+        control = self.entropy_control
+        if control is None:
+            return
+        local_2 = torch.tensor([control.window_sum, control.window_tokens], dtype=torch.float64)
+        total_2 = self.accelerator.reduce(local_2.to(self.accelerator.device), reduction="sum")
+        control.end_step(float(total_2[0]), float(total_2[1]))
+        self._metrics["train"]["entropy_coef"].append(control.coef)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Trainer's save, plus the adaptive entropy controller's state (TRL's file name)."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.entropy_control is not None and self.args.should_save:
+            path = os.path.join(output_dir, ENTROPY_STATE_FILE)
+            with open(path, "w") as file:
+                json.dump(self.entropy_control.state(), file)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Trainer's load, plus the adaptive entropy controller's state when saved."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self.entropy_control is None or checkpoint is None:
+            return
+        path = os.path.join(checkpoint, ENTROPY_STATE_FILE)
+        if os.path.exists(path):
+            with open(path) as file:
+                self.entropy_control.load(json.load(file))
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation: generate with `num_generations_eval`, score, and report the loss."""

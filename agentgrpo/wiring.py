@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentgrpo.learner.losses import LossConfig
+from agentgrpo.learner.losses import LossConfig, VespoShape
 from agentgrpo.rewards.calls import RewardFunction
 from agentgrpo.rounds import Scorer, environment_reward_name
 from rollout import EpisodeConfig, GenerationBackend, RolloutEngine
@@ -107,6 +107,8 @@ def loss_config_of(config: Any) -> LossConfig:
         use_bias_correction_kl=config.use_bias_correction_kl,
         sapo_temperature_pos=config.sapo_temperature_pos,
         sapo_temperature_neg=config.sapo_temperature_neg,
+        vespo_positive=VespoShape(config.vespo_k_pos, config.vespo_lambda_pos),
+        vespo_negative=VespoShape(config.vespo_k_neg, config.vespo_lambda_neg),
         max_completion_length=config.max_completion_length,
         entropy_coef=config.entropy_coef,
     )

@@ -324,7 +324,7 @@ def test_a_value_that_cannot_work_is_a_value_error_that_says_what_to_fix(make, k
 
 @pytest.mark.parametrize(
     "flag",
-    ["use_adaptive_entropy", "use_transformers_continuous_batching", "use_transformers_paged"],
+    ["use_transformers_continuous_batching", "use_transformers_paged"],
 )
 def test_a_trl_feature_agentgrpo_lacks_is_refused_not_ignored(make, flag):
     with pytest.raises(ValueError, match=f"{flag}=True is not supported by agentgrpo yet"):

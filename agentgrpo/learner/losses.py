@@ -10,18 +10,20 @@ The loss is built in three steps, each its own function:
 1. an importance ratio r = pi_theta / pi_old per token (:func:`log_importance_ratio`), token-level
    or sequence-level (GSPO);
 2. a per-token objective, returned as a *loss* (the negative objective): the clipped surrogate
-   (grpo, dr_grpo, dapo, bnpo, luspo), CISPO or SAPO; plus ``beta`` times the k3 KL to a
+   (grpo, dr_grpo, dapo, bnpo, luspo), CISPO, SAPO or VESPO; plus ``beta`` times the k3 KL to a
    reference model;
 3. a normalisation that turns per-token losses into one scalar (:func:`aggregate`).
 
 ``loss_type`` picks the objective and the normalisation together, in one table (``_LOSS_TYPES``)
-that is read in one place. ``"vespo"`` is not implemented; see ``_NOT_IMPLEMENTED``.
+that is read in one place.
 
 The module imports only torch.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -220,6 +222,106 @@ def sapo_loss(
     return PolicyTerm(-gate_B_T * advantages_B_1, no_clip_B_T, no_clip_B_T)
 
 
+class VespoShape(NamedTuple):
+    """VESPO's Gamma-kernel parameters for one advantage sign (see :func:`vespo_loss`)."""
+
+    k: float
+    lam: float
+
+
+# TRL 1.16's defaults: (vespo_k_pos, vespo_lambda_pos) and (vespo_k_neg, vespo_lambda_neg).
+VESPO_POSITIVE = VespoShape(2.0, 3.0)
+VESPO_NEGATIVE = VespoShape(3.0, 2.0)
+
+# Sequence log-weights are clamped to [log 1e-8, 20] so that exp() stays finite in float32.
+_VESPO_LOG_W_MIN, _VESPO_LOG_W_MAX = math.log(1e-8), 20.0
+
+
+@torch.no_grad()
+def vespo_weights(
+    log_ratio_B_T: torch.Tensor,
+    advantages_B_1: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    positive: VespoShape,
+    negative: VespoShape,
+) -> torch.Tensor:
+    """VESPO's detached per-sequence weight ``phi(w) = w**k * exp(lam * (1 - w))``.
+
+    ``w = exp(sum_t log r_t)`` is the *sequence* importance weight: the product of the token
+    ratios over the active tokens (not GSPO's geometric mean). ``phi`` is a Gamma kernel scaled
+    so that ``phi(1) = 1``: on-policy VESPO is the plain policy gradient. It rises as ``w**k``
+    for small w, peaks at ``w = k / lam`` and decays as ``exp(-lam w)`` for large w, so stale or
+    off-policy sequences fade smoothly instead of being cut by a hard clip. ``k, lam`` are
+    ``positive``'s where A >= 0 and ``negative``'s where A < 0. Computed in log space
+    (``log phi = lam + k log w - lam w``); a non-finite result becomes 0.
+
+    Args:
+        log_ratio_B_T: Log importance ratio per token, (B, T); a sequence-level ratio (its mean
+            broadcast) gives the same sum. Each token's value is clamped to [-20, 20].
+        advantages_B_1: Advantages, (B, 1).
+        mask_B_T: 1 where the token counts, (B, T).
+        positive: ``(k, lam)`` for A >= 0.
+        negative: ``(k, lam)`` for A < 0.
+
+    Returns:
+        phi_B_1: Detached weights, (B, 1).
+
+    Example:
+        >>> phi = vespo_weights(torch.zeros(1, 2), torch.ones(1, 1), torch.ones(1, 2),
+        ...                     VespoShape(2.0, 3.0), VespoShape(3.0, 2.0))
+        >>> phi  # on-policy: w = 1, phi(1) = 1
+        tensor([[1.]])
+
+    """
+    token_B_T = torch.where(mask_B_T != 0, log_ratio_B_T.clamp(-20.0, 20.0), 0.0)
+    log_w_B_1 = token_B_T.sum(dim=-1, keepdim=True).clamp(_VESPO_LOG_W_MIN, _VESPO_LOG_W_MAX)
+    non_negative_B_1 = advantages_B_1 >= 0
+    k_B_1 = torch.where(non_negative_B_1, positive.k, negative.k).to(log_w_B_1)
+    lam_B_1 = torch.where(non_negative_B_1, positive.lam, negative.lam).to(log_w_B_1)
+    log_phi_B_1 = lam_B_1 + k_B_1 * log_w_B_1 - lam_B_1 * log_w_B_1.exp()
+    return log_phi_B_1.exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def vespo_loss(
+    log_ratio_B_T: torch.Tensor,
+    advantages_B_1: torch.Tensor,
+    logprobs_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    positive: VespoShape = VESPO_POSITIVE,
+    negative: VespoShape = VESPO_NEGATIVE,
+) -> PolicyTerm:
+    """VESPO (variational sequence-level soft policy optimization): ``-sg(phi(w)) A logprobs``.
+
+    Like CISPO, the weight is detached and multiplies ``A * logprobs``, so the gradient is
+    ``-phi(w) A grad(logprobs)`` for every token of the sequence; unlike CISPO the weight is one
+    smooth function of the whole sequence's importance weight (:func:`vespo_weights`), with its
+    own shape for each advantage sign. TRL 1.16's defaults are ``positive=(2, 3)`` and
+    ``negative=(3, 2)``.
+
+    Args:
+        log_ratio_B_T: Log importance ratio per token, (B, T).
+        advantages_B_1: Advantages, (B, 1).
+        logprobs_B_T: Current log-probabilities (the gradient flows through these), (B, T).
+        mask_B_T: 1 where the token counts, (B, T).
+        positive: ``(k, lam)`` for A >= 0.
+        negative: ``(k, lam)`` for A < 0.
+
+    Returns:
+        The per-token loss; no hard clip, so both clip indicators are all False.
+
+    Example:
+        >>> term = vespo_loss(torch.zeros(1, 1), torch.tensor([[2.0]]),
+        ...                   torch.tensor([[-0.5]]), torch.ones(1, 1))
+        >>> term.loss_B_T  # on-policy: phi = 1, loss = -A * logprob
+        tensor([[1.]])
+
+    """
+    advantages_B_1 = advantages_B_1.expand(log_ratio_B_T.shape[0], 1)
+    phi_B_1 = vespo_weights(log_ratio_B_T, advantages_B_1, mask_B_T, positive, negative)
+    no_clip_B_T = torch.zeros_like(log_ratio_B_T, dtype=torch.bool)
+    return PolicyTerm(-phi_B_1 * advantages_B_1 * logprobs_B_T, no_clip_B_T, no_clip_B_T)
+
+
 def kl_k3(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi_theta || pi_ref): ``exp(d) - d - 1``, ``d = ref - logp``.
 
@@ -269,7 +371,7 @@ def _over_max_length(loss_B_T, mask_B_T, num_items, max_completion_length):
 
 
 def _over_num_items(loss_B_T, mask_B_T, num_items, max_completion_length):
-    """dapo, cispo, sapo: token sum over the active tokens of the whole accumulated batch."""
+    """dapo, cispo, sapo, vespo: token sum over the active tokens of the whole accumulated batch."""
     if num_items is None:
         raise ValueError("this loss_type needs num_items (active tokens in the whole batch)")
     return _masked_sum_per_row(loss_B_T, mask_B_T).sum() / num_items
@@ -297,12 +399,13 @@ class LossConfig:
     """What the policy loss needs from the training config; checked once, on construction.
 
     Attributes:
-        loss_type: One of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo: picks the per-token
+        loss_type: One of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo: picks the per-token
             objective and the normalisation together (see :func:`aggregate`).
         epsilon_low: Clip width below 1 for the clipped surrogate (ratio floor 1 - epsilon_low).
         epsilon_high: Clip width above 1 for the clipped surrogate (ratio ceiling
             1 + epsilon_high; DAPO uses 0.28). For cispo it is the absolute weight cap
-            epsilon_max instead (ScaleRL uses 5.0), so it must then exceed 1.
+            epsilon_max instead (ScaleRL uses 5.0); TRL's default there is epsilon (0.2),
+            accepted with a warning, since a cap below 1 scales down even on-policy tokens.
         delta: Two-sided GRPO (INTELLECT-2): cap on the ratio in the unclipped term, > 1
             (advised > 1 + epsilon_high). None for standard clipping. Clipped-surrogate types only.
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO); luspo needs sequence.
@@ -312,6 +415,8 @@ class LossConfig:
             Changes the gradient even on-policy, where the ratio's value is 1.
         sapo_temperature_pos: SAPO's tau for tokens with positive advantage.
         sapo_temperature_neg: SAPO's tau for the other tokens.
+        vespo_positive: VESPO's ``(k, lam)`` for A >= 0 (see :func:`vespo_weights`).
+        vespo_negative: VESPO's ``(k, lam)`` for A < 0.
         max_completion_length: The constant dr_grpo divides by (per sequence); required there.
         entropy_coef: Weight of the entropy bonus: the loss gets ``- entropy_coef * mean
             entropy`` over active tokens, the same for every loss_type.
@@ -327,15 +432,12 @@ class LossConfig:
     use_bias_correction_kl: bool = True
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_positive: VespoShape = VESPO_POSITIVE
+    vespo_negative: VespoShape = VESPO_NEGATIVE
     max_completion_length: int | None = None
     entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.loss_type in _NOT_IMPLEMENTED:
-            raise ValueError(
-                f"loss_type {self.loss_type!r} is not implemented: "
-                f"{_NOT_IMPLEMENTED[self.loss_type]}"
-            )
         if self.loss_type not in _LOSS_TYPES:
             raise ValueError(
                 f"unknown loss_type {self.loss_type!r}; expected one of {sorted(_LOSS_TYPES)}"
@@ -381,10 +483,18 @@ def _check_no_delta(config: LossConfig) -> None:
 
 def _check_cispo(config: LossConfig) -> None:
     _check_no_delta(config)
-    if config.epsilon_high <= 1:
+    if config.epsilon_high <= 0:
         raise ValueError(
             "for loss_type 'cispo', epsilon_high is the absolute cap on the importance weight "
-            f"(e.g. 5.0) and must be > 1, got {config.epsilon_high}"
+            f"(e.g. 5.0) and must be > 0, got {config.epsilon_high}"
+        )
+    if config.epsilon_high <= 1:
+        # TRL's default (epsilon_high = epsilon = 0.2) lands here; TRL trains with it.
+        warnings.warn(
+            f"loss_type 'cispo' caps the importance weight at epsilon_high={config.epsilon_high}"
+            ", below 1, so every token's gradient is scaled down to at most that; ScaleRL "
+            "uses epsilon_high=5.0",
+            stacklevel=4,
         )
 
 
@@ -394,24 +504,46 @@ def _check_sapo(config: LossConfig) -> None:
         raise ValueError("SAPO temperatures must be > 0")
 
 
-def _clipped(log_ratio_B_T, advantages_B_1, logprobs_B_T, config: LossConfig) -> PolicyTerm:
+def _check_vespo(config: LossConfig) -> None:
+    _check_no_delta(config)
+    for sign, shape in (("pos", config.vespo_positive), ("neg", config.vespo_negative)):
+        if shape.k < 0 or shape.lam <= 0:
+            raise ValueError(
+                f"VESPO needs vespo_k_{sign} >= 0 and vespo_lambda_{sign} > 0 (the Gamma kernel "
+                f"w**k * exp(lambda * (1 - w))), got k={shape.k} and lambda={shape.lam}"
+            )
+
+
+def _clipped(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config) -> PolicyTerm:
     return clipped_surrogate_loss(
         log_ratio_B_T, advantages_B_1, config.epsilon_low, config.epsilon_high, config.delta
     )
 
 
-def _cispo(log_ratio_B_T, advantages_B_1, logprobs_B_T, config: LossConfig) -> PolicyTerm:
+def _cispo(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config) -> PolicyTerm:
     return cispo_loss(log_ratio_B_T, advantages_B_1, logprobs_B_T, config.epsilon_high)
 
 
-def _sapo(log_ratio_B_T, advantages_B_1, logprobs_B_T, config: LossConfig) -> PolicyTerm:
+def _sapo(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config) -> PolicyTerm:
     return sapo_loss(
         log_ratio_B_T, advantages_B_1, config.sapo_temperature_pos, config.sapo_temperature_neg
     )
 
 
+def _vespo(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config) -> PolicyTerm:
+    return vespo_loss(
+        log_ratio_B_T,
+        advantages_B_1,
+        logprobs_B_T,
+        mask_B_T,
+        config.vespo_positive,
+        config.vespo_negative,
+    )
+
+
 class _LossType(NamedTuple):
-    objective: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossConfig], PolicyTerm]
+    # (log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config) -> PolicyTerm
+    objective: Callable[..., PolicyTerm]
     normalise: Normaliser
     check: Callable[[LossConfig], None]
 
@@ -425,15 +557,7 @@ _LOSS_TYPES: dict[str, _LossType] = {
     "cispo": _LossType(_cispo, _over_num_items, _check_cispo),
     "sapo": _LossType(_sapo, _over_num_items, _check_sapo),
     "luspo": _LossType(_clipped, _length_scaled_over_num_items, _check_luspo),
-}
-
-_NOT_IMPLEMENTED = {
-    "vespo": (
-        "its documented parameters (a power k and a decay lambda per advantage sign, a 'Gamma "
-        "weighting' of sequence-level importance weights) do not pin down the weight function "
-        "(its normalisation, whether the power is k or k - 1, whether it is detached), and a "
-        "guessed loss would be wrong silently"
-    ),
+    "vespo": _LossType(_vespo, _over_num_items, _check_vespo),
 }
 
 
@@ -459,7 +583,7 @@ def aggregate(
     ``"grpo"``: mean over sequences of (masked sum / masked count), count clamped to >= 1.
     ``"bnpo"``: masked sum / masked count of this micro-batch (clamped to >= 1).
     ``"dr_grpo"``: masked sum / (B * max_completion_length).
-    ``"dapo"``, ``"cispo"``, ``"sapo"``: masked sum / num_items.
+    ``"dapo"``, ``"cispo"``, ``"sapo"``, ``"vespo"``: masked sum / num_items.
     ``"luspo"``: sum over sequences of (sequence mean * sequence token count) / num_items.
 
     Args:
@@ -555,7 +679,7 @@ def _per_token_loss(
     )
     advantages_B_1 = advantages_B.to(logprobs_B_T.dtype).unsqueeze(-1)
     objective = _LOSS_TYPES[config.loss_type].objective
-    term = objective(log_ratio_B_T, advantages_B_1, logprobs_B_T, config)
+    term = objective(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config)
     metrics = _clip_metrics(term, mask_B_T)
     per_token_B_T = term.loss_B_T
     if sampler_weights_B_T is not None:
@@ -580,6 +704,7 @@ def policy_loss(
     sampler_weights_B_T: torch.Tensor | None = None,
     num_items: float | torch.Tensor | None = None,
     entropy_B_T: torch.Tensor | None = None,
+    entropy_coef: float | None = None,
 ) -> LossOutput:
     """The GRPO loss of one micro-batch: policy term, KL penalty, normalisation, entropy bonus.
 
@@ -601,6 +726,8 @@ def policy_loss(
             normalisers still count every completion token.
         num_items: Active tokens of the whole accumulated batch; see :func:`aggregate`.
         entropy_B_T: Per-token entropies; with grad when ``entropy_coef != 0``.
+        entropy_coef: Overrides ``config.entropy_coef`` for this call (adaptive entropy
+            control changes it between optimizer steps); None keeps the config's.
 
     Returns:
         The loss (see :class:`LossOutput` for which parts are micro-batch means) and metrics.
@@ -608,8 +735,9 @@ def policy_loss(
     """
     if config.beta > 0 and ref_logprobs_B_T is None:
         raise ValueError(f"beta={config.beta} > 0 needs ref_logprobs_B_T")
-    if config.entropy_coef != 0 and entropy_B_T is None:
-        raise ValueError(f"entropy_coef={config.entropy_coef} needs entropy_B_T")
+    coef = config.entropy_coef if entropy_coef is None else entropy_coef
+    if coef != 0 and entropy_B_T is None:
+        raise ValueError(f"entropy_coef={coef} needs entropy_B_T")
     per_token_B_T, metrics = _per_token_loss(
         logprobs_B_T,
         old_logprobs_B_T,
@@ -631,5 +759,5 @@ def policy_loss(
     if entropy_B_T is not None:
         mean_entropy = _masked_mean(torch.where(mask_B_T != 0, entropy_B_T, 0.0), mask_B_T)
         metrics["entropy"] = mean_entropy.detach()
-        loss = loss - config.entropy_coef * mean_entropy if config.entropy_coef else loss
+        loss = loss - coef * mean_entropy if coef else loss
     return LossOutput(loss, metrics)

@@ -232,7 +232,9 @@ def check_arguments(funcs: Sequence[RewardFunction], available: Collection[str])
         _arguments_for(func, placeholder)
 
 
-def reward_functions(funcs: Any, processing_classes: Any = None) -> list[RewardFunction]:
+def reward_functions(
+    funcs: Any, processing_classes: Any = None, model_kwargs: dict[str, Any] | None = None
+) -> list[RewardFunction]:
     """Turn what a user passes as ``reward_funcs`` into named reward functions.
 
     Args:
@@ -244,6 +246,9 @@ def reward_functions(funcs: Any, processing_classes: Any = None) -> list[RewardF
         processing_classes: None, or one tokenizer per entry of `funcs` (by position; None
             entries allowed, and entries for callables are ignored). A reward model without one
             loads ``AutoTokenizer.from_pretrained(config._name_or_path)``.
+        model_kwargs: ``from_pretrained`` arguments for reward models given by path (the
+            trainer passes ``model_init_kwargs`` and ``trust_remote_code``); their tokenizers
+            get its ``trust_remote_code`` and ``revision``.
 
     Returns:
         One `RewardFunction` per entry; a repeated name gets a suffix (``f``, ``f_2``, ...).
@@ -270,7 +275,8 @@ def reward_functions(funcs: Any, processing_classes: Any = None) -> list[RewardF
             f"{len(processing_classes)} processing classes for {len(funcs)} reward functions; "
             "give one per reward function (None for plain functions)"
         )
-    named = [_named(f, pc) for f, pc in zip(funcs, processing_classes, strict=True)]
+    kwargs = model_kwargs or {}
+    named = [_named(f, pc, kwargs) for f, pc in zip(funcs, processing_classes, strict=True)]
     seen: set[str] = set()
     unique = []
     for func in named:
@@ -413,12 +419,15 @@ def _show_row(row: Mapping[str, Any]) -> str:
 # --- naming and reward models -------------------------------------------------------------
 
 
-def _named(func: Any, processing_class: Any) -> RewardFunction:
+def _named(func: Any, processing_class: Any, model_kwargs: dict[str, Any]) -> RewardFunction:
     if isinstance(func, RewardFunction):
         return func
     if isinstance(func, str) or _is_model(func):
-        model = _load_model(func) if isinstance(func, str) else func
-        tokenizer = processing_class or _load_tokenizer(model)
+        model = _load_model(func, model_kwargs) if isinstance(func, str) else func
+        tokenizer_kwargs = {"trust_remote_code": model_kwargs.get("trust_remote_code", False)}
+        if isinstance(func, str) and "revision" in model_kwargs:
+            tokenizer_kwargs["revision"] = model_kwargs["revision"]
+        tokenizer = processing_class or _load_tokenizer(model, tokenizer_kwargs)
         return RewardFunction(_model_name(model), _SequenceClassifierReward(model, tokenizer))
     if not callable(func):
         raise TypeError(
@@ -438,13 +447,13 @@ def _is_model(func: Any) -> bool:
     return isinstance(func, PreTrainedModel)
 
 
-def _load_model(path: str) -> Any:
+def _load_model(path: str, model_kwargs: dict[str, Any]) -> Any:
     from transformers import AutoModelForSequenceClassification
 
-    return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **model_kwargs)
 
 
-def _load_tokenizer(model: Any) -> Any:
+def _load_tokenizer(model: Any, tokenizer_kwargs: dict[str, Any]) -> Any:
     from transformers import AutoTokenizer
 
     source = model.config._name_or_path
@@ -453,7 +462,7 @@ def _load_tokenizer(model: Any) -> Any:
             f"the reward model {type(model).__name__} has no config._name_or_path to load its "
             "tokenizer from; pass it in processing_classes"
         )
-    return AutoTokenizer.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source, **tokenizer_kwargs)
 
 
 def _model_name(model: Any) -> str:
