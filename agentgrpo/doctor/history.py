@@ -158,5 +158,5 @@ def summarise_change(old: str, new: str, most: int = 2) -> str:
     return ", then ".join(changes[:most]) or "changes its text"
 
 
-def _quote(text: str, width: int = 40) -> str:
+def _quote(text: str, width: int = 60) -> str:
     return repr(text[:width]) + ("..." if len(text) > width else "")
