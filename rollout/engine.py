@@ -68,7 +68,7 @@ class RolloutEngine:
         self.context = EpisodeContext(
             backend=backend,
             renderer=renderer,
-            parser=_parser(tool_call_parser, tokenizer, template, schemas),
+            parser=select_parser(tool_call_parser, tokenizer, template, schemas),
             config=config or EpisodeConfig(),
             tools=plain,
             environment_factory=environment_factory,
@@ -154,12 +154,23 @@ def _probe_class(factory: Callable[[], Any]) -> type:
     return type(probe)
 
 
-def _parser(name: str | None, tokenizer: Any, template: str, schemas: list[dict]) -> Parser:
+def select_parser(
+    name: str | None, tokenizer: Any, template: str, schemas: Sequence[Mapping[str, Any]]
+) -> Parser:
+    """The parser a run reads tool calls with (`tool_call_parser` in `RolloutEngine`).
+
+    No tools: every turn is a plain answer. A name: that parser. None: the tokenizer's response
+    parser if it has one, else the one `detect_parser` finds in the template.
+
+    Raises:
+        ValueError: An unknown name, or a template whose tool format cannot be told.
+
+    """
     if not schemas:
         return _no_tool_calls
     if name is not None:
         return get_parser(name)
-    return tokenizer_parser(tokenizer, tools=schemas) or get_parser(detect_parser(template))
+    return tokenizer_parser(tokenizer, tools=list(schemas)) or get_parser(detect_parser(template))
 
 
 def _no_tool_calls(text: str) -> ParsedTurn:

@@ -3,6 +3,7 @@
     agentgrpo run ENV [options]          train with GRPO on an environment
     agentgrpo eval ENV [--model DIR]     play held-out rows without training
     agentgrpo envs                       list the built-in environments
+    agentgrpo doctor [ENV] [--model M]   check a model, its template and ENV without training
     agentgrpo vllm-serve --model M ...   start a vLLM server the trainer can push weights to
 
 ENV is `env:Name` (built-in), `package.module:Class` or `path/to/file.py:Class`. Mistakes a
@@ -74,6 +75,7 @@ class CommandParser(argparse.ArgumentParser):
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and each subcommand's parser by name."""
     from agentgrpo.cli import commands as run_commands
+    from agentgrpo.cli import doctor
 
     parser = CommandParser(
         prog="agentgrpo", description="Train LLM agents with GRPO on tool-calling episodes."
@@ -84,6 +86,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "run": _run_parser(sub, run_commands.run),
         "eval": _eval_parser(sub, run_commands.evaluate),
         "envs": _command(sub, "envs", run_commands.envs, "list the built-in environments"),
+        "doctor": doctor.add_parser(sub, doctor.doctor),
     }
     return parser, commands
 
@@ -226,6 +229,7 @@ def _quiet_loading() -> None:
 
 def _runtime_user_errors() -> tuple[type[BaseException], ...]:
     """Errors raised mid-run that a user's environment, reward function or server caused."""
+    from agentgrpo.doctor import SetupCheckError
     from agentgrpo.rewards.calls import RewardFunctionError
     from environments import (
         EnvironmentCloseError,
@@ -246,4 +250,5 @@ def _runtime_user_errors() -> tuple[type[BaseException], ...]:
         EnvironmentCloseError,
         StuckCallsError,  # the user's tools ignore their timeout
         TemplateDriftError,
+        SetupCheckError,  # a start-up check of the template, parser or stop tokens failed
     )

@@ -47,6 +47,7 @@ def run(namespace: argparse.Namespace) -> int:
     and status 130.
     """
     from agentgrpo import GRPOTrainer
+    from agentgrpo.doctor import startup_checks
     from agentgrpo.reporting.run_log import attach_run_callbacks, summary_table
 
     env_class = sources.environment_class(namespace.env)
@@ -72,6 +73,7 @@ def run(namespace: argparse.Namespace) -> int:
 
         tokenizer = trainer.processing_class
         tokenizer.chat_template = load_template(tokenizer, config.chat_template)
+    startup_checks(trainer.engine, show=trainer.is_world_process_zero())
     final = Path(config.output_dir) / "model"
     if checkpoint is not None and _finished(checkpoint, config):
         return _finish_without_training(trainer, checkpoint, final)
@@ -303,6 +305,7 @@ def _eval_engine(namespace: argparse.Namespace, env_class: type) -> tuple[Any, A
     """The engine and scorer `wiring.build_parts` builds for training, from eval's options."""
     from transformers import AutoTokenizer
 
+    from agentgrpo.doctor import startup_checks
     from agentgrpo.models import load_tokenizer
     from agentgrpo.rewards.calls import reward_functions
     from agentgrpo.rounds import environment_reward_name
@@ -315,6 +318,7 @@ def _eval_engine(namespace: argparse.Namespace, env_class: type) -> tuple[Any, A
     tokenizer = load_tokenizer(None, AutoTokenizer.from_pretrained(path))
     backend = _eval_backend(namespace, path, tokenizer)
     parts = build_parts(eval_config(namespace), backend, tokenizer, env_class, (), rewards)
+    startup_checks(parts.engine)
     return parts.engine, parts.scorer
 
 

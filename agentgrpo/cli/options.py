@@ -72,6 +72,7 @@ LIMITS: dict[str, Limit] = {
     "max_turns": _at_least(1),
     "max_completion_length": _at_least(1),
     "num_episodes": _at_least(1),
+    "generate": _at_least(1),
     "server_timeout": (lambda s: s > 0, "a number of seconds > 0"),
 }
 

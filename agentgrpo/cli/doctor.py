@@ -1,0 +1,157 @@
+"""`agentgrpo doctor`: check a model, its chat template and an environment before training.
+
+The checks live in `agentgrpo.doctor`; this module turns the command line into their inputs
+and prints one line per check. Exit status: 0 when a run would work (warnings included), 1
+when a check failed, 2 for a mistake on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from agentgrpo.cli import sources
+from agentgrpo.cli.options import RUN_DEFAULTS, UsageError, value_parser
+from agentgrpo.doctor import CheckResult, Setup, Status
+
+FAILED = 1
+
+
+def add_parser(sub: argparse._SubParsersAction, handler: Any) -> argparse.ArgumentParser:
+    """The `doctor` subcommand's parser, its handler set to `handler`."""
+    help_text = "check a model, its chat template and an environment without training"
+    parser = sub.add_parser("doctor", help=help_text, description=help_text, allow_abbrev=False)
+    parser.set_defaults(handler=handler)
+    parser.usage = (
+        "agentgrpo doctor [--model M] [--chat-template T] [--tool-call-parser P] "
+        "[--generate N] [ENV]"
+    )
+    add = parser.add_argument
+    add("env", nargs="?", metavar="ENV", help="env:Name, package.module:Class or file.py:Class")
+    add("--model", help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
+    add(
+        "--chat-template",
+        help="a built-in name (chatml_tools), a .jinja file, or jinja source (default: the "
+        "model's own; chatml_tools for the embedded model)",
+    )
+    add("--tool-call-parser", help="parser name (default: chosen as a run chooses it)")
+    add(
+        "--generate",
+        type=value_parser("generate", int),
+        metavar="N",
+        help="also play N short sampled episodes of ENV with the model",
+    )
+    return parser
+
+
+def doctor(namespace: argparse.Namespace) -> int:
+    """Run the checks the options ask for, print one line each, and return the exit status."""
+    from transformers import AutoTokenizer
+
+    from agentgrpo import doctor as checks
+    from agentgrpo.models import load_tokenizer
+    from environments import resolve_environment
+
+    if namespace.generate and not namespace.env:
+        raise UsageError("--generate plays episodes of ENV; name one, e.g. env:Counter")
+    env_class = resolve_environment(namespace.env) if namespace.env else None
+    path = sources.model_path(namespace.model)
+    tokenizer = load_tokenizer(None, AutoTokenizer.from_pretrained(path))
+    print(f"agentgrpo doctor: {namespace.model or sources.DEFAULT_MODEL}", flush=True)
+    setup = _setup(namespace, path, tokenizer, env_class)
+    results = checks.fast_checks(setup) if isinstance(setup, Setup) else [setup]
+    if env_class is not None and isinstance(setup, Setup):
+        results.append(checks.check_environment_runs(env_class, _rows(env_class), setup))
+    for result in results:
+        print(result.line(), flush=True)
+    failed = any(r.status is Status.FAIL for r in results)
+    if namespace.generate and not failed:
+        result = _generate(namespace, path, tokenizer, env_class, setup)
+        print(result.line(), flush=True)
+        failed = result.status is Status.FAIL
+    return FAILED if failed else 0
+
+
+def _setup(
+    namespace: argparse.Namespace, path: str, tokenizer: Any, env_class: type | None
+) -> Setup | CheckResult:
+    """What a run with these options would render, parse and stop with, or why it cannot load."""
+    from environments import class_tools
+    from rollout import load_template
+    from rollout.vllm_backend import default_stop_token_ids
+
+    try:
+        template = load_template(tokenizer, _template_option(namespace))
+    except ValueError as error:  # no template, or neither a name nor jinja
+        return CheckResult("template", Status.FAIL, str(error), "pass --chat-template")
+    try:
+        tools = tuple(t.schema for t in class_tools(env_class).values()) if env_class else ()
+    except ValueError:  # the environment check reports it
+        tools = ()
+    return Setup(
+        tokenizer=tokenizer,
+        template=template,
+        stop_token_ids=frozenset(default_stop_token_ids(tokenizer, _generation_config(path))),
+        tools=tools,
+        tool_call_parser=namespace.tool_call_parser,
+    )
+
+
+def _template_option(namespace: argparse.Namespace) -> str | None:
+    """`--chat-template` as `load_template` takes it: a file is read; none is the run default."""
+    from agentgrpo.cli.commands import BUILTIN_TEMPLATE
+
+    value = namespace.chat_template
+    if value is None:
+        return BUILTIN_TEMPLATE if namespace.model is None else None
+    file = Path(value).expanduser()
+    if file.is_file():
+        return file.read_text(encoding="utf-8")
+    if file.suffix in (".jinja", ".j2", ".txt"):
+        raise UsageError(f"--chat-template file not found: {file.resolve()}")
+    return value
+
+
+def _generation_config(path: str) -> Any:
+    """The model's generation config (its eos ids are stop tokens), without loading weights."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: transformers derives it from config.json
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+
+
+def _rows(env_class: type) -> Any:
+    """The environment's own train rows, or None when it has no `dataset()`."""
+    if getattr(env_class, "dataset", None) is None:
+        return None
+    return lambda: sources.rows(env_class, None, "train")
+
+
+def _generate(
+    namespace: argparse.Namespace, path: str, tokenizer: Any, env_class: Any, setup: Any
+) -> CheckResult:
+    """Check 6 with the model loaded here and episodes played as `agentgrpo run` plays them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentgrpo.doctor import check_generation
+    from rollout import EpisodeConfig, RolloutEngine, TransformersBackend
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = RolloutEngine(
+        TransformersBackend.from_tokenizer(model, tokenizer, seed=0),
+        tokenizer,
+        environment_factory=env_class,
+        chat_template=setup.template,
+        tool_call_parser=namespace.tool_call_parser,
+        config=EpisodeConfig(
+            max_completion_length=RUN_DEFAULTS["max_completion_length"],
+            max_turns=RUN_DEFAULTS["max_turns"],
+        ),
+    )
+    return check_generation(
+        engine, list(sources.rows(env_class, None, "train")), namespace.generate
+    )

@@ -1,0 +1,132 @@
+"""The checks that run user code or the model: the environment (check 5), sampled episodes (6)."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter as Tally
+from collections.abc import Callable, Mapping, Sequence
+from itertools import cycle, islice
+from typing import Any
+
+import anyio
+
+from agentgrpo.doctor.checks import CheckResult, Setup, Status
+from environments import (
+    check_environment,
+    class_tools,
+    close_environment,
+    create_environment,
+    reset_environment,
+)
+from rollout import ChatRenderer, RolloutEngine, prompt_messages
+from tools import run_in_daemon_thread
+
+RESET_TIMEOUT_S = 60.0
+"""How long the environment's constructor, `reset` and `close` may take before the check fails."""
+
+
+def check_environment_runs(
+    env_class: type, rows: Callable[[], Sequence[Mapping[str, Any]]] | None, setup: Setup
+) -> CheckResult:
+    """Check 5: the class meets the contract, resets on its first row, and its tools render.
+
+    Args:
+        env_class: The environment class.
+        rows: Returns the task rows (`dataset()` or `--dataset`); None when there are none.
+        setup: The template the tools render in (its own `tools` are not used).
+
+    """
+    name = env_class.__qualname__
+    try:
+        check_environment(env_class)
+        tools = class_tools(env_class)
+        if rows is None:
+            return CheckResult(
+                "environment",
+                Status.WARNING,
+                f"{name} meets the contract but has no dataset(), so reset was not tried",
+                "give it `@classmethod def dataset(cls, split='train')`, or pass --dataset "
+                "to `agentgrpo run`",
+            )
+        row = dict(next(iter(rows())))
+        observation = anyio.run(_reset_and_close, env_class, row)
+        _check_tools_render(setup, [t.schema for t in tools.values()], row, observation)
+    except Exception as error:
+        return CheckResult("environment", Status.FAIL, f"{name}: {error}", _ENVIRONMENT_FIX)
+    shown = ", ".join(tools) or "no tools"
+    return CheckResult(
+        "environment",
+        Status.OK,
+        f"{name} meets the contract, resets on its first row, and its tools ({shown}) render",
+    )
+
+
+_ENVIRONMENT_FIX = "see environments/README.md for the contract; the message names what broke"
+
+
+async def _reset_and_close(env_class: type, row: Mapping[str, Any]) -> str | None:
+    """Build and reset an instance on `row` (seed 0), then close it; return reset's text."""
+
+    def run() -> str | None:
+        env = create_environment(env_class)
+        try:
+            return reset_environment(env, row, 0)
+        finally:
+            close_environment(env)
+
+    with anyio.fail_after(RESET_TIMEOUT_S):
+        label = f"{env_class.__qualname__}() and reset()"
+        return await run_in_daemon_thread(run, label=label)
+
+
+def _check_tools_render(
+    setup: Setup, schemas: list[dict[str, Any]], row: Mapping[str, Any], observation: str | None
+) -> None:
+    """Raise ValueError unless every tool's name shows in the rendered first prompt."""
+    renderer = ChatRenderer(setup.tokenizer, setup.template, schemas, setup.template_kwargs)
+    messages = prompt_messages(row) if "prompt" in row else []
+    messages = messages or [{"role": "user", "content": observation or ""}]
+    text = renderer.render(messages, generation_prompt=True)
+    missing = [s["function"]["name"] for s in schemas if s["function"]["name"] not in text]
+    if missing:
+        raise ValueError(f"the chat template does not show the tools {missing} in the prompt")
+
+
+def check_generation(
+    engine: RolloutEngine, rows: Sequence[Mapping[str, Any]], n: int
+) -> CheckResult:
+    """Check 6: play `n` sampled episodes (rows in turn) and report the model's tool calls.
+
+    Warns when no episode calls a tool, or when calls cannot be parsed: the run works, but
+    GRPO can only reinforce calls the model makes. Fails when playing raises.
+    """
+    played = list(islice(cycle(rows), n))
+    try:
+        episodes = anyio.run(functools.partial(engine.run, played, 1, 0))
+    except Exception as error:
+        return CheckResult(
+            "generate", Status.FAIL, f"{type(error).__name__}: {error}", "fix what it names"
+        )
+    calling = sum(e.stats.tool_calls > 0 for e in episodes)
+    calls = sum(e.stats.tool_calls for e in episodes)
+    parse_failures = sum(e.stats.tool_errors.get("parse", 0) for e in episodes)
+    finishes = Tally(e.finish.value for e in episodes)
+    message = (
+        f"{n} episode(s): {calling} called a tool ({calling / n:.0%}), {calls} call(s), "
+        f"{parse_failures} parse failure(s); ended {dict(finishes)}"
+    )
+    if calling == 0:
+        return CheckResult("generate", Status.WARNING, message, _NO_CALLS_FIX)
+    if parse_failures:
+        return CheckResult("generate", Status.WARNING, message, _PARSE_FIX)
+    return CheckResult("generate", Status.OK, message)
+
+
+_NO_CALLS_FIX = (
+    "GRPO only reinforces calls the model makes: warm-start it on the environment's "
+    "demonstrations (--warm-start-steps N) or start from a model tuned for tool calls"
+)
+_PARSE_FIX = (
+    "the model writes calls the parser cannot read: check --tool-call-parser against what the "
+    "model writes (the episodes' tool messages quote the errors)"
+)
