@@ -337,6 +337,7 @@ class GRPOTrainer(AtomicCheckpoints):
             ),
             num_items=batch.num_items,
             entropy_B_T=entropy_B_C,
+            episode_B=batch.episode_B,
         )
         self._record_loss_metrics(output.metrics)
         return output.loss * self._loss_scale()

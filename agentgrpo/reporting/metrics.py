@@ -14,17 +14,29 @@ from agentgrpo.learner.advantages import group_std
 from rollout import Episode
 
 TOOL_ERROR_KINDS = ("parse", "unknown_tool", "bad_arguments", "exception", "timeout")
-_COLUMNS = ("prompt_tokens", "model_tokens", "truncated", "turns", "tool_calls", *TOOL_ERROR_KINDS)
+_COLUMNS = (
+    "prompt_tokens",
+    "model_tokens",
+    "truncated",
+    "turns",
+    "rows",
+    "tool_calls",
+    *TOOL_ERROR_KINDS,
+)
 
 
 def episode_stats(episodes: Sequence[Episode]) -> torch.Tensor:
-    """stats_N_S: one row per episode, columns as in `_COLUMNS`."""
+    """stats_N_S: one row per episode, columns as in `_COLUMNS`.
+
+    `prompt_tokens` sums the prompts of all the episode's rows (what the learner reads).
+    """
     rows = [
         [
-            len(e.prompt_ids),
+            sum(len(row.prompt_ids) for row in e.rows),
             e.model_tokens,
             float(e.finish.truncated),
             e.stats.turns,
+            len(e.rows),
             e.stats.tool_calls,
             *(e.stats.tool_errors.get(kind, 0) for kind in TOOL_ERROR_KINDS),
         ]
@@ -85,10 +97,26 @@ def _tool_metrics(column: dict[str, torch.Tensor]) -> dict[str, float]:
         "tools/failure_rate": float(failures_N.sum()) / calls if calls else 0.0,
         "turns/mean": float(column["turns"].mean()),
         "turns/max": float(column["turns"].max()),
+        **_fork_metrics(column["rows"], column["turns"]),
     }
     for kind in TOOL_ERROR_KINDS:
         metrics[f"tools/failure_rate/{kind}"] = float(column[kind].sum()) / calls if calls else 0.0
     return metrics
+
+
+def _fork_metrics(rows_N: torch.Tensor, turns_N: torch.Tensor) -> dict[str, float]:
+    """Rows per episode, and the share of the turns after an episode's first that forked.
+
+    Every model turn after the first follows a tool turn, which either extended the row or
+    forked a new one (`rollout.Episode.rows`), so `turns/fork_frequency` is forks over those
+    turns: 0 for a template that always extends, 1 for one that rewrites every turn.
+    """
+    continued = float((turns_N - 1).clamp(min=0).sum())
+    forks = float((rows_N - 1).sum())
+    return {
+        "episodes/rows_mean": float(rows_N.mean()),
+        "turns/fork_frequency": forks / continued if continued else 0.0,
+    }
 
 
 def _nanstd(values_N: torch.Tensor) -> torch.Tensor:

@@ -61,11 +61,17 @@ def episode_records(
 def print_completions(
     shown: Sequence[tuple[Episode, float]], decode: Callable[[list[int]], str], step: int
 ) -> None:
-    """Print each episode's completion with its reward; tokens the model did not write are dim."""
+    """Print each episode's completion with its reward; tokens the model did not write are dim.
+
+    A forked episode shows each row's completion in turn, separated by a dim `[fork]`.
+    """
     print(f"--- completions at step {step}")
     for episode, reward in shown:
-        text = "".join(
-            decode([token]) if mask else f"\x1b[2m{decode([token])}\x1b[0m"
-            for token, mask in zip(episode.completion_ids, episode.loss_mask, strict=True)
+        text = " \x1b[2m[fork]\x1b[0m ".join(
+            "".join(
+                decode([token]) if mask else f"\x1b[2m{decode([token])}\x1b[0m"
+                for token, mask in zip(row.completion_ids, row.loss_mask, strict=True)
+            )
+            for row in episode.rows
         )
         print(f"[reward {reward:+.3f} | {episode.finish}] {text}")
