@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rollout import Episode, EpisodeStats, Finish
+from rollout import Episode, EpisodeRow, EpisodeStats, Finish
 
 
 def training_rows(
@@ -59,46 +59,77 @@ def episodes_from_rollout_func(
     eos_token_ids: set[int],
     decode: Callable[[list[int]], str],
 ) -> list[Episode]:
-    """Episodes from a TRL-style `rollout_func` result (one entry per completion).
+    """Episodes from a TRL-style `rollout_func` result.
 
-    `output` has `prompt_ids`, `completion_ids` and `logprobs` lists, optionally `env_mask`
-    (1 where the policy sampled the token, 0 where the environment added it); every other key
-    is a per-completion value handed to the reward functions as a column.
+    `output` has `prompt_ids`, `completion_ids` and `logprobs` lists with one entry per training
+    row, optionally `env_mask` (1 where the policy sampled the token, 0 where the environment
+    added it). Without `episode_ids`, each entry is one episode (TRL's format): entry i is
+    completion i % num_generations of prompt i // num_generations. With `episode_ids` (one
+    hashable id per entry), entries with equal ids are the rows of one episode, in entry order,
+    sharing its reward and advantage (for an agent whose history rewrite forced a new row);
+    episodes are numbered by their first entry and there must be num_generations per prompt.
+    Every other key is a per-entry value handed to the reward functions as a column; an episode
+    gets its first entry's value.
+
+    Raises:
+        ValueError: A required key is missing, or the count of episodes is not
+            num_generations per prompt.
     """
     required = {"prompt_ids", "completion_ids", "logprobs"}
     if missing := sorted(required - output.keys()):
         raise ValueError(f"rollout_func must return the keys {missing} in its dict")
+    entries = len(output["completion_ids"])
+    groups = _entries_by_episode(output.get("episode_ids"), entries)
     expected = len(rows) * num_generations
-    count = len(output["completion_ids"])
-    if count != expected:
+    if len(groups) != expected:
         raise ValueError(
-            f"rollout_func returned {count} completions for {len(rows)} prompts; it must "
+            f"rollout_func returned {len(groups)} episodes for {len(rows)} prompts; it must "
             f"return num_generations={num_generations} per prompt ({expected})"
         )
-    extras = {k: v for k, v in output.items() if k not in required and k != "env_mask"}
+    skip = {*required, "env_mask", "episode_ids"}
+    extras = {k: v for k, v in output.items() if k not in skip}
     masks = output.get("env_mask") or [[1] * len(ids) for ids in output["completion_ids"]]
     episodes = []
-    for i in range(count):
-        row = {**rows[i // num_generations], **{k: v[i] for k, v in extras.items()}}
-        episodes.append(_episode(output, masks[i], row, i, num_generations, eos_token_ids, decode))
+    for i, group in enumerate(groups):
+        row = {**rows[i // num_generations], **{k: v[group[0]] for k, v in extras.items()}}
+        episode_rows = tuple(_row(output, masks[e], e) for e in group)
+        episodes.append(_episode(episode_rows, row, i, num_generations, eos_token_ids, decode))
     return episodes
 
 
-def _episode(output, mask, row, i, num_generations, eos_token_ids, decode) -> Episode:
-    ids = list(output["completion_ids"][i])
+def _entries_by_episode(episode_ids: Sequence[Any] | None, entries: int) -> list[list[int]]:
+    """The entries of each episode, episodes in the order of their first entry."""
+    if episode_ids is None:
+        return [[i] for i in range(entries)]
+    if len(episode_ids) != entries:
+        raise ValueError(
+            f"rollout_func returned {len(episode_ids)} episode_ids for {entries} completions; "
+            "give one per completion"
+        )
+    groups: dict[Any, list[int]] = {}
+    for i, episode in enumerate(episode_ids):
+        groups.setdefault(episode, []).append(i)
+    return list(groups.values())
+
+
+def _row(output: Mapping[str, Any], mask: Sequence[int], i: int) -> EpisodeRow:
     logprobs = [lp if m else 0.0 for lp, m in zip(output["logprobs"][i], mask, strict=True)]
+    return EpisodeRow(
+        list(output["prompt_ids"][i]), list(output["completion_ids"][i]), list(mask), logprobs
+    )
+
+
+def _episode(rows, row, i, num_generations, eos_token_ids, decode) -> Episode:
     prompt = row.get("prompt")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    messages.append({"role": "assistant", "content": decode(ids)})
-    stopped = bool(ids) and ids[-1] in eos_token_ids
+    messages += [{"role": "assistant", "content": decode(r.completion_ids)} for r in rows]
+    last = rows[-1].completion_ids
+    stopped = bool(last) and last[-1] in eos_token_ids
     return Episode(
-        prompt_ids=list(output["prompt_ids"][i]),
-        completion_ids=ids,
-        loss_mask=list(mask),
-        sampler_logprobs=logprobs,
+        rows=rows,
         messages=messages,
         finish=Finish.STOP if stopped else Finish.LENGTH,
-        stats=EpisodeStats(turns=1, tool_calls=0, tool_errors={}),
+        stats=EpisodeStats(turns=len(rows), tool_calls=0, tool_errors={}),
         row=row,
         group=i // num_generations,
         index=i,

@@ -303,17 +303,20 @@ def global_tokens(gather: Gather, batch: TrainingBatch) -> float:
 def split_micro_batches(
     batch: TrainingBatch, plan: RoundPlan, round_tokens: float
 ) -> list[TrainingBatch]:
-    """Shuffle a training round and cut it into micro-batches; an eval round stays whole.
+    """Shuffle a training round's episodes and cut them into micro-batches; eval stays whole.
 
+    A micro-batch holds `plan.micro_batch_size` episodes with all their rows (so a forked
+    episode makes it longer), which keeps the per-episode normalisations of the loss whole.
     Every micro-batch carries `plan.num_items(round_tokens)`. The shuffle draws from torch's
     global generator (seeded by the Trainer, restored on resume).
     """
     num_items = plan.num_items(round_tokens)
     if not plan.train:
         return [replace(batch, num_items=num_items)]
-    order = torch.randperm(len(batch)).tolist()
+    episodes = batch.episodes
+    order = [episodes[i] for i in torch.randperm(len(episodes)).tolist()]
     size = plan.micro_batch_size
     return [
-        replace(batch.select(order[i : i + size]), num_items=num_items)
-        for i in range(0, len(batch), size)
+        replace(batch.select_episodes(order[i : i + size]), num_items=num_items)
+        for i in range(0, len(order), size)
     ]

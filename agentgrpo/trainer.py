@@ -94,7 +94,9 @@ class GRPOTrainer(AtomicCheckpoints):
         peft_config: A PEFT config; the model is trained through that adapter.
         tools: Plain tool functions (typed, Google-style docstrings), offered in every episode.
         rollout_func: `rollout_func(prompts, trainer) -> dict` replacing the engine (see
-            `data.episodes_from_rollout_func` for the dict).
+            `data.episodes_from_rollout_func` for the dict). One entry per completion, as in
+            TRL; an optional `episode_ids` list (one id per entry) makes entries with equal ids
+            the rows of one episode, sharing its reward and advantage.
         environment_factory: An environment class (or zero-argument factory): each episode plays
             against a fresh instance whose public methods are tools.
     """
@@ -385,6 +387,7 @@ class GRPOTrainer(AtomicCheckpoints):
             num_items=batch.num_items,
             entropy_B_T=entropy_B_C,
             entropy_coef=self._entropy_coef(entropy_B_C.detach(), batch.loss_mask_B_C),
+            episode_B=batch.episode_B,
         )
         return self._total_loss(output.loss, output.metrics, aux_loss)
 

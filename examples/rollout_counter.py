@@ -23,19 +23,22 @@ from rollout import EpisodeConfig, RolloutEngine, TransformersBackend
 
 
 def show(episode, tokenizer) -> None:
-    """Print an episode's completion with tool/template tokens (mask 0) marked."""
+    """Print an episode's completions with tool/template tokens (mask 0) marked, row by row."""
     print(
         f"--- group {episode.group} episode {episode.index}: {episode.finish}, "
-        f"reward {episode.env_reward}, {episode.stats}"
+        f"reward {episode.env_reward}, {episode.stats}, {len(episode.rows)} row(s)"
     )
-    spans, start = [], 0
-    for i in range(1, len(episode.loss_mask) + 1):
-        if i == len(episode.loss_mask) or episode.loss_mask[i] != episode.loss_mask[start]:
-            spans.append((episode.loss_mask[start], episode.completion_ids[start:i]))
-            start = i
-    for mask, ids in spans:
-        text = tokenizer.decode(ids)
-        print(text if mask else f"[tool turn, not trained on]{text}[/tool turn]")
+    for number, row in enumerate(episode.rows):
+        if number:
+            print("[fork: a new row starts from the template's fresh rendering]")
+        spans, start = [], 0
+        for i in range(1, len(row.loss_mask) + 1):
+            if i == len(row.loss_mask) or row.loss_mask[i] != row.loss_mask[start]:
+                spans.append((row.loss_mask[start], row.completion_ids[start:i]))
+                start = i
+        for mask, ids in spans:
+            text = tokenizer.decode(ids)
+            print(text if mask else f"[tool turn, not trained on]{text}[/tool turn]")
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -30,6 +30,7 @@ from rollout.transformers_backend import TransformersBackend
 from rollout.types import (
     Completion,
     Episode,
+    EpisodeRow,
     EpisodeStats,
     Finish,
     ParsedTurn,
@@ -46,6 +47,7 @@ __all__ = [
     "Episode",
     "EpisodeConfig",
     "EpisodeRecord",
+    "EpisodeRow",
     "EpisodeStats",
     "Finish",
     "GenerationBackend",

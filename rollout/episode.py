@@ -1,7 +1,10 @@
 """One episode: generate, parse tool calls, run them, append the tool turn, until it ends.
 
 The loop only appends tokens (see `rollout.template`): the model's turn as sampled (mask 1), then
-the template's tool turn (mask 0). Failures the model causes (unparseable calls, unknown tools,
+the template's tool turn (mask 0). Where the template rewrites the conversation once a tool turn is
+added, the episode forks: the current row is closed and a new one starts from the template's
+fresh rendering (its prompt, mask 0), so every sampled token is trained in the context it was
+sampled in. Failures the model causes (unparseable calls, unknown tools,
 bad arguments, tools that raise or time out) become tool messages it can read, and are counted.
 """
 
@@ -27,10 +30,11 @@ from environments import (
 )
 from rollout.backend import GenerationBackend
 from rollout.parsers import Parser
-from rollout.template import ChatRenderer, valid_unicode
+from rollout.template import ChatRenderer, ToolTurn, valid_unicode
 from rollout.tokens import TokenRow
 from rollout.types import (
     Episode,
+    EpisodeRow,
     EpisodeStats,
     Finish,
     ParsedTurn,
@@ -91,6 +95,8 @@ class EpisodeContext:
 
 @dataclass
 class _State:
+    """An episode in play. `tokens` is the current row; `done_rows` the rows closed by forks."""
+
     messages: list[dict[str, Any]]
     tokens: TokenRow
     prompt_text: str
@@ -100,6 +106,36 @@ class _State:
     tool_errors: Tally = field(default_factory=Tally)
     error: str | None = None
     calls: list[ToolCallRecord] = field(default_factory=list)
+    done_rows: list[EpisodeRow] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.first_prompt_length = len(self.tokens.prompt_ids)
+
+    @property
+    def spent(self) -> int:
+        """Tokens past the task's prompt, as the current row renders the conversation.
+
+        `max_completion_length` bounds this. For a row that never forked it is the row's
+        completion length; after a fork it counts the fresh rendering's part past the prompt.
+        """
+        return len(self.tokens.context_ids) - self.first_prompt_length
+
+    def add_tool_turn(self, turn: ToolTurn) -> None:
+        """Append the tool turn to the current row, or close the row and start a new one."""
+        self.prompt_text = turn.prompt_text
+        if not turn.fork:
+            self.tokens.append_context(turn.ids)
+            return
+        self.done_rows.append(_row(self.tokens))
+        self.tokens = TokenRow(turn.ids)
+
+    def rows(self) -> tuple[EpisodeRow, ...]:
+        """Every row of the episode, the current one last."""
+        return (*self.done_rows, _row(self.tokens))
+
+
+def _row(tokens: TokenRow) -> EpisodeRow:
+    return EpisodeRow(tokens.prompt_ids, tokens.completion_ids, tokens.loss_mask, tokens.logprobs)
 
 
 async def run_episode(
@@ -141,10 +177,7 @@ async def run_episode(
     if env is not None:
         await _close(env)
     return Episode(
-        prompt_ids=state.tokens.prompt_ids,
-        completion_ids=state.tokens.completion_ids,
-        loss_mask=state.tokens.loss_mask,
-        sampler_logprobs=state.tokens.logprobs,
+        rows=state.rows(),
         messages=state.messages,
         finish=finish,
         stats=EpisodeStats(state.turns, state.tool_calls, dict(state.tool_errors)),
@@ -245,7 +278,7 @@ def _start(
 async def _play(ctx: EpisodeContext, state: _State, tools: Mapping[str, Tool], env: Any) -> Finish:
     """The turn loop; returns why the episode ended."""
     while True:
-        budget = ctx.config.max_completion_length - len(state.tokens)
+        budget = ctx.config.max_completion_length - state.spent
         if ctx.backend.context_limit:
             budget = min(budget, ctx.backend.context_limit - len(state.tokens.context_ids))
         if budget < 1:
@@ -296,21 +329,35 @@ def _add_tool_turn(
     if ends is not None:
         state.messages.extend(tool_messages)
         return ends
-    budget = ctx.config.max_completion_length - len(state.tokens)
-    tool_messages = ctx.renderer.fit_tool_messages(tool_messages, budget)
-    state.messages.extend(tool_messages)
     try:
-        delta, prompt_text = ctx.renderer.tool_turn_ids(
-            state.prompt_text, history, tool_messages, stop_text
-        )
+        tool_messages, turn = _tool_turn(ctx, state, history, tool_messages, stop_text)
     except jinja2.TemplateError as error:  # the template cannot render what the model wrote
+        state.messages.extend(tool_messages)
         state.error = f"the chat template could not render this turn: {error}"
         return Finish.ERROR
-    if len(state.tokens) + len(delta) >= ctx.config.max_completion_length:
+    state.messages.extend(tool_messages)
+    context = len(turn.ids) if turn.fork else len(state.tokens.context_ids) + len(turn.ids)
+    if context - state.first_prompt_length >= ctx.config.max_completion_length:
         return Finish.LENGTH
-    state.prompt_text = prompt_text
-    state.tokens.append_context(delta)
+    state.add_tool_turn(turn)
     return None
+
+
+def _tool_turn(
+    ctx: EpisodeContext, state: _State, history: list[dict], tool_messages: list[dict], stop: str
+) -> tuple[list[dict], ToolTurn]:
+    """The tool messages cut to the budget left, and the tool turn they make.
+
+    A fork can drop history (past reasoning), leaving more room than the current row has, so a
+    turn that forks with a cut result is redone with results cut only at the whole budget.
+    """
+    limit = ctx.config.max_completion_length
+    fitted = ctx.renderer.fit_tool_messages(tool_messages, limit - state.spent)
+    turn = ctx.renderer.tool_turn(state.prompt_text, history, fitted, stop)
+    if turn.fork and fitted != tool_messages:
+        fitted = ctx.renderer.fit_tool_messages(tool_messages, limit)
+        turn = ctx.renderer.tool_turn(state.prompt_text, history, fitted, stop)
+    return fitted, turn
 
 
 def _ending(ctx: EpisodeContext, state: _State, env: Any) -> Finish | None:

@@ -5,9 +5,10 @@ viewers and tests read them back with `read_records`. `record_from_dict(record_t
 for every record whose values are JSON data, and the episode read back equals the one trained on
 in every field but `environment` (a live object, not data: it reads back None).
 
-Each line is a JSON object holding the episode's fields (`prompt_ids`, `completion_ids`,
-`loss_mask`, `sampler_logprobs`, `messages`, `tool_calls`, `finish`, `error`, `stats`, `row`,
-`group`, `index`, `env_reward`) and its scores (`rewards` by function, `reward`, `advantage`),
+Each line is a JSON object holding the episode's fields (`rows`: a list of
+`{"prompt_ids", "completion_ids", "loss_mask", "sampler_logprobs"}` objects, one per training row;
+`messages`, `tool_calls`, `finish`, `error`, `stats`, `row`, `group`, `index`, `env_reward`)
+and its scores (`rewards` by function, `reward`, `advantage`),
 `policy_version` and `process`. It is strict JSON, so any JSON reader takes it. Floats are
 written as Python's shortest repr, which reads back bit for bit (float32 values included: they
 are float64 values too). Values JSON cannot hold as they are get a tagged object,
@@ -34,9 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout.types import Episode, EpisodeStats, Finish, ToolCallRecord
+from rollout.types import Episode, EpisodeRow, EpisodeStats, Finish, ToolCallRecord
 
-RECORD_FORMAT = 1  # bump when a field changes meaning; readers refuse formats they do not know
+RECORD_FORMAT = 2  # bump when a field changes meaning; readers refuse formats they do not know
+# Format 1 held one row's four token lists at the top level; it reads back as a one-row episode.
+_READABLE_FORMATS = (1, RECORD_FORMAT)
 TAG = "__agentgrpo__"
 _MAX_INT_BITS = 13_000  # about 3,900 decimal digits: under Python's 4,300-digit text limit
 
@@ -88,10 +91,7 @@ def record_to_dict(record: EpisodeRecord) -> dict[str, Any]:
         "row": encode_value(episode.row),
         "messages": encode_value(episode.messages),
         "tool_calls": [_call_to_dict(call) for call in episode.tool_calls],
-        "prompt_ids": [int(t) for t in episode.prompt_ids],
-        "completion_ids": [int(t) for t in episode.completion_ids],
-        "loss_mask": [int(m) for m in episode.loss_mask],
-        "sampler_logprobs": [_encode_float(x) for x in episode.sampler_logprobs],
+        "rows": [_row_to_dict(row) for row in episode.rows],
     }
 
 
@@ -103,17 +103,15 @@ def record_from_dict(data: Mapping[str, Any]) -> EpisodeRecord:
             agentgrpo does not know.
     """
     found = data.get("format") if isinstance(data, Mapping) else None
-    if found != RECORD_FORMAT:
+    if found not in _READABLE_FORMATS:
         raise ValueError(
             f"not an episode record of format {RECORD_FORMAT} (found format {found!r}); was it "
             "written by another version of agentgrpo?"
         )
     stats = data["stats"]
+    rows = data["rows"] if found == RECORD_FORMAT else [data]
     episode = Episode(
-        prompt_ids=list(data["prompt_ids"]),
-        completion_ids=list(data["completion_ids"]),
-        loss_mask=list(data["loss_mask"]),
-        sampler_logprobs=[decode_value(x) for x in data["sampler_logprobs"]],
+        rows=tuple(_row_from_dict(row) for row in rows),
         messages=decode_value(data["messages"]),
         finish=Finish(data["finish"]),
         stats=EpisodeStats(stats["turns"], stats["tool_calls"], decode_value(stats["tool_errors"])),
@@ -218,6 +216,24 @@ def _tagged(kind: str, **fields: Any) -> dict[str, Any]:
 def _type_name(value: Any) -> str:
     kind = type(value)
     return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _row_to_dict(row: EpisodeRow) -> dict[str, Any]:
+    return {
+        "prompt_ids": [int(t) for t in row.prompt_ids],
+        "completion_ids": [int(t) for t in row.completion_ids],
+        "loss_mask": [int(m) for m in row.loss_mask],
+        "sampler_logprobs": [_encode_float(x) for x in row.sampler_logprobs],
+    }
+
+
+def _row_from_dict(data: Mapping[str, Any]) -> EpisodeRow:
+    return EpisodeRow(
+        list(data["prompt_ids"]),
+        list(data["completion_ids"]),
+        list(data["loss_mask"]),
+        [decode_value(x) for x in data["sampler_logprobs"]],
+    )
 
 
 def _call_to_dict(call: ToolCallRecord) -> dict[str, Any]:

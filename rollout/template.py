@@ -2,10 +2,14 @@
 
 The prompt of an episode is rendered and encoded once. After that, tokens are only appended: the
 model's turn as sampled, then each tool turn as the *difference* the template makes when the tool
-messages are added. `ChatRenderer.tool_turn_ids` computes that difference and checks that the
-template really extends the conversation (rendering a longer conversation starts with the text of
-the shorter one); a template that rewrites earlier turns raises `TemplateDriftError` instead of
-silently training on tokens the model never saw.
+messages are added. `ChatRenderer.tool_turn` computes that difference when the template really
+extends the conversation (rendering a longer conversation starts with the text of the shorter
+one). A template that rewrites earlier turns (Qwen3 re-renders past reasoning) makes the episode
+*fork* instead: the next turn is generated after the template's fresh rendering of the whole
+conversation, which starts a new training row (the loss trains only on tokens sampled in the
+row's own context, never on re-encoded ones).
+`ChatRenderer.tool_turn_ids` is the strict form: it raises `TemplateDriftError` where forking
+would be needed.
 
 Tool results are untrusted text: `valid_unicode` makes them encodable, and
 `ChatRenderer.fit_tool_messages` cuts them where they could not fit the token budget anyway, so a
@@ -22,6 +26,7 @@ import json
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property, lru_cache
 from importlib import resources
@@ -51,7 +56,29 @@ class ToolTemplateError(ValueError):
 
 
 class TemplateDriftError(RuntimeError):
-    """The chat template re-renders earlier turns differently once a turn is added."""
+    """The chat template re-renders earlier turns differently once a turn is added.
+
+    Episodes fork instead of raising it (`ChatRenderer.tool_turn`); it is raised only where a
+    single token row is required: `ChatRenderer.tool_turn_ids` and warm-start demonstrations.
+    """
+
+
+@dataclass(frozen=True)
+class ToolTurn:
+    """What follows a model's turn once tool results are added to the conversation.
+
+    Attributes:
+        ids: With `fork` False, the ids to append to the current row after the sampled stop
+            token (template glue, the tool results, the next assistant header). With `fork`
+            True, the prompt ids of a new row: the fresh rendering of the whole conversation.
+        prompt_text: The rendered text the next model turn is generated after.
+        fork: Whether the template rewrote the conversation, so the episode continues on a new
+            row.
+    """
+
+    ids: list[int]
+    prompt_text: str
+    fork: bool
 
 
 class _GenerationBlock(Extension):
@@ -290,6 +317,31 @@ class ChatRenderer:
             return [dict(m) for m in messages]
         limit = max(budget_tokens, 0) * self._max_token_chars
         return [{**m, "content": m["content"][:limit]} for m in messages]
+
+    def tool_turn(
+        self,
+        prompt_text: str,
+        messages: Sequence[Mapping[str, Any]],
+        new_messages: Sequence[Mapping[str, Any]],
+        stop_text: str,
+    ) -> ToolTurn:
+        """The tokens that follow the model's turn when `new_messages` are added, or a fork.
+
+        Arguments as for `tool_turn_ids`. Where that would raise `TemplateDriftError` (the
+        template renders earlier turns differently once turns are added, or does not end
+        assistant turns with `stop_text`), the result is a fork: the ids of the template's
+        rendering of the whole conversation with the generation prompt, to start a new row.
+
+        Raises:
+            jinja2.TemplateError: The template cannot render the conversation.
+
+        """
+        try:
+            ids, after = self.tool_turn_ids(prompt_text, messages, new_messages, stop_text)
+        except TemplateDriftError:
+            after = self.render([*messages, *new_messages], generation_prompt=True)
+            return ToolTurn(self.encode(after), after, fork=True)
+        return ToolTurn(ids, after, fork=False)
 
     def tool_turn_ids(
         self,

@@ -126,13 +126,47 @@ class EpisodeStats:
 
 
 @dataclass(frozen=True)
-class Episode:
-    """One finished episode, token-exact.
+class EpisodeRow:
+    """One training row of an episode: a prompt the model saw, then what followed it.
 
-    `completion_ids` holds the model's turns and the tool/environment turns in order.
     Invariants: `loss_mask`, `sampler_logprobs` and `completion_ids` have one entry per
-    completion token; `loss_mask[i] == 1` exactly where the policy sampled the token, and
-    `sampler_logprobs[i] == 0.0` wherever the mask is 0.
+    completion token; `loss_mask[i] == 1` exactly where the policy sampled the token right
+    after `prompt_ids + completion_ids[:i]` (so every mask-1 token was sampled in exactly this
+    row's context), and `sampler_logprobs[i] == 0.0` wherever the mask is 0.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[int]
+    sampler_logprobs: list[float]
+
+    def __post_init__(self) -> None:
+        lengths = {len(self.completion_ids), len(self.loss_mask), len(self.sampler_logprobs)}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"a row needs one mask and one logprob per completion token; got "
+                f"{len(self.completion_ids)} ids, {len(self.loss_mask)} mask values and "
+                f"{len(self.sampler_logprobs)} logprobs"
+            )
+
+    @property
+    def model_tokens(self) -> int:
+        """How many completion tokens of this row the policy sampled (the mask-1 count)."""
+        return sum(self.loss_mask)
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One finished episode, token-exact, as one or more training rows.
+
+    `rows` holds the episode's tokens. Usually there is one row: the prompt, then the model's
+    turns (mask 1) and the tool/environment turns (mask 0) in order. When the chat template
+    renders the conversation differently once a tool turn is added (e.g. Qwen3 drops the
+    reasoning of earlier turns), the episode *forks*: it goes on in a new row whose prompt is the
+    template's fresh rendering of the whole conversation so far (generation prompt included)
+    and whose completion starts with the next sampled turn. Every row shares the episode's one
+    reward and advantage; the loss counts an episode's rows as one sequence
+    (`agentgrpo.learner.losses`). `len(rows) - 1` is the number of forks.
 
     `group` and `index` place it in the batch: episodes of one group share the row and the seed.
     `env_reward` is the environment's `reward()` read when the episode ended (None when the
@@ -144,10 +178,7 @@ class Episode:
     turn's parsed calls, then the calls of that turn that could not be parsed.
     """
 
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    loss_mask: list[int]
-    sampler_logprobs: list[float]
+    rows: tuple[EpisodeRow, ...]
     messages: list[dict[str, Any]]
     finish: Finish
     stats: EpisodeStats
@@ -159,7 +190,25 @@ class Episode:
     error: str | None = None
     tool_calls: tuple[ToolCallRecord, ...] = ()
 
+    def __post_init__(self) -> None:
+        if not self.rows:
+            raise ValueError("an episode needs at least one row")
+
     @property
     def model_tokens(self) -> int:
-        """How many completion tokens the policy sampled (the mask-1 count)."""
-        return sum(self.loss_mask)
+        """How many completion tokens the policy sampled, over all rows (the mask-1 count)."""
+        return sum(row.model_tokens for row in self.rows)
+
+    @property
+    def forks(self) -> int:
+        """How many times the episode moved to a new row."""
+        return len(self.rows) - 1
+
+    @property
+    def completion_ids(self) -> list[int]:
+        """Every row's completion, in order: what the episode added after each row's prompt.
+
+        For a one-row episode this is its completion. A forked episode's later rows start from
+        a fresh rendering of the conversation, which is not in this list.
+        """
+        return [token for row in self.rows for token in row.completion_ids]

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentgrpo.default_model import default_model_path
 from environments import Counter
-from rollout import Episode, EpisodeConfig, RolloutEngine, ScriptedBackend
+from rollout import Episode, EpisodeConfig, EpisodeRow, RolloutEngine, ScriptedBackend
 
 COUNTER_ROW = {"prompt": "Make the counter reach 7.", "target": 7}
 
@@ -41,6 +41,12 @@ def counter_segments(tokenizer) -> list[tuple[list[int], int]]:
         (encode(TOOL_TURN.format(7)), 0),
         (encode(COUNTER_TURNS[2]) + eos, 1),
     ]
+
+
+def single_row(episode: Episode) -> EpisodeRow:
+    """The one training row of an episode that did not fork."""
+    [row] = episode.rows
+    return row
 
 
 def scripted_backend(tokenizer, turns: list[str], delay_s: float = 0.0) -> ScriptedBackend:
@@ -107,17 +113,18 @@ def teach(model, episodes: list[Episode], lr: float, steps: int, until_learned: 
     a test gets a real model that calls tools; the engine then runs the real forward passes,
     parsing and tool calls on what the model actually generates.
     """
-    width = max(len(e.prompt_ids) + len(e.completion_ids) for e in episodes)
-    ids_B_L = torch.zeros(len(episodes), width, dtype=torch.long)
-    mask_B_L = torch.zeros(len(episodes), width, dtype=torch.bool)
-    for b, e in enumerate(episodes):  # right-padded; padding is never a target
+    rows = [row for episode in episodes for row in episode.rows]
+    width = max(len(e.prompt_ids) + len(e.completion_ids) for e in rows)
+    ids_B_L = torch.zeros(len(rows), width, dtype=torch.long)
+    mask_B_L = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, e in enumerate(rows):  # right-padded; padding is never a target
         ids_B_L[b, : len(e.prompt_ids) + len(e.completion_ids)] = torch.tensor(
             e.prompt_ids + e.completion_ids
         )
         mask_B_L[b, len(e.prompt_ids) : len(e.prompt_ids) + len(e.completion_ids)] = torch.tensor(
             e.loss_mask
         ).bool()
-    keep = width - min(len(e.prompt_ids) for e in episodes) + 1  # logits only where targets are
+    keep = width - min(len(e.prompt_ids) for e in rows) + 1  # logits only where targets are
     targets_mask = mask_B_L[:, -keep + 1 :]
     targets = ids_B_L[:, -keep + 1 :][targets_mask]
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)

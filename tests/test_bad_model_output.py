@@ -6,7 +6,7 @@ import json
 
 import anyio
 import pytest
-from conftest import COUNTER_ROW, scripted_backend
+from conftest import COUNTER_ROW, scripted_backend, single_row
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -122,7 +122,7 @@ def test_a_tool_result_holding_a_lone_surrogate_reaches_the_model_as_a_replaceme
     assert episode.finish == Finish.STOP
     [tool_message] = [m for m in episode.messages if m["role"] == "tool"]
     assert tool_message["content"] == "before \N{REPLACEMENT CHARACTER} after"
-    assert "\N{REPLACEMENT CHARACTER}" in tokenizer.decode(episode.completion_ids)
+    assert "\N{REPLACEMENT CHARACTER}" in tokenizer.decode(single_row(episode).completion_ids)
 
 
 def test_a_ten_megabyte_tool_result_is_cut_before_tokenizing_and_the_episode_ends_with_length(
@@ -134,7 +134,9 @@ def test_a_ten_megabyte_tool_result_is_cut_before_tokenizing_and_the_episode_end
     [tool_message] = [m for m in episode.messages if m["role"] == "tool"]
     assert len(tool_message["content"]) <= budget_tokens * max_token_chars(tokenizer)
     assert tool_message["content"] == dump(len(tool_message["content"]))
-    assert all(mask == 1 for mask in episode.loss_mask)  # nothing of the result was appended
+    assert all(
+        mask == 1 for mask in single_row(episode).loss_mask
+    )  # nothing of the result was appended
 
 
 @pytest.mark.parametrize("size", [100, 400, 900])

@@ -6,7 +6,14 @@ import threading
 
 import anyio
 import pytest
-from conftest import COUNTER_ROW, COUNTER_TURNS, counter_segments, scripted_backend, tool_call
+from conftest import (
+    COUNTER_ROW,
+    COUNTER_TURNS,
+    counter_segments,
+    scripted_backend,
+    single_row,
+    tool_call,
+)
 
 from environments import Counter, EnvironmentResetError
 from rollout import (
@@ -38,8 +45,8 @@ ROW = COUNTER_ROW
 async def test_tool_response_tokens_are_masked_out_of_the_loss_token_by_token(tokenizer):
     [episode] = await engine(tokenizer, scripted(tokenizer, COUNTER_TURNS)).run([ROW])
     segments = counter_segments(tokenizer)
-    assert episode.completion_ids == [t for ids, _ in segments for t in ids]
-    assert episode.loss_mask == [m for ids, m in segments for _ in ids]
+    assert single_row(episode).completion_ids == [t for ids, _ in segments for t in ids]
+    assert single_row(episode).loss_mask == [m for ids, m in segments for _ in ids]
     assert episode.finish is Finish.STOP
     assert episode.env_reward == 1.0
     assert (episode.stats.turns, episode.stats.tool_calls, episode.stats.tool_failures) == (3, 2, 0)
@@ -48,13 +55,21 @@ async def test_tool_response_tokens_are_masked_out_of_the_loss_token_by_token(to
 async def test_sampler_logprobs_stay_with_their_tokens_and_are_zero_where_masked(tokenizer):
     backend = scripted(tokenizer, [call("increment", step=7), "Done."])
     [episode] = await engine(tokenizer, backend).run([ROW])
-    sampled = [lp for lp, m in zip(episode.sampler_logprobs, episode.loss_mask, strict=True) if m]
+    sampled = [
+        lp
+        for lp, m in zip(
+            single_row(episode).sampler_logprobs, single_row(episode).loss_mask, strict=True
+        )
+        if m
+    ]
     turns = [call("increment", step=7), "Done."]
     turn_lengths = [len(tokenizer.encode(t, add_special_tokens=False)) + 1 for t in turns]
     assert sampled == [-(k + 1) / 100 for n in turn_lengths for k in range(n)]
     assert all(
         lp == 0.0
-        for lp, m in zip(episode.sampler_logprobs, episode.loss_mask, strict=True)
+        for lp, m in zip(
+            single_row(episode).sampler_logprobs, single_row(episode).loss_mask, strict=True
+        )
         if not m
     )
 
@@ -63,14 +78,14 @@ async def test_the_generator_sees_exactly_the_tokens_the_episode_keeps(tokenizer
     backend = scripted(tokenizer, [call("increment", step=3), call("increment", step=4), "Ok."])
     [episode] = await engine(tokenizer, backend).run([ROW])
     last_context, _ = backend.requests[-1]
-    kept = episode.prompt_ids + episode.completion_ids
+    kept = single_row(episode).prompt_ids + single_row(episode).completion_ids
     assert kept[: len(last_context)] == last_context
 
 
 async def test_the_prompt_is_the_templates_rendering_with_the_reset_observation(tokenizer):
     backend = scripted(tokenizer, ["Ok."])
     [episode] = await engine(tokenizer, backend).run([ROW])
-    text = tokenizer.decode(episode.prompt_ids)
+    text = tokenizer.decode(single_row(episode).prompt_ids)
     assert text.startswith("<|im_start|>system\nYou can call these tools:\n")
     assert '"name": "increment"' in text
     assert text.endswith(
@@ -178,7 +193,7 @@ async def test_max_turns_cuts_the_episode_off(tokenizer):
     assert episode.finish is Finish.MAX_TURNS and episode.finish.truncated
     assert episode.stats.turns == 2
     assert episode.messages[-1]["role"] == "tool"
-    assert episode.loss_mask[-1] == 1  # the last tool turn is recorded, not tokenised
+    assert single_row(episode).loss_mask[-1] == 1  # the last tool turn is recorded, not tokenised
 
 
 async def test_the_token_budget_counts_tool_tokens_and_is_passed_to_the_generator(tokenizer):
@@ -186,10 +201,10 @@ async def test_the_token_budget_counts_tool_tokens_and_is_passed_to_the_generato
     backend = scripted(tokenizer, [call("increment", step=1)])
     [episode] = await engine(tokenizer, backend, config=config).run([ROW])
     assert episode.finish is Finish.LENGTH
-    assert len(episode.completion_ids) <= 60
+    assert len(single_row(episode).completion_ids) <= 60
     budgets = [params.max_tokens for _, params in backend.requests]
     assert budgets[0] == 60
-    assert budgets[1] == 60 - (len(backend.requests[1][0]) - len(episode.prompt_ids))
+    assert budgets[1] == 60 - (len(backend.requests[1][0]) - len(single_row(episode).prompt_ids))
 
 
 async def test_a_turn_cut_by_the_budget_ends_the_episode_with_length(tokenizer):
@@ -198,7 +213,7 @@ async def test_a_turn_cut_by_the_budget_ends_the_episode_with_length(tokenizer):
         tokenizer, scripted(tokenizer, ["A long answer that goes on."]), config=config
     ).run([ROW])
     assert episode.finish is Finish.LENGTH
-    assert episode.loss_mask == [1] * 5
+    assert single_row(episode).loss_mask == [1] * 5
 
 
 class StopsAtSeven(Counter):
@@ -320,11 +335,12 @@ def test_a_template_that_drops_tools_is_refused_at_start_up(tokenizer):
         RolloutEngine(scripted(tokenizer, ["Ok."]), tokenizer, environment_factory=Counter)
 
 
-async def test_a_template_that_rewrites_history_is_refused_loudly(tokenizer):
+async def test_a_template_that_rewrites_history_forks_the_episode_onto_a_new_row(tokenizer):
     # Like templates that strip past reasoning: an assistant's text shows only in the last turn.
     drifting = (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-        "{% if m.role != 'assistant' or loop.last %}{{ m.content }}{% endif %}"
+        "{% if m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>"
+        "{% elif m.role != 'assistant' or loop.last %}{{ m.content }}{% endif %}"
         "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
         "{% endfor %}<|im_end|>\n{% endfor %}"
         "{% if tools %}{{ tools | tojson }}{% endif %}"
@@ -338,8 +354,17 @@ async def test_a_template_that_rewrites_history_is_refused_loudly(tokenizer):
         chat_template=drifting,
         tool_call_parser="hermes",
     )
-    with pytest.raises(TemplateDriftError, match="never saw"):
-        await eng.run([ROW])
+    [episode] = await eng.run([ROW])
+    first, second = episode.rows
+    renderer = eng.context.renderer
+    assert second.prompt_ids == renderer.encode(
+        renderer.render(episode.messages[:3], generation_prompt=True)
+    )
+    assert tokenizer.decode(second.completion_ids) == "Done.<|im_end|>"
+    assert first.loss_mask == [1] * len(first.completion_ids)  # the tool turn went to row 2
+    assert second.loss_mask == [1] * len(second.completion_ids)
+    with pytest.raises(TemplateDriftError, match="never saw"):  # the strict form still refuses
+        renderer.tool_turn_ids("", episode.messages[:2], episode.messages[2:3], "<|im_end|>")
 
 
 async def test_plain_tool_functions_work_without_an_environment(tokenizer):
@@ -467,7 +492,7 @@ async def test_a_string_prompt_without_tools_is_raw_text_not_a_chat(tokenizer):
     backend = scripted(tokenizer, ["blue."])
     eng = RolloutEngine(backend, tokenizer, chat_template="chatml_tools")
     [episode] = await eng.run([{"prompt": "The sky is"}])
-    assert episode.prompt_ids == tokenizer.encode("The sky is")
+    assert single_row(episode).prompt_ids == tokenizer.encode("The sky is")
     assert episode.finish is Finish.STOP
 
 

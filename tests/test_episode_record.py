@@ -13,7 +13,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from conftest import tool_call
+from conftest import single_row, tool_call
 from datasets import Dataset
 from tiny_model import tiny_llama
 from transformers import TrainerCallback
@@ -144,13 +144,16 @@ def test_a_multi_turn_tool_episode_round_trips_exactly(workbench_episode):
 
 
 def test_float32_logprobs_and_rewards_come_back_bit_for_bit(workbench_episode):
-    mask = torch.tensor(workbench_episode.loss_mask, dtype=torch.float32)
+    mask = torch.tensor(single_row(workbench_episode).loss_mask, dtype=torch.float32)
     logprobs_T = torch.randn(len(mask), generator=torch.Generator().manual_seed(0)) * mask
-    episode = dataclasses.replace(workbench_episode, sampler_logprobs=logprobs_T.tolist())
+    row = dataclasses.replace(single_row(workbench_episode), sampler_logprobs=logprobs_T.tolist())
+    episode = dataclasses.replace(workbench_episode, rows=(row,))
     reward = torch.tensor(1 / 3, dtype=torch.float32).item()
     back = round_trip(scored(episode, reward=reward, advantage=np.float32(-0.1)))
-    assert torch.equal(torch.tensor(back.episode.sampler_logprobs, dtype=torch.float32), logprobs_T)
-    assert back.episode.sampler_logprobs == episode.sampler_logprobs
+    assert torch.equal(
+        torch.tensor(single_row(back.episode).sampler_logprobs, dtype=torch.float32), logprobs_T
+    )
+    assert single_row(back.episode).sampler_logprobs == single_row(episode).sampler_logprobs
     assert back.reward == reward and back.advantage == np.float32(-0.1)
 
 
@@ -292,7 +295,7 @@ def test_recorded_rewards_and_advantages_are_those_the_trainer_computed(trained_
         records = read_episodes(output_dir, step)
         for record, (episode, reward) in zip(records, trained, strict=True):
             assert record.rewards == {
-                "short": pytest.approx(short([episode.completion_ids])[0]),
+                "short": pytest.approx(short([single_row(episode).completion_ids])[0]),
                 "Counter": episode.env_reward,
             }
             assert record.reward == reward  # the combined reward, exactly

@@ -12,7 +12,7 @@ import json
 
 import anyio
 import pytest
-from conftest import COUNTER_ROW, scripted_backend
+from conftest import COUNTER_ROW, scripted_backend, single_row
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_parsers import HERMES_RESPONSE_TEMPLATE, offline_tokenizer
@@ -179,7 +179,11 @@ def test_an_episode_ends_with_a_finish_whatever_the_model_writes(fuzzed_engine, 
     [episode] = anyio.run(engine.run, [COUNTER_ROW])
     assert isinstance(episode.finish, Finish)
     assert episode.error is None
-    assert len(episode.completion_ids) == len(episode.loss_mask) == len(episode.sampler_logprobs)
+    assert (
+        len(single_row(episode).completion_ids)
+        == len(single_row(episode).loss_mask)
+        == len(single_row(episode).sampler_logprobs)
+    )
     json.dumps(episode.messages, ensure_ascii=False).encode("utf-8")  # can be saved as is
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import COUNTER_ROW, counter_segments
+from conftest import COUNTER_ROW, counter_segments, single_row
 
 from environments import Counter
 from rollout import EpisodeConfig, Finish, RolloutEngine, TransformersBackend
@@ -24,11 +24,13 @@ def engine_for(model, tokenizer, temperature: float = 0.0) -> RolloutEngine:
 
 def teacher_forced_logprobs(model, episode, temperature: float) -> list[float]:
     """log p(token) at each completion position from one forward pass over the whole episode."""
-    ids = torch.tensor([episode.prompt_ids + episode.completion_ids])
+    ids = torch.tensor([single_row(episode).prompt_ids + single_row(episode).completion_ids])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(episode.prompt_ids) - 1 : -1] / temperature
+        logits = model(ids).logits[0, len(single_row(episode).prompt_ids) - 1 : -1] / temperature
     logprobs = torch.log_softmax(logits, -1)
-    return logprobs.gather(-1, torch.tensor(episode.completion_ids)[:, None])[:, 0].tolist()
+    return logprobs.gather(-1, torch.tensor(single_row(episode).completion_ids)[:, None])[
+        :, 0
+    ].tolist()
 
 
 def sampled_logprob_gap(model, episode, temperature: float) -> float:
@@ -36,7 +38,12 @@ def sampled_logprob_gap(model, episode, temperature: float) -> float:
     forward = teacher_forced_logprobs(model, episode, temperature)
     return max(
         abs(s - f)
-        for s, f, m in zip(episode.sampler_logprobs, forward, episode.loss_mask, strict=True)
+        for s, f, m in zip(
+            single_row(episode).sampler_logprobs,
+            forward,
+            single_row(episode).loss_mask,
+            strict=True,
+        )
         if m
     )
 
@@ -46,8 +53,8 @@ async def test_a_tiny_real_model_plays_two_tool_rounds_with_exact_masks(
 ):
     [episode] = await engine_for(tool_calling_tiny_model, tokenizer).run([COUNTER_ROW])
     segments = counter_segments(tokenizer)
-    assert episode.completion_ids == [t for ids, _ in segments for t in ids]
-    assert episode.loss_mask == [m for ids, m in segments for _ in ids]
+    assert single_row(episode).completion_ids == [t for ids, _ in segments for t in ids]
+    assert single_row(episode).loss_mask == [m for ids, m in segments for _ in ids]
     assert episode.finish is Finish.STOP
     assert episode.env_reward == 1.0
     assert episode.stats.tool_calls == 2 and episode.stats.tool_failures == 0
@@ -62,7 +69,9 @@ async def test_sampled_logprobs_match_a_training_forward_pass_over_the_episode(
         assert sampled_logprob_gap(tool_calling_tiny_model, episode, temperature=0.7) < 1e-4
         assert all(
             lp == 0.0
-            for lp, m in zip(episode.sampler_logprobs, episode.loss_mask, strict=True)
+            for lp, m in zip(
+                single_row(episode).sampler_logprobs, single_row(episode).loss_mask, strict=True
+            )
             if not m
         )
 
@@ -76,7 +85,7 @@ async def test_the_real_smollm2_plays_a_tool_calling_episode_end_to_end(
     assert [m["role"] for m in episode.messages[:3]] == ["user", "assistant", "tool"]
     assert episode.messages[1]["tool_calls"][0]["function"]["name"] == "increment"
     assert sampled_logprob_gap(tool_calling_smollm2, episode, temperature=1.0) < 1e-3
-    first_tool_turn = episode.loss_mask.index(0)
-    assert tokenizer.decode(episode.completion_ids[first_tool_turn:]).startswith(
+    first_tool_turn = single_row(episode).loss_mask.index(0)
+    assert tokenizer.decode(single_row(episode).completion_ids[first_tool_turn:]).startswith(
         "\n<|im_start|>tool\n<tool_response>"
     )

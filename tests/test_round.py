@@ -8,7 +8,7 @@ from functools import partial
 import anyio
 import pytest
 import torch
-from conftest import scripted_backend
+from conftest import scripted_backend, single_row
 from transformers import set_seed
 
 from agentgrpo import GRPOConfig
@@ -147,12 +147,12 @@ def test_a_whole_round_runs_on_cpu_without_a_trainer(tmp_path, tokenizer, tiny_m
 
     assert plan.prompts_per_process == 2 and len(round_.episodes) == 8
     assert [e.group for e in round_.episodes] == [0, 0, 0, 0, 1, 1, 1, 1]
-    lengths_N = torch.tensor([float(len(e.completion_ids)) for e in round_.episodes])
+    lengths_N = torch.tensor([float(len(single_row(e).completion_ids)) for e in round_.episodes])
     assert round_.rewards_N.tolist() == lengths_N.tolist()
     group_means_N = lengths_N.view(2, 4).mean(1).repeat_interleave(4)
     assert torch.allclose(round_.advantages_N, lengths_N - group_means_N)  # scale "none"
     assert len(round_.micro_batches) == 4 and all(len(b) == 2 for b in round_.micro_batches)
-    round_tokens = 2 * sum(sum(e.loss_mask) for e in round_.episodes)  # both processes
+    round_tokens = 2 * sum(sum(single_row(e).loss_mask) for e in round_.episodes)  # both processes
     assert all(b.num_items == round_tokens / 2 for b in round_.micro_batches)  # 2 steps a round
     assert all(b.old_logprobs_B_C is not None for b in round_.micro_batches)
     assert all(b.ref_logprobs_B_C is not None for b in round_.micro_batches)

@@ -9,7 +9,7 @@ import time
 
 import anyio
 import pytest
-from conftest import COUNTER_ROW, counter_segments, scripted_episode, tool_call
+from conftest import COUNTER_ROW, counter_segments, scripted_episode, single_row, tool_call
 from vllm_support import (
     VLLM_CPU_ENVIRONMENT,
     load_policy,
@@ -78,8 +78,8 @@ def test_the_colocated_backend_is_a_generation_backend_stopping_on_eos(backend, 
 def test_a_tool_episode_through_colocated_vllm_is_token_exact(backend, tokenizer):
     [episode] = anyio.run(counter_engine(backend, tokenizer, 0.0).run, [COUNTER_ROW])
     segments = counter_segments(tokenizer)
-    assert episode.completion_ids == [t for ids, _ in segments for t in ids]
-    assert episode.loss_mask == [m for ids, m in segments for _ in ids]
+    assert single_row(episode).completion_ids == [t for ids, _ in segments for t in ids]
+    assert single_row(episode).loss_mask == [m for ids, m in segments for _ in ids]
     assert episode.finish is Finish.STOP and episode.env_reward == 1.0
     assert episode.stats.tool_calls == 2 and episode.stats.tool_failures == 0
 

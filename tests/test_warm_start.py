@@ -11,7 +11,7 @@ from agentgrpo.warm_start import environment_demonstrations, warm_start
 from environments import Counter, class_tools
 from rollout import ChatRenderer, TemplateDriftError, load_template
 from rollout.demonstrations import demonstration_ids
-from tests.conftest import scripted_episode, tool_call
+from tests.conftest import scripted_episode, single_row, tool_call
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +24,12 @@ def test_a_demonstration_is_token_for_token_the_episode_the_engine_records(token
     turns = [tool_call("increment", step=3), "The counter is now 3."]
     episode = scripted_episode(tokenizer, turns, row={"prompt": "Reach 3.", "target": 3})
     ids, mask = demonstration_ids(renderer, episode.messages, tokenizer.eos_token)
-    played = episode.prompt_ids + episode.completion_ids
+    played = single_row(episode).prompt_ids + single_row(episode).completion_ids
     assert ids[: len(played)] == played
-    assert mask[: len(played)] == [0] * len(episode.prompt_ids) + episode.loss_mask
+    assert (
+        mask[: len(played)]
+        == [0] * len(single_row(episode).prompt_ids) + single_row(episode).loss_mask
+    )
     assert tokenizer.decode(ids[len(played) :]) == "\n" and mask[len(played) :] == [0]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import teach
+from conftest import single_row, teach
 from tiny_model import tiny_llama
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -78,12 +78,20 @@ def logprob_gap(model, episodes, temperature: float) -> float:
     """Mean |sampler logprob - training forward logprob| over the sampled (mask-1) tokens."""
     total, count = 0.0, 0
     for episode in episodes:
-        ids = torch.tensor([episode.prompt_ids + episode.completion_ids])
+        ids = torch.tensor([single_row(episode).prompt_ids + single_row(episode).completion_ids])
         with torch.no_grad():
-            logits = model(ids).logits[0, len(episode.prompt_ids) - 1 : -1].float() / temperature
-        forward = torch.log_softmax(logits, -1).gather(-1, ids[0, len(episode.prompt_ids) :, None])
+            logits = (
+                model(ids).logits[0, len(single_row(episode).prompt_ids) - 1 : -1].float()
+                / temperature
+            )
+        forward = torch.log_softmax(logits, -1).gather(
+            -1, ids[0, len(single_row(episode).prompt_ids) :, None]
+        )
         for sampled, recomputed, mask in zip(
-            episode.sampler_logprobs, forward[:, 0].tolist(), episode.loss_mask, strict=True
+            single_row(episode).sampler_logprobs,
+            forward[:, 0].tolist(),
+            single_row(episode).loss_mask,
+            strict=True,
         ):
             if mask:
                 total += abs(sampled - recomputed)

@@ -1,7 +1,10 @@
 """Episodes as training tensors: prompts left-padded, completions right-padded, masks kept.
 
 Laying a batch out as [left-padded prompt | right-padded completion] puts every completion at the
-same columns, so one forward pass scores all of them with `logits[:, P - 1 : -1]`.
+same columns, so one forward pass scores all of them with `logits[:, P - 1 : -1]`. Each row of
+an episode (`rollout.EpisodeRow`; a forked episode has several) is one batch row; `episode_B`
+says which episode each batch row belongs to, so the loss can treat an episode's rows as one
+sequence.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from rollout.types import Episode
 
 @dataclass(frozen=True)
 class TrainingBatch:
-    """A batch of B episodes, with P prompt and C completion columns (L = P + C).
+    """A batch of B episode rows, with P prompt and C completion columns (L = P + C).
 
     Attributes:
         input_ids_B_L: Prompt then completion token ids.
@@ -26,7 +29,9 @@ class TrainingBatch:
         loss_mask_B_C: 1 where a completion token counts in the loss: sampled by the policy,
             and not dropped (e.g. by `mask_truncated_completions`).
         sampler_logprobs_B_C: The generator's logprob of each completion token (0 where masked).
-        advantages_B: One advantage per episode.
+        advantages_B: One advantage per row: its episode's.
+        episode_B: The index of each row's episode in the round (long); rows of one episode
+            are always in the same batch (`select_episodes`).
         old_logprobs_B_C: Logprobs of the policy that generated the batch, when they can differ
             from the current policy's (several updates per generation); else None.
         ref_logprobs_B_C: Reference-model logprobs when `beta > 0`; else None.
@@ -40,6 +45,7 @@ class TrainingBatch:
     loss_mask_B_C: torch.Tensor
     sampler_logprobs_B_C: torch.Tensor
     advantages_B: torch.Tensor
+    episode_B: torch.Tensor
     old_logprobs_B_C: torch.Tensor | None = None
     ref_logprobs_B_C: torch.Tensor | None = None
     num_items: float = 0.0
@@ -56,6 +62,18 @@ class TrainingBatch:
 
     def __len__(self) -> int:
         return self.input_ids_B_L.shape[0]
+
+    def select_episodes(self, episodes: Sequence[int]) -> TrainingBatch:
+        """Every row of the given episodes (values of `episode_B`), in the order given."""
+        rows_of: dict[int, list[int]] = {}
+        for row, episode in enumerate(self.episode_B.tolist()):
+            rows_of.setdefault(episode, []).append(row)
+        return self.select([row for episode in episodes for row in rows_of[episode]])
+
+    @property
+    def episodes(self) -> list[int]:
+        """The distinct values of `episode_B`, in the order their first rows appear."""
+        return list(dict.fromkeys(self.episode_B.tolist()))
 
     def select(self, rows: torch.Tensor | Sequence[int]) -> TrainingBatch:
         """The given rows, with the padding columns no selected row needs trimmed away."""
@@ -88,34 +106,46 @@ class TrainingBatch:
 
 def collate_episodes(
     episodes: Sequence[Episode],
-    advantages_B: torch.Tensor,
+    advantages_N: torch.Tensor,
     pad_token_id: int,
     mask_truncated_completions: bool = False,
 ) -> TrainingBatch:
-    """Lay episodes out as a `TrainingBatch` (no old/reference logprobs, num_items 0).
+    """Lay episodes out as a `TrainingBatch`, one batch row per episode row.
+
+    The rows come in episode order, each episode's rows in order; `episode_B` holds the
+    episode's position in `episodes` and `advantages_B` its advantage. No old/reference
+    logprobs, num_items 0.
 
     Args:
-        episodes: The episodes, in batch order.
-        advantages_B: Their advantages.
+        episodes: The N episodes, in batch order.
+        advantages_N: Their advantages.
         pad_token_id: Id written in padding positions (never attended to, never trained on).
-        mask_truncated_completions: Drop cut-off episodes (`finish.truncated`) from the loss.
+        mask_truncated_completions: Drop cut-off episodes (`finish.truncated`), every row of
+            them, from the loss.
     """
-    width_P = max(len(e.prompt_ids) for e in episodes)
-    width_C = max(max(len(e.completion_ids) for e in episodes), 1)
-    batch = len(episodes)
-    ids_B_L = torch.full((batch, width_P + width_C), pad_token_id, dtype=torch.long)
-    attention_B_L = torch.zeros((batch, width_P + width_C), dtype=torch.long)
-    loss_mask_B_C = torch.zeros((batch, width_C))
-    sampler_B_C = torch.zeros((batch, width_C))
-    for b, episode in enumerate(episodes):
-        prompt, completion = episode.prompt_ids, episode.completion_ids
+    rows = [(n, row) for n, episode in enumerate(episodes) for row in episode.rows]
+    width_P = max(len(row.prompt_ids) for _, row in rows)
+    width_C = max(max(len(row.completion_ids) for _, row in rows), 1)
+    ids_B_L = torch.full((len(rows), width_P + width_C), pad_token_id, dtype=torch.long)
+    attention_B_L = torch.zeros((len(rows), width_P + width_C), dtype=torch.long)
+    loss_mask_B_C = torch.zeros((len(rows), width_C))
+    sampler_B_C = torch.zeros((len(rows), width_C))
+    for b, (n, row) in enumerate(rows):
+        prompt, completion = row.prompt_ids, row.completion_ids
         start, end = width_P - len(prompt), width_P + len(completion)
         ids_B_L[b, start:end] = torch.tensor(prompt + completion)
         attention_B_L[b, start:end] = 1
-        if not (mask_truncated_completions and episode.finish.truncated):
-            loss_mask_B_C[b, : len(completion)] = torch.tensor(episode.loss_mask, dtype=torch.float)
-        sampler_B_C[b, : len(completion)] = torch.tensor(episode.sampler_logprobs)
+        if not (mask_truncated_completions and episodes[n].finish.truncated):
+            loss_mask_B_C[b, : len(completion)] = torch.tensor(row.loss_mask, dtype=torch.float)
+        sampler_B_C[b, : len(completion)] = torch.tensor(row.sampler_logprobs)
     positions_B_L = (attention_B_L.cumsum(-1) - 1).clamp(min=0)
+    episode_B = torch.tensor([n for n, _ in rows], dtype=torch.long)
     return TrainingBatch(
-        ids_B_L, attention_B_L, positions_B_L, loss_mask_B_C, sampler_B_C, advantages_B.float()
+        ids_B_L,
+        attention_B_L,
+        positions_B_L,
+        loss_mask_B_C,
+        sampler_B_C,
+        advantages_N.float()[episode_B],
+        episode_B,
     )

@@ -1,6 +1,10 @@
 """The GRPO policy loss and its variants, as pure functions of per-token tensors.
 
-Every tensor is over completion positions of a padded batch: B sequences, T positions, V vocab.
+Every tensor is over completion positions of a padded batch: B rows, T positions, V vocab.
+An episode is usually one row; a forked episode (`rollout.Episode.rows`) is several, all with its
+one advantage. ``episode_B`` (optional everywhere; None means one row per episode) says which
+episode each row belongs to, and every per-sequence quantity is per *episode*: the sequence-level
+ratio, the per-sequence mean, and the sequence count that dr_grpo divides by.
 ``mask_B_T`` (bool or 0/1 float) is 1 where a token counts in the loss: the policy sampled it and
 nothing else masked it out. Tool output, template tokens and padding are 0. Values at masked
 positions never reach the loss or its gradient, whatever they are (even inf or NaN).
@@ -48,15 +52,63 @@ def _masked_mean(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tens
     return _masked_sum_per_row(values_B_T, mask_B_T).sum() / mask_B_T.sum().clamp(min=1)
 
 
+def episode_of_rows(episode_B: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, int]:
+    """Each row's episode as 0..E-1, and E; None means each row is its own episode.
+
+    >>> episode_of_rows(torch.tensor([7, 3, 7]), 3)
+    (tensor([1, 0, 1]), 2)
+    """
+    if episode_B is None:
+        return torch.arange(rows), rows
+    unique_E, inverse_B = torch.unique(episode_B, return_inverse=True)
+    return inverse_B, len(unique_E)
+
+
+def _sum_per_episode(values_B: torch.Tensor, episode_B: torch.Tensor, episodes: int):
+    """values_E: the sum of each episode's rows (differentiable)."""
+    sums_E = torch.zeros(episodes, dtype=values_B.dtype, device=values_B.device)
+    return sums_E.index_add(0, episode_B.to(values_B.device), values_B)
+
+
+def masked_sum_and_count_per_episode(
+    values_B_T: torch.Tensor, mask_B_T: torch.Tensor, episode_B: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sums_E, counts_E): each episode's masked sum and active-token count over all its rows."""
+    index_B, episodes = episode_of_rows(episode_B, values_B_T.shape[0])
+    sums_E = _sum_per_episode(_masked_sum_per_row(values_B_T, mask_B_T), index_B, episodes)
+    counts_E = _sum_per_episode(mask_B_T.sum(dim=-1).to(values_B_T.dtype), index_B, episodes)
+    return sums_E, counts_E
+
+
+def masked_mean_per_episode(
+    values_B_T: torch.Tensor, mask_B_T: torch.Tensor, episode_B: torch.Tensor | None = None
+) -> torch.Tensor:
+    """mean_B: the mean over the active positions of each row's *episode* (all its rows).
+
+    0 for an episode with no active position. With ``episode_B`` None it is
+    :func:`masked_mean_per_row`.
+
+    >>> values, mask = torch.tensor([[1.0, 2.0], [6.0, 0.0]]), torch.tensor([[1, 1], [1, 0]])
+    >>> masked_mean_per_episode(values, mask, torch.tensor([0, 0]))
+    tensor([3., 3.])
+    """
+    if episode_B is None:
+        return masked_mean_per_row(values_B_T, mask_B_T)
+    sums_E, counts_E = masked_sum_and_count_per_episode(values_B_T, mask_B_T, episode_B)
+    index_B, _ = episode_of_rows(episode_B, values_B_T.shape[0])
+    return (sums_E / counts_E.clamp(min=1))[index_B.to(values_B_T.device)]
+
+
 # --------------------------------------------------------------------------- importance ratio
 
 
-def _token_log_ratio(log_ratio_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
+def _token_log_ratio(log_ratio_B_T, mask_B_T, episode_B) -> torch.Tensor:
     return log_ratio_B_T
 
 
-def _sequence_log_ratio(log_ratio_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
-    return masked_mean_per_row(log_ratio_B_T, mask_B_T).unsqueeze(-1).expand_as(log_ratio_B_T)
+def _sequence_log_ratio(log_ratio_B_T, mask_B_T, episode_B) -> torch.Tensor:
+    mean_B = masked_mean_per_episode(log_ratio_B_T, mask_B_T, episode_B)
+    return mean_B.unsqueeze(-1).expand_as(log_ratio_B_T)
 
 
 _RATIO_LEVELS = {"token": _token_log_ratio, "sequence": _sequence_log_ratio}
@@ -68,8 +120,9 @@ def log_importance_ratio(
     old_logprobs_B_T: torch.Tensor,
     mask_B_T: torch.Tensor,
     level: str = "token",
+    episode_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Log of the importance ratio pi_theta / pi_old, per token or per sequence.
+    """Log of the importance ratio pi_theta / pi_old, per token or per sequence (episode).
 
     Args:
         logprobs_B_T: Log-probabilities of the sampled tokens under the current policy (with
@@ -79,7 +132,9 @@ def log_importance_ratio(
         level: ``"token"``: ``logprobs - old`` at each active position, 0 at masked ones.
             ``"sequence"`` (GSPO): the masked mean of ``logprobs - old`` over each sequence,
             broadcast to all its positions (padding included; the mask removes them later).
-            The gradient flows through the mean, so each token gets 1/|y| of it.
+            The gradient flows through the mean, so each token gets 1/|y| of it. The sequence
+            is the episode: the mean runs over the active tokens of all its rows.
+        episode_B: Each row's episode (see the module docstring); None: one row per episode.
 
     Returns:
         log_ratio_B_T: Shape (B, T).
@@ -93,7 +148,7 @@ def log_importance_ratio(
     if level not in _RATIO_LEVELS:
         raise ValueError(f"unknown importance sampling level {level!r}; expected token or sequence")
     log_ratio_B_T = torch.where(mask_B_T != 0, logprobs_B_T - old_logprobs_B_T, 0.0)
-    return _RATIO_LEVELS[level](log_ratio_B_T, mask_B_T)
+    return _RATIO_LEVELS[level](log_ratio_B_T, mask_B_T, episode_B)
 
 
 # --------------------------------------------------------------------------- objectives
@@ -244,6 +299,7 @@ def vespo_weights(
     mask_B_T: torch.Tensor,
     positive: VespoShape,
     negative: VespoShape,
+    episode_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """VESPO's detached per-sequence weight ``phi(w) = w**k * exp(lam * (1 - w))``.
 
@@ -262,6 +318,8 @@ def vespo_weights(
         mask_B_T: 1 where the token counts, (B, T).
         positive: ``(k, lam)`` for A >= 0.
         negative: ``(k, lam)`` for A < 0.
+        episode_B: Each row's episode, (B,); None: one row per episode. The sequence is the
+            episode: ``w`` multiplies the ratios of all its rows, and each row gets its weight.
 
     Returns:
         phi_B_1: Detached weights, (B, 1).
@@ -274,7 +332,10 @@ def vespo_weights(
 
     """
     token_B_T = torch.where(mask_B_T != 0, log_ratio_B_T.clamp(-20.0, 20.0), 0.0)
-    log_w_B_1 = token_B_T.sum(dim=-1, keepdim=True).clamp(_VESPO_LOG_W_MIN, _VESPO_LOG_W_MAX)
+    index_B, episodes = episode_of_rows(episode_B, token_B_T.shape[0])
+    log_w_E = _sum_per_episode(token_B_T.sum(dim=-1), index_B, episodes)
+    log_w_B_1 = log_w_E[index_B.to(log_w_E.device)].unsqueeze(-1)
+    log_w_B_1 = log_w_B_1.clamp(_VESPO_LOG_W_MIN, _VESPO_LOG_W_MAX)
     non_negative_B_1 = advantages_B_1 >= 0
     k_B_1 = torch.where(non_negative_B_1, positive.k, negative.k).to(log_w_B_1)
     lam_B_1 = torch.where(non_negative_B_1, positive.lam, negative.lam).to(log_w_B_1)
@@ -289,6 +350,7 @@ def vespo_loss(
     mask_B_T: torch.Tensor,
     positive: VespoShape = VESPO_POSITIVE,
     negative: VespoShape = VESPO_NEGATIVE,
+    episode_B: torch.Tensor | None = None,
 ) -> PolicyTerm:
     """VESPO (variational sequence-level soft policy optimization): ``-sg(phi(w)) A logprobs``.
 
@@ -305,6 +367,7 @@ def vespo_loss(
         mask_B_T: 1 where the token counts, (B, T).
         positive: ``(k, lam)`` for A >= 0.
         negative: ``(k, lam)`` for A < 0.
+        episode_B: Each row's episode, (B,); None: one row per episode.
 
     Returns:
         The per-token loss; no hard clip, so both clip indicators are all False.
@@ -317,7 +380,7 @@ def vespo_loss(
 
     """
     advantages_B_1 = advantages_B_1.expand(log_ratio_B_T.shape[0], 1)
-    phi_B_1 = vespo_weights(log_ratio_B_T, advantages_B_1, mask_B_T, positive, negative)
+    phi_B_1 = vespo_weights(log_ratio_B_T, advantages_B_1, mask_B_T, positive, negative, episode_B)
     no_clip_B_T = torch.zeros_like(log_ratio_B_T, dtype=torch.bool)
     return PolicyTerm(-phi_B_1 * advantages_B_1 * logprobs_B_T, no_clip_B_T, no_clip_B_T)
 
@@ -344,51 +407,69 @@ def kl_k3(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.T
 
 
 # --------------------------------------------------------------------------- normalisation
-# Each normaliser turns per-token losses (B, T) and a float mask (B, T) into the scalar loss.
-# num_items and max_completion_length are passed to all of them; each uses what it needs.
+# Each normaliser turns per-token losses (B, T), a float mask (B, T) and each row's episode
+# (episode_B, or None: one row per episode) into the scalar loss. num_items and
+# max_completion_length are passed to all of them; each uses what it needs. An episode's rows
+# are one sequence: every token counts once, and sequences are counted as episodes.
+
 
 Normaliser = Callable[
-    [torch.Tensor, torch.Tensor, "float | torch.Tensor | None", "int | None"], torch.Tensor
+    [
+        torch.Tensor,
+        torch.Tensor,
+        "torch.Tensor | None",
+        "float | torch.Tensor | None",
+        "int | None",
+    ],
+    torch.Tensor,
 ]
 
 
-def _per_sequence_mean(loss_B_T, mask_B_T, num_items, max_completion_length):
-    """grpo: mean over sequences of each sequence's token mean (a length bias: see GRPOConfig)."""
-    return masked_mean_per_row(loss_B_T, mask_B_T).mean()
+def _per_sequence_mean(loss_B_T, mask_B_T, episode_B, num_items, max_completion_length):
+    """grpo: mean over episodes of each one's token mean over all its rows (see GRPOConfig).
+
+    A length bias, as in the paper; an episode with no active token counts as 0.
+    """
+    sums_E, counts_E = masked_sum_and_count_per_episode(loss_B_T, mask_B_T, episode_B)
+    return (sums_E / counts_E.clamp(min=1)).mean()
 
 
-def _local_token_mean(loss_B_T, mask_B_T, num_items, max_completion_length):
-    """bnpo: mean over the active tokens of this micro-batch only."""
+def _local_token_mean(loss_B_T, mask_B_T, episode_B, num_items, max_completion_length):
+    """bnpo: mean over the active tokens of this micro-batch only (rows do not matter)."""
     return _masked_mean(loss_B_T, mask_B_T)
 
 
-def _over_max_length(loss_B_T, mask_B_T, num_items, max_completion_length):
-    """dr_grpo: token sum over a constant, B * max_completion_length."""
+def _over_max_length(loss_B_T, mask_B_T, episode_B, num_items, max_completion_length):
+    """dr_grpo: token sum over a constant, E * max_completion_length (E episodes, not rows)."""
     if max_completion_length is None:
         raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
     total = _masked_sum_per_row(loss_B_T, mask_B_T).sum()
-    return total / (loss_B_T.shape[0] * max_completion_length)
+    _, episodes = episode_of_rows(episode_B, loss_B_T.shape[0])
+    return total / (episodes * max_completion_length)
 
 
-def _over_num_items(loss_B_T, mask_B_T, num_items, max_completion_length):
-    """dapo, cispo, sapo, vespo: token sum over the active tokens of the whole accumulated batch."""
+def _over_num_items(loss_B_T, mask_B_T, episode_B, num_items, max_completion_length):
+    """dapo, cispo, sapo, vespo: token sum over the active tokens of the whole accumulated batch.
+
+    Rows do not matter: each token counts once.
+    """
     if num_items is None:
         raise ValueError("this loss_type needs num_items (active tokens in the whole batch)")
     return _masked_sum_per_row(loss_B_T, mask_B_T).sum() / num_items
 
 
-def _length_scaled_over_num_items(loss_B_T, mask_B_T, num_items, max_completion_length):
-    """luspo: each sequence's loss times its token count, summed, over num_items.
+def _length_scaled_over_num_items(loss_B_T, mask_B_T, episode_B, num_items, max_completion_length):
+    """luspo: each episode's loss times its token count (all its rows), summed, over num_items.
 
-    A sequence's loss is its mean per-token loss (GSPO; with a sequence-level ratio every token
+    An episode's loss is its mean per-token loss (GSPO; with a sequence-level ratio every token
     holds the same value). Scaling it by the length |y_i| undoes GSPO's 1/|y_i| weight on each
     token's gradient; dividing by num_items then gives every token dapo's gradient scale. (The
     product equals the masked token sum; it is written out because it is the definition.)
     """
     if num_items is None:
         raise ValueError("loss_type 'luspo' needs num_items (active tokens in the whole batch)")
-    length_B = mask_B_T.sum(dim=-1)
-    return (masked_mean_per_row(loss_B_T, mask_B_T) * length_B).sum() / num_items
+    sums_E, counts_E = masked_sum_and_count_per_episode(loss_B_T, mask_B_T, episode_B)
+    return (sums_E / counts_E.clamp(min=1) * counts_E).sum() / num_items
 
 
 # --------------------------------------------------------------------------- the loss types
@@ -514,23 +595,25 @@ def _check_vespo(config: LossConfig) -> None:
             )
 
 
-def _clipped(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config) -> PolicyTerm:
+def _clipped(
+    log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, episode_B, config
+) -> PolicyTerm:
     return clipped_surrogate_loss(
         log_ratio_B_T, advantages_B_1, config.epsilon_low, config.epsilon_high, config.delta
     )
 
 
-def _cispo(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config) -> PolicyTerm:
+def _cispo(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, episode_B, config) -> PolicyTerm:
     return cispo_loss(log_ratio_B_T, advantages_B_1, logprobs_B_T, config.epsilon_high)
 
 
-def _sapo(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config) -> PolicyTerm:
+def _sapo(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, episode_B, config) -> PolicyTerm:
     return sapo_loss(
         log_ratio_B_T, advantages_B_1, config.sapo_temperature_pos, config.sapo_temperature_neg
     )
 
 
-def _vespo(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config) -> PolicyTerm:
+def _vespo(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, episode_B, config) -> PolicyTerm:
     return vespo_loss(
         log_ratio_B_T,
         advantages_B_1,
@@ -538,11 +621,12 @@ def _vespo(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config) -> Pol
         mask_B_T,
         config.vespo_positive,
         config.vespo_negative,
+        episode_B,
     )
 
 
 class _LossType(NamedTuple):
-    # (log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config) -> PolicyTerm
+    # (log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, episode_B, config) -> PolicyTerm
     objective: Callable[..., PolicyTerm]
     normalise: Normaliser
     check: Callable[[LossConfig], None]
@@ -577,14 +661,20 @@ def aggregate(
     *,
     num_items: float | torch.Tensor | None = None,
     max_completion_length: int | None = None,
+    episode_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce per-token losses to the scalar loss, normalised as ``loss_type`` defines.
 
-    ``"grpo"``: mean over sequences of (masked sum / masked count), count clamped to >= 1.
-    ``"bnpo"``: masked sum / masked count of this micro-batch (clamped to >= 1).
-    ``"dr_grpo"``: masked sum / (B * max_completion_length).
-    ``"dapo"``, ``"cispo"``, ``"sapo"``, ``"vespo"``: masked sum / num_items.
-    ``"luspo"``: sum over sequences of (sequence mean * sequence token count) / num_items.
+    A sequence is an episode: all the rows ``episode_B`` gives the same value (one row each
+    when it is None). E is the number of episodes among the rows.
+
+    ``"grpo"``: mean over the E episodes of (masked sum / masked count) over all the episode's
+    rows, count clamped to >= 1.
+    ``"bnpo"``: masked sum / masked count of this micro-batch (clamped to >= 1); rows do not
+    matter.
+    ``"dr_grpo"``: masked sum / (E * max_completion_length): episodes are counted, not rows.
+    ``"dapo"``, ``"cispo"``, ``"sapo"``, ``"vespo"``: masked sum / num_items; rows do not matter.
+    ``"luspo"``: sum over episodes of (episode mean * episode token count) / num_items.
 
     Args:
         per_token_loss_B_T: Per-token loss, (B, T).
@@ -596,6 +686,8 @@ def aggregate(
             mean; undoing the data-parallel gradient average (multiplying by the number of
             processes) is the trainer's job. Needed by dapo, cispo, sapo, luspo.
         max_completion_length: Needed by dr_grpo.
+        episode_B: Each row's episode (any ids; rows with equal ids are one episode), (B,).
+            Rows of one episode must be in the same call (micro-batch) for grpo and dr_grpo.
 
     Returns:
         A scalar tensor.
@@ -614,7 +706,7 @@ def aggregate(
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {sorted(_LOSS_TYPES)}")
     mask_B_T = mask_B_T.to(per_token_loss_B_T.dtype)
     return _LOSS_TYPES[loss_type].normalise(
-        per_token_loss_B_T, mask_B_T, num_items, max_completion_length
+        per_token_loss_B_T, mask_B_T, episode_B, num_items, max_completion_length
     )
 
 
@@ -663,6 +755,7 @@ def _per_token_loss(
     config: LossConfig,
     ref_logprobs_B_T: torch.Tensor | None,
     sampler_weights_B_T: torch.Tensor | None,
+    episode_B: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``objective(r, A) * sampler_weights + beta * kl`` per token, with its metrics."""
     active_B_T = mask_B_T != 0
@@ -675,11 +768,15 @@ def _per_token_loss(
     logprobs_B_T = zero_padding(logprobs_B_T)
     mask_B_T = mask_B_T.to(logprobs_B_T.dtype)
     log_ratio_B_T = log_importance_ratio(
-        logprobs_B_T, zero_padding(old_logprobs_B_T), mask_B_T, config.importance_sampling_level
+        logprobs_B_T,
+        zero_padding(old_logprobs_B_T),
+        mask_B_T,
+        config.importance_sampling_level,
+        episode_B,
     )
     advantages_B_1 = advantages_B.to(logprobs_B_T.dtype).unsqueeze(-1)
     objective = _LOSS_TYPES[config.loss_type].objective
-    term = objective(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, config)
+    term = objective(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, episode_B, config)
     metrics = _clip_metrics(term, mask_B_T)
     per_token_B_T = term.loss_B_T
     if sampler_weights_B_T is not None:
@@ -705,6 +802,7 @@ def policy_loss(
     num_items: float | torch.Tensor | None = None,
     entropy_B_T: torch.Tensor | None = None,
     entropy_coef: float | None = None,
+    episode_B: torch.Tensor | None = None,
 ) -> LossOutput:
     """The GRPO loss of one micro-batch: policy term, KL penalty, normalisation, entropy bonus.
 
@@ -715,7 +813,7 @@ def policy_loss(
         logprobs_B_T: Current log-probabilities of the completion tokens (with grad), (B, T).
         old_logprobs_B_T: Under the policy that sampled the batch; ``logprobs_B_T.detach()`` on
             the first pass over it.
-        advantages_B: One advantage per sequence, (B,).
+        advantages_B: One advantage per row, (B,): the rows of an episode share its advantage.
         mask_B_T: 1 where the token counts. Masked positions get exactly zero gradient and no
             say in the loss, whatever any input holds there (inf and NaN included).
         config: The checked loss settings.
@@ -728,6 +826,8 @@ def policy_loss(
         entropy_B_T: Per-token entropies; with grad when ``entropy_coef != 0``.
         entropy_coef: Overrides ``config.entropy_coef`` for this call (adaptive entropy
             control changes it between optimizer steps); None keeps the config's.
+        episode_B: Each row's episode, (B,); None: one row per episode. The sequence-level
+            ratio and the per-sequence normalisers run over an episode's rows together.
 
     Returns:
         The loss (see :class:`LossOutput` for which parts are micro-batch means) and metrics.
@@ -746,6 +846,7 @@ def policy_loss(
         config,
         ref_logprobs_B_T,
         sampler_weights_B_T,
+        episode_B,
     )
     loss = aggregate(
         per_token_B_T,
@@ -753,6 +854,7 @@ def policy_loss(
         config.loss_type,
         num_items=num_items,
         max_completion_length=config.max_completion_length,
+        episode_B=episode_B,
     )
     metrics["policy_loss"] = loss.detach()
     mask_B_T = mask_B_T.to(per_token_B_T.dtype)

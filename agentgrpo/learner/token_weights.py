@@ -13,7 +13,11 @@ from typing import Any
 import torch
 
 from agentgrpo.learner.batch import TrainingBatch
-from agentgrpo.learner.losses import IMPORTANCE_LEVELS, log_importance_ratio, masked_mean_per_row
+from agentgrpo.learner.losses import (
+    IMPORTANCE_LEVELS,
+    log_importance_ratio,
+    masked_mean_per_episode,
+)
 
 # --------------------------------------------------------------------------- sampler mismatch
 
@@ -37,6 +41,7 @@ def sampler_correction(
     mode: str,
     clip_max: float | None,
     clip_min: float | None = None,
+    episode_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Importance weights for the gap between the generator's and the trainer's logprobs.
 
@@ -48,11 +53,13 @@ def sampler_correction(
         sampler_logprobs_B_T: The generator's log-probabilities of the same tokens, (B, T).
         mask_B_T: 1 where the token counts, (B, T).
         mode: ``"<granularity>_<constraint>"``. Granularity ``token``: ratio per token;
-            ``sequence``: ``exp`` of the masked mean of ``old - sampler``, broadcast.
+            ``sequence``: ``exp`` of the masked mean of ``old - sampler`` over the episode
+            (all its rows), broadcast.
             Constraint ``truncate``: clamp to [clip_min, clip_max]; ``mask``: 0 where the ratio
             is outside [clip_min, clip_max] (bounds inclusive).
         clip_max: Upper bound C_max, or None for none.
         clip_min: Lower bound C_min, or None for none.
+        episode_B: Each row's episode, (B,); None: one row per episode.
 
     Returns:
         weights_B_T: Detached, 0 at masked positions.
@@ -73,6 +80,7 @@ def sampler_correction(
         torch.where(active_B_T, sampler_logprobs_B_T, 0.0),
         mask_B_T.to(old_logprobs_B_T.dtype),
         granularity,
+        episode_B,
     )
     low = 0.0 if clip_min is None else clip_min
     high = float("inf") if clip_max is None else clip_max
@@ -87,8 +95,9 @@ def off_policy_sequence_mask(
     advantages_B: torch.Tensor,
     mask_B_T: torch.Tensor,
     threshold: float,
+    episode_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Which sequences to keep under DeepSeek-V3.2's off-policy sequence masking (eq. 9).
+    """Which rows to keep under DeepSeek-V3.2's off-policy sequence masking (eq. 9).
 
     A sequence is dropped when its advantage is negative *and* the policy has drifted from the
     sampler on it: the masked mean of ``sampler - logprobs`` (a per-token KL(sampler || policy)
@@ -101,13 +110,15 @@ def off_policy_sequence_mask(
         advantages_B: One advantage per sequence, (B,).
         mask_B_T: 1 where the token counts, (B, T).
         threshold: The delta of eq. 9, > 0 (e.g. 0.5).
+        episode_B: Each row's episode, (B,); None: one row per episode. The sequence is the
+            episode: the drift is its mean over all its rows, which are kept or dropped together.
 
     Returns:
-        keep_B: Bool, False for dropped sequences. Apply it to the policy term (e.g. multiply
+        keep_B: Bool, False for dropped rows. Apply it to the policy term (e.g. multiply
         it into ``sampler_weights_B_T``).
 
     """
-    drift_B = masked_mean_per_row(sampler_logprobs_B_T - logprobs_B_T, mask_B_T)
+    drift_B = masked_mean_per_episode(sampler_logprobs_B_T - logprobs_B_T, mask_B_T, episode_B)
     return ~((advantages_B < 0) & (drift_B > threshold))
 
 
@@ -224,6 +235,7 @@ class TokenWeighting:
                 batch.advantages_B,
                 mask_B_C,
                 self.off_policy_mask_threshold,
+                batch.episode_B,
             )
             weights_B_C = weights_B_C * keep_B.unsqueeze(-1)
         if self.sampler_correction_mode is not None:
@@ -234,5 +246,6 @@ class TokenWeighting:
                 self.sampler_correction_mode,
                 self.clip_max,
                 self.clip_min,
+                batch.episode_B,
             )
         return weights_B_C

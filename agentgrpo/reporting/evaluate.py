@@ -57,10 +57,11 @@ def report(
     """Summarise episodes and their total rewards (one per episode, same order).
 
     Example:
-        >>> from rollout import EpisodeStats, Finish
+        >>> from rollout import EpisodeRow, EpisodeStats, Finish
         >>> def episode(calls, failures):
         ...     stats = EpisodeStats(2, calls, {"exception": failures} if failures else {})
-        ...     return Episode([1], [2], [1], [0.0], [], Finish.STOP, stats, {}, 0, 0)
+        ...     rows = (EpisodeRow([1], [2], [1], [0.0]),)
+        ...     return Episode(rows, [], Finish.STOP, stats, {}, 0, 0)
         >>> r = report([episode(1, 0), episode(2, 1), episode(0, 0)], [1.0, 0.5, 0.0])
         >>> r.success_rate, r.tool_call_rate, r.tool_error_rate, r.mean_turns
         (0.3333333333333333, 0.6666666666666666, 0.3333333333333333, 2.0)

@@ -11,6 +11,8 @@ processes and computes the metrics once from the whole generation batch.
 | `tools/call_frequency` | tool calls per episode (only when the run has tools) |
 | `tools/failure_frequency` | failed tool calls over tool calls; `/<kind>` per kind of failure |
 | `turns/mean`, `turns/max` | model turns per episode (only when the run has tools) |
+| `episodes/rows_mean` | training rows per episode (above 1 where the template forks) |
+| `turns/fork_frequency` | share of the turns after an episode's first that forked a new row |
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ import torch
 from rollout import Episode
 
 TOOL_ERROR_KINDS = ("parse", "unknown_tool", "bad_arguments", "exception", "timeout")
-_COLUMNS = ("prompt_tokens", "model_tokens", "truncated", "turns", "tool_calls", *TOOL_ERROR_KINDS)
+_COLUMNS = (
+    "prompt_tokens",
+    "model_tokens",
+    "truncated",
+    "turns",
+    "rows",
+    "tool_calls",
+    *TOOL_ERROR_KINDS,
+)
 
 
 @dataclass(frozen=True)
@@ -47,13 +57,17 @@ class RewardLayout:
 
 
 def episode_stats(episodes: Sequence[Episode]) -> torch.Tensor:
-    """stats_N_S: one row per episode, columns as in `_COLUMNS`."""
+    """stats_N_S: one row per episode, columns as in `_COLUMNS`.
+
+    `prompt_tokens` sums the prompts of all the episode's rows (what the learner reads).
+    """
     rows = [
         [
-            len(e.prompt_ids),
+            sum(len(row.prompt_ids) for row in e.rows),
             e.model_tokens,
             float(e.finish.truncated),
             e.stats.turns,
+            len(e.rows),
             e.stats.tool_calls,
             *(e.stats.tool_errors.get(kind, 0) for kind in TOOL_ERROR_KINDS),
         ]
@@ -82,6 +96,7 @@ def round_metrics(
     metrics = _length_metrics(column["model_tokens"], column["truncated"].bool())
     metrics["num_tokens_round"] = float((column["prompt_tokens"] + column["model_tokens"]).sum())
     metrics |= reward_metrics(rewards_N_F, rewards_N, layout)
+    metrics |= _fork_metrics(column["rows"], column["turns"])
     if layout.with_tools:
         metrics |= tool_metrics(column)
     return metrics
@@ -158,6 +173,21 @@ def _length_metrics(lengths_N: torch.Tensor, truncated_N: torch.Tensor) -> dict[
         "completions/min_terminated_length": float(terminated_N.min()),
         "completions/max_terminated_length": float(terminated_N.max()),
         "completions/clipped_ratio": float(truncated_N.float().mean()),
+    }
+
+
+def _fork_metrics(rows_N: torch.Tensor, turns_N: torch.Tensor) -> dict[str, float]:
+    """Rows per episode, and the share of the turns after an episode's first that forked.
+
+    Every model turn after the first follows a tool turn, which either extended the row or
+    forked a new one (`rollout.Episode.rows`), so `turns/fork_frequency` is forks over those
+    turns: 0 for a template that always extends, 1 for one that rewrites every turn.
+    """
+    continued = float((turns_N - 1).clamp(min=0).sum())
+    forks = float((rows_N - 1).sum())
+    return {
+        "episodes/rows_mean": float(rows_N.mean()),
+        "turns/fork_frequency": forks / continued if continued else 0.0,
     }
 
 
