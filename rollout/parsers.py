@@ -18,12 +18,18 @@ tokenizer's own `parse_response` when the tokenizer ships a response template.
 from __future__ import annotations
 
 import inspect
-import json
 import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rollout.parse_json import MAX_JSON_DEPTH as MAX_JSON_DEPTH  # the limit every parser keeps
+from rollout.parse_json import (
+    _BadCall,
+    _decode,
+    _error,
+    _loads,
+    _tool_call,
+)
 from rollout.types import ParsedTurn, ToolCall
 
 Parser = Callable[[str], ParsedTurn]
@@ -44,130 +50,6 @@ _LLAMA3_SEPARATOR = re.compile(r"[\s;]*")
 _LLAMA3_NEXT_CALL = re.compile(r"[;\n]\s*(?=\{)")
 # Llama 3 templates write the key in a Jinja string literal, so its quotes may be escaped.
 _PARAMETERS_KEY = re.compile(r'\\?"parameters\\?"')
-_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
-# Deeper JSON is refused: every later step (the template's `tojson`, logs, tools) recurses over
-# it, and Python's recursion limit (1000 frames, shared with the caller's stack) must hold there.
-MAX_JSON_DEPTH = 128
-_TOO_DEEP = f"the JSON nests deeper than {MAX_JSON_DEPTH} levels"
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class _BadCall(ValueError):
-    """A tool call that cannot be read; the message says why, in words for the model."""
-
-
-def _error(reason: str, hint: str = "") -> str:
-    message = f"Error: could not parse tool call: {_escaped(reason).rstrip('.')}."
-    return f"{message} {hint}" if hint else message
-
-
-def _json_type(value: Any) -> str:
-    return _JSON_TYPES.get(type(value), "number" if isinstance(value, int | float) else "value")
-
-
-def _json_reason(exc: json.JSONDecodeError) -> str:
-    return f"{exc.msg} at line {exc.lineno} column {exc.colno}"
-
-
-def _json_int(digits: str) -> int:
-    """Read a JSON integer literal; one too long for Python to convert is the model's mistake."""
-    try:
-        return int(digits)
-    except ValueError:  # over sys.get_int_max_str_digits(): int() refuses it
-        limit = sys.get_int_max_str_digits()
-        raise _BadCall(f"an integer has {len(digits.lstrip('-'))} digits, over {limit}") from None
-
-
-_DECODER = json.JSONDecoder(parse_int=_json_int)
-
-
-def _decode(text: str, start: int = 0) -> tuple[Any, int]:
-    """`raw_decode` one JSON value at `start`: the value and the index after it.
-
-    Raises:
-        _BadCall: The text is not JSON there, or is JSON no tool call may hold: nested too
-            deep for the decoder, or an integer too long to convert.
-
-    """
-    try:
-        return _DECODER.raw_decode(text, start)
-    except json.JSONDecodeError as exc:
-        raise _BadCall(_json_reason(exc)) from None
-    except RecursionError:  # nested far deeper than MAX_JSON_DEPTH: refused all the same
-        raise _BadCall(_TOO_DEEP) from None
-
-
-def _loads(text: str) -> Any:
-    """Decode a whole JSON text (surrounding whitespace allowed), like `json.loads`."""
-    text = text.strip()  # so a line number counts from the JSON's first line, as the model sees
-    value, end = _decode(text)
-    if end != len(text):
-        raise _BadCall(_json_reason(json.JSONDecodeError("Extra data", text, end)))
-    return value
-
-
-def _check_json(value: Any) -> None:
-    r"""Raise `_BadCall` if a decoded value nests too deep or holds a lone surrogate.
-
-    A lone surrogate (`"\ud800"` unpaired) decodes to a string that is not valid Unicode: no
-    tokenizer can encode it and no UTF-8 file can hold it. The walk is iterative, so it never
-    recurses whatever the depth.
-    """
-    pending: list[tuple[Any, int]] = [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        if isinstance(item, str):
-            if not item.isascii() and (bad := _SURROGATE.search(item)):
-                raise _BadCall(
-                    f"the string {_quoted(item)} holds a lone surrogate "
-                    f"\\u{ord(bad.group()):04x}, which is not a Unicode character"
-                )
-            continue
-        if not isinstance(item, dict | list):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise _BadCall(_TOO_DEEP)
-        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
-        pending.extend((child, depth + 1) for child in children)
-
-
-def _quoted(text: str, width: int = 40) -> str:
-    """A short quote of a string, as `_escaped`."""
-    shown = _escaped(text[:width])
-    return f'"{shown}..."' if len(text) > width else f'"{shown}"'
-
-
-def _escaped(text: str) -> str:
-    r"""`text` with its lone surrogates written as escapes (`\ud800`), so it can be encoded."""
-    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _arguments(call: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """Return a call's arguments: `arguments`, else `parameters`; absent, null or "" mean {}."""
-    key = "arguments" if "arguments" in call else "parameters"
-    arguments = call.get(key)
-    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
-        return {}
-    if isinstance(arguments, str):  # OpenAI style: the arguments object encoded as a string
-        try:
-            arguments = _loads(arguments)
-        except _BadCall as exc:
-            raise _BadCall(f'"{key}" of {name!r} is a string that is not JSON') from exc
-        _check_json(arguments)
-    if not isinstance(arguments, Mapping):
-        raise _BadCall(f'"{key}" of {name!r} must be a JSON object, got {_json_type(arguments)}')
-    return dict(arguments)
-
-
-def _tool_call(call: Any) -> ToolCall:
-    """Read one decoded call `{"name": str, "arguments": {...}}`; raise `_BadCall` if it is not."""
-    _check_json(call)
-    if not isinstance(call, Mapping):
-        raise _BadCall(f"expected a JSON object, got {_json_type(call)}")
-    name = call.get("name")
-    if not isinstance(name, str) or not name:
-        raise _BadCall('the "name" field is missing or not a string')
-    return ToolCall(name=name, arguments=_arguments(call, name))
 
 
 def parse_hermes(text: str) -> ParsedTurn:
