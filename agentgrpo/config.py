@@ -582,7 +582,8 @@ class GRPOConfig(TrainingArguments):
     tool_call_parser: str | None = field(
         default=None,
         metadata={
-            "help": "How tool calls are read from model text ('hermes', 'llama3_json'). None: "
+            "help": "How tool calls are read from model text (a rollout.PARSERS name: 'hermes', "
+            "'llama3_json', 'qwen3_xml', 'glm4', 'harmony', 'atem', 'mistral'). None: "
             "detected from the chat template."
         },
     )

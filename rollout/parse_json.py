@@ -29,6 +29,10 @@ class _BadCall(ValueError):
     """A tool call that cannot be read; the message says why, in words for the model."""
 
 
+class _NotJson(_BadCall):
+    """The text is not JSON at all (as opposed to JSON no tool call may hold)."""
+
+
 def _error(reason: str, hint: str = "") -> str:
     message = f"Error: could not parse tool call: {_escaped(reason).rstrip('.')}."
     return f"{message} {hint}" if hint else message
@@ -58,14 +62,15 @@ def _decode(text: str, start: int = 0) -> tuple[Any, int]:
     """`raw_decode` one JSON value at `start`: the value and the index after it.
 
     Raises:
-        _BadCall: The text is not JSON there, or is JSON no tool call may hold: nested too
-            deep for the decoder, or an integer too long to convert.
+        _NotJson: The text is not JSON there.
+        _BadCall: The text is JSON no tool call may hold: nested too deep for the decoder, or
+            an integer too long to convert.
 
     """
     try:
         return _DECODER.raw_decode(text, start)
     except json.JSONDecodeError as exc:
-        raise _BadCall(_json_reason(exc)) from None
+        raise _NotJson(_json_reason(exc)) from None
     except RecursionError:  # nested far deeper than MAX_JSON_DEPTH: refused all the same
         raise _BadCall(_TOO_DEEP) from None
 
@@ -75,7 +80,7 @@ def _loads(text: str) -> Any:
     text = text.strip()  # so a line number counts from the JSON's first line, as the model sees
     value, end = _decode(text)
     if end != len(text):
-        raise _BadCall(_json_reason(json.JSONDecodeError("Extra data", text, end)))
+        raise _NotJson(_json_reason(json.JSONDecodeError("Extra data", text, end)))
     return value
 
 

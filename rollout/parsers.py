@@ -11,17 +11,21 @@ JSON that no later stage could handle is a bad call too: nesting deeper than `MA
 an integer longer than Python converts (`sys.get_int_max_str_digits()`), or a string holding a
 lone surrogate escape (`"\ud800"`), which no tokenizer encodes.
 
-Two formats are written out by hand (`hermes`, `llama3_json`); `tokenizer_parser` wraps the
-tokenizer's own `parse_response` when the tokenizer ships a response template.
+Two formats are written out here (`hermes`, `llama3_json`), the others in modules of their own
+(`parse_xml`: `qwen3_xml`, `glm4`, `atem`; `parse_harmony`; `parse_mistral`), all registered in
+`PARSERS`; `detect_parser` tells from a chat template which one it asks for, and
+`tokenizer_parser` wraps the tokenizer's own `parse_response` when it ships a response template.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rollout.parse_harmony import parse_harmony
 from rollout.parse_json import MAX_JSON_DEPTH as MAX_JSON_DEPTH  # the limit every parser keeps
 from rollout.parse_json import (
     _BadCall,
@@ -30,6 +34,8 @@ from rollout.parse_json import (
     _loads,
     _tool_call,
 )
+from rollout.parse_mistral import parse_mistral
+from rollout.parse_xml import parse_atem, parse_glm4, parse_qwen3_xml
 from rollout.types import ParsedTurn, ToolCall
 
 Parser = Callable[[str], ParsedTurn]
@@ -141,52 +147,89 @@ def parse_llama3_json(text: str) -> ParsedTurn:
     return ParsedTurn(content=body[pos:].strip(), tool_calls=calls, errors=errors)
 
 
-PARSERS: dict[str, Parser] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+PARSERS: dict[str, Parser] = {
+    "hermes": parse_hermes,
+    "llama3_json": parse_llama3_json,
+    "qwen3_xml": parse_qwen3_xml,
+    "glm4": parse_glm4,
+    "atem": parse_atem,
+    "harmony": parse_harmony,
+    "mistral": parse_mistral,
+}
 
 
-def get_parser(name: str) -> Parser:
+def _is_llama3(template: str) -> bool:
+    return _PYTHON_TAG in template or (
+        _PARAMETERS_KEY.search(template) is not None
+        and ("ipython" in template or "<|eom_id|>" in template)
+    )
+
+
+# What a chat template holds when it asks for each parser's format. The XML formats write their
+# calls inside <tool_call> too, so a bare <tool_call> means Hermes only without their markup.
+_TEMPLATE_MARKERS: dict[str, Callable[[str], bool]] = {
+    "hermes": lambda t: "<tool_call>" in t and "<function=" not in t and "<arg_key>" not in t,
+    "llama3_json": _is_llama3,
+    "qwen3_xml": lambda t: "<function=" in t,
+    "glm4": lambda t: "<arg_key>" in t,
+    "atem": lambda t: "<atem:invoke" in t,
+    "harmony": lambda t: "<|channel|>" in t and "<|call|>" in t,
+    "mistral": lambda t: "[TOOL_CALLS]" in t,
+}
+
+
+def get_parser(name: str, tools: Sequence[Mapping[str, Any]] | None = None) -> Parser:
     """Return the parser registered under `name` in `PARSERS`.
+
+    Args:
+        name: A key of `PARSERS`.
+        tools: The tool schemas offered. Parsers of formats whose argument values are untyped
+            text (`qwen3_xml`, `glm4`, `atem`) type each value against its parameter's schema
+            (`"7"` becomes `7` for an integer); the others ignore them.
 
     Raises:
         ValueError: If no parser has that name; the message lists the valid names.
 
     """
     try:
-        return PARSERS[name]
+        parser = PARSERS[name]
     except KeyError:
         valid = ", ".join(repr(known) for known in sorted(PARSERS))
         raise ValueError(f"unknown tool_call_parser {name!r}; valid names: {valid}") from None
+    if tools is not None and "tools" in inspect.signature(parser).parameters:
+        typed: Callable[..., ParsedTurn] = parser  # it takes `tools` too, as checked
+        return functools.partial(typed, tools=list(tools))
+    return parser
 
 
 def detect_parser(chat_template: str) -> str:
     """Return the name of the parser that reads the tool calls a chat template asks for.
 
-    Conservative: `"hermes"` when the template source contains `<tool_call>` (and no XML-style
-    `<function=` markup inside it); `"llama3_json"` when it contains `<|python_tag|>`, or a
-    `"parameters"` key together with `ipython` or `<|eom_id|>`. Anything else raises.
+    Conservative: the template must hold the markup of exactly one format
+    (`_TEMPLATE_MARKERS`): `"hermes"` for `<tool_call>` (without the XML formats' markup),
+    `"llama3_json"` for `<|python_tag|>` or a `"parameters"` key with `ipython` or
+    `<|eom_id|>`, `"qwen3_xml"` for `<function=`, `"glm4"` for `<arg_key>`, `"atem"` for
+    `<atem:invoke`, `"harmony"` for `<|channel|>` with `<|call|>`, `"mistral"` for
+    `[TOOL_CALLS]`. Anything else raises.
 
     Args:
         chat_template: The Jinja source of the chat template.
 
     Raises:
         TypeError: If `chat_template` is not a string (e.g. a dict of named templates).
-        ValueError: If the format cannot be told, or both formats seem present; the message says
-            to pass `tool_call_parser=...` explicitly.
+        ValueError: If no format, or more than one, seems present; the message says to pass
+            `tool_call_parser=...` explicitly.
 
     """
     if not isinstance(chat_template, str):
         raise TypeError(f"chat_template must be the template source, got {type(chat_template)}")
-    hermes = "<tool_call>" in chat_template and "<function=" not in chat_template
-    llama3 = _PYTHON_TAG in chat_template or (
-        _PARAMETERS_KEY.search(chat_template) is not None
-        and ("ipython" in chat_template or "<|eom_id|>" in chat_template)
-    )
-    if hermes != llama3:
-        return "hermes" if hermes else "llama3_json"
-    found = "both the Hermes and the Llama 3 tool format" if hermes else "no tool format it knows"
+    found = [name for name, holds in _TEMPLATE_MARKERS.items() if holds(chat_template)]
+    if len(found) == 1:
+        return found[0]
+    what = f"the formats of {' and '.join(found)}" if found else "no tool format it knows"
     valid = ", ".join(repr(known) for known in sorted(PARSERS))
     raise ValueError(
-        f"cannot tell how this chat template writes tool calls (found {found}). If the model "
+        f"cannot tell how this chat template writes tool calls (found {what}). If the model "
         f"calls tools, pass tool_call_parser=... (one of {valid}); if the template has no tool "
         "support, use a chat template that does."
     )
