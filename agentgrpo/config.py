@@ -586,9 +586,9 @@ class GRPOConfig(TrainingArguments):
     tool_call_parser: str | None = field(
         default=None,
         metadata={
-            "help": "How tool calls are read from model text (a name in rollout.PARSERS: "
-            "'hermes', 'llama3_json', 'deepseek_v3', 'gemma4', 'lfm2'). None: detected from the "
-            "chat template."
+            "help": "How tool calls are read from model text (a rollout.PARSERS name: 'hermes', "
+            "'llama3_json', 'qwen3_xml', 'glm4', 'harmony', 'atem', 'mistral', 'deepseek_v3', "
+            "'gemma4', 'lfm2'). None: detected from the chat template."
         },
     )
     log_episodes: bool = field(

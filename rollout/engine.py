@@ -31,8 +31,9 @@ class RolloutEngine:
             the environment class itself), or None for plain tools only.
         tools: Plain tool functions (typed, Google-style docstrings) offered in every episode.
         chat_template: None (the tokenizer's), a built-in name (`"chatml_tools"`), or jinja.
-        tool_call_parser: A parser name (`"hermes"`, `"llama3_json"`) or None to use the
-            tokenizer's response parser if it has one, else detect it from the template.
+        tool_call_parser: A parser name (a key of `rollout.PARSERS`: `"hermes"`,
+            `"llama3_json"`, `"qwen3_xml"`, ...) or None to use the tokenizer's response parser
+            if it has one, else detect it from the template.
         chat_template_kwargs: Extra template variables (e.g. `{"enable_thinking": False}`).
         config: Limits and sampling (`EpisodeConfig`).
         max_concurrent_episodes: The most episodes in flight at once.
@@ -169,8 +170,9 @@ def select_parser(
     if not schemas:
         return _no_tool_calls
     if name is not None:
-        return get_parser(name)
-    return tokenizer_parser(tokenizer, tools=list(schemas)) or get_parser(detect_parser(template))
+        return get_parser(name, tools=schemas)
+    detected = tokenizer_parser(tokenizer, tools=schemas)
+    return detected or get_parser(detect_parser(template), tools=schemas)
 
 
 def _no_tool_calls(text: str) -> ParsedTurn:

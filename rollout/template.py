@@ -361,7 +361,9 @@ class ChatRenderer:
 
         Returns:
             The ids to append after the sampled stop token (everything the template writes from
-            there up to and including the next assistant header), and the new prompt text.
+            there up to and including the next assistant header; when the template writes the
+            stop token as the opening of the tool turn instead of closing the assistant's, what
+            follows it), and the new prompt text.
 
         Raises:
             TemplateDriftError: the template renders earlier turns differently once turns are
@@ -373,7 +375,12 @@ class ChatRenderer:
         self._check_extends(prompt_text, before, "the model's turn")
         self._check_extends(before, after, "the tool results")
         assistant_text = before[len(prompt_text) :]
+        added = after[len(before) :]
         end = assistant_text.rfind(stop_text)
+        if end < 0 and added.startswith(stop_text):
+            # The template writes the stop token as the next message's opening (GLM-4 opens tool
+            # results with <|observation|>, the token its model stops on): the model wrote it.
+            return self.encode(added[len(stop_text) :]), after
         if end < 0:
             raise TemplateDriftError(
                 f"The chat template does not end assistant turns with {stop_text!r}, the token "
@@ -381,7 +388,7 @@ class ChatRenderer:
                 f"whose assistant turns end with the model's end-of-turn token."
             )
         glue = assistant_text[end + len(stop_text) :]
-        return self.encode(glue + after[len(before) :]), after
+        return self.encode(glue + added), after
 
     @staticmethod
     def _check_extends(shorter: str, longer: str, what: str) -> None:

@@ -19,7 +19,7 @@ from test_parsers import HERMES_RESPONSE_TEMPLATE, offline_tokenizer
 
 from environments import Counter
 from rollout import EpisodeConfig, Finish, RolloutEngine
-from rollout.parsers import parse_hermes, parse_llama3_json, tokenizer_parser
+from rollout.parsers import get_parser, parse_hermes, parse_llama3_json, tokenizer_parser
 from rollout.template import max_token_chars
 from rollout.types import ParsedTurn
 
@@ -34,6 +34,8 @@ PARSERS = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
     "tokenizer": tokenizer_parser(offline_tokenizer(HERMES_RESPONSE_TEMPLATE)),
+    **{name: get_parser(name, tools=[]) for name in ("qwen3_xml", "glm4", "atem")},
+    **{name: get_parser(name) for name in ("harmony", "mistral")},
 }
 TOOL_NAMES = ["echo", "keep", "increment", "nope"]
 

@@ -167,6 +167,9 @@ def test_get_parser_returns_the_registered_parsers():
     assert get_parser("hermes") is parse_hermes
     assert get_parser("llama3_json") is parse_llama3_json
     assert all(get_parser(name) is parser for name, parser in PARSERS.items())
+    assert {"hermes", "llama3_json", "qwen3_xml", "glm4", "atem", "harmony", "mistral"} <= set(
+        PARSERS
+    )
 
 
 def test_get_parser_with_an_unknown_name_lists_the_valid_names():
@@ -222,13 +225,13 @@ def test_detect_parser_on_plain_chatml_asks_for_an_explicit_parser():
         detect_parser(CHATML_TEMPLATE)
 
 
-def test_detect_parser_refuses_xml_style_calls_inside_tool_call_tags():
-    with pytest.raises(ValueError, match="tool_call_parser"):
-        detect_parser("<tool_call>\n<function={{ name }}>\n</function>\n</tool_call>")
+def test_detect_parser_reads_xml_style_calls_inside_tool_call_tags_as_qwen3_xml():
+    template = "<tool_call>\n<function={{ name }}>\n</function>\n</tool_call>"
+    assert detect_parser(template) == "qwen3_xml"
 
 
 def test_detect_parser_refuses_a_template_with_both_formats():
-    with pytest.raises(ValueError, match="both"):
+    with pytest.raises(ValueError, match="the formats of hermes and llama3_json"):
         detect_parser(HERMES_TEMPLATE + LLAMA3_TEMPLATE)
 
 
