@@ -327,7 +327,7 @@ def _arguments_for(func: RewardFunction, available: Mapping[str, Any]) -> dict[s
         if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             continue
         by_keyword = p.kind is not inspect.Parameter.POSITIONAL_ONLY
-        alias = _ALIASES.get(p.name)
+        alias = _ALIASES.get(p.name, p.name)
         if by_keyword and p.name in available:
             chosen[p.name] = available[p.name]
         elif by_keyword and alias in available:
