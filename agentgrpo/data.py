@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from rollout import Episode, EpisodeRow, EpisodeStats, Finish
+from rollout import Episode, EpisodeRow, EpisodeStats, Finish, RolloutEngine
+from rollout.engine import ENVIRONMENT_COLUMN
+
+logger = logging.getLogger(__name__)
 
 
 def training_rows(
@@ -23,8 +27,15 @@ def training_rows(
       prompt-less rows, `rows_needed` of them.
 
     Raises:
-        ValueError: Nothing to train on, or an unsized dataset without `max_steps`.
+        ValueError: Nothing to train on, an unsized dataset without `max_steps`, or several
+            environments without a dataset to route rows to them.
     """
+    if dataset is None and isinstance(environment_factory, Mapping):
+        raise ValueError(
+            "A dict `environment_factory` (several environments) requires a `train_dataset` "
+            f"with an {ENVIRONMENT_COLUMN!r} column naming each row's environment; pass such a "
+            "dataset, or a single environment factory"
+        )
     if dataset is not None:
         if hasattr(dataset, "__len__"):
             return dataset
@@ -42,9 +53,69 @@ def training_rows(
             )
         return [{} for _ in range(rows_needed)]
     raise ValueError(
-        "GRPOTrainer needs a train_dataset (or an environment_factory whose environment has "
-        "a dataset() classmethod or states its own tasks in reset())"
+        "`train_dataset` is required unless an `environment_factory` is provided (an "
+        "environment class with a dataset() classmethod, or one that states its own tasks in "
+        "reset() with max_steps > 0)"
     )
+
+
+def is_iterable_dataset(dataset: Any) -> bool:
+    """Whether `dataset` is read as a stream (e.g. `datasets.IterableDataset`): no `len()`."""
+    return dataset is not None and not hasattr(dataset, "__len__") and hasattr(dataset, "__iter__")
+
+
+def adapt_to_iterable_datasets(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
+    """Set `args` for iterable datasets as TRL does, in place, before the Trainer reads them.
+
+    With any iterable dataset (train, eval, or one of a dict of eval sets), each process reads
+    its own rows: `accelerator_config.dispatch_batches` becomes False. With an iterable train
+    set, `dataloader_num_workers` becomes 0 (with a warning), so one reader keeps the stream's
+    order.
+
+    Raises:
+        ValueError: `dispatch_batches=True` was asked for.
+    """
+    evals = eval_dataset.values() if isinstance(eval_dataset, Mapping) else [eval_dataset]
+    if not any(is_iterable_dataset(d) for d in (train_dataset, *evals)):
+        return
+    if args.accelerator_config.dispatch_batches:
+        raise ValueError(
+            "Iterable datasets require `dispatch_batches=False`, and accelerator_config sets it "
+            "to True: set it to False (or leave it unset); each process then reads its own rows"
+        )
+    args.accelerator_config.dispatch_batches = False
+    if is_iterable_dataset(train_dataset) and args.dataloader_num_workers != 0:
+        logger.warning(
+            "Iterable datasets require dataloader_num_workers=0 to keep the stream's order; "
+            "overriding dataloader_num_workers=%d",
+            args.dataloader_num_workers,
+        )
+        args.dataloader_num_workers = 0
+
+
+def check_environment_column(rows: Any, engine: RolloutEngine) -> None:
+    """With several environments, fail unless every row names a known one in `environment`.
+
+    Raises:
+        ValueError: The column is missing, or names an environment the engine lacks.
+    """
+    if not engine.multi_environment:
+        return
+    columns = getattr(rows, "column_names", None)
+    if columns is None:
+        columns = list(rows[0]) if len(rows) else []
+    if ENVIRONMENT_COLUMN not in columns:
+        raise ValueError(
+            f"A dict `environment_factory` (several environments) requires a `train_dataset` "
+            f"with an {ENVIRONMENT_COLUMN!r} column naming each row's environment (one of "
+            f"{list(engine.contexts)}); its columns are {columns}"
+        )
+    if hasattr(rows, "column_names"):
+        names = list(rows[ENVIRONMENT_COLUMN])
+    else:
+        names = [row.get(ENVIRONMENT_COLUMN) for row in rows]
+    for name in dict.fromkeys(names):
+        engine.context_for({ENVIRONMENT_COLUMN: name})
 
 
 def rows_collator(rows: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

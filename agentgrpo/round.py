@@ -12,7 +12,6 @@ CPU without a Trainer, and each stage has explicit inputs and outputs.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -195,7 +194,10 @@ class RewardShaping:
         return cls(args.reward_weights, args.multi_objective_aggregation, args.scale_rewards)
 
     def combine(self, rewards_N_F: torch.Tensor, num_generations: int) -> torch.Tensor:
-        """rewards_N: the weighted columns; 0 (with a warning) where every column is None."""
+        """rewards_N: the weighted columns; 0 where every column is None.
+
+        `rounds.warn_if_unscored` has already logged such episodes when they were scored.
+        """
         weights = self.weights_F or [1.0] * rewards_N_F.shape[1]
         rewards_N = combine_rewards(
             rewards_N_F,
@@ -203,13 +205,7 @@ class RewardShaping:
             num_generations,
             self.aggregation,
         )
-        if rewards_N.isnan().any():
-            warnings.warn(
-                "every reward function returned None for some completions; they get reward 0",
-                stacklevel=2,
-            )
-            rewards_N = rewards_N.nan_to_num(0.0)
-        return rewards_N
+        return rewards_N.nan_to_num(0.0)
 
     def advantages(self, everyone_N: torch.Tensor, num_generations: int) -> torch.Tensor:
         """advantages_N over every process's rewards (batch scaling needs them all)."""

@@ -7,6 +7,8 @@ functions overlap with the generation of the groups still playing instead of add
 from __future__ import annotations
 
 import functools
+import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +17,8 @@ import torch
 
 from agentgrpo.rewards.calls import RewardBatch, RewardFunction, score
 from rollout import Episode, RolloutEngine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,8 +77,9 @@ class Scorer:
 
     Attributes:
         funcs: The user's reward functions.
-        env_reward_name: Column name of the environment's `reward()`/`get_reward()` (its class
-            name), or None when the environment has no reward method.
+        env_reward_classes: The environment classes that score themselves (`reward()` or
+            `get_reward()`), one reward column each, named after the class. An episode gets
+            its environment's reward in its class's column and None (NaN) in the others.
         with_environments: Episodes have environments: reward functions may name them.
         text_completions: Completions are text (TRL's standard format) rather than messages.
         decode: Token ids to text, for text completions.
@@ -83,7 +88,7 @@ class Scorer:
     """
 
     funcs: Sequence[RewardFunction]
-    env_reward_name: str | None
+    env_reward_classes: Sequence[type]
     with_environments: bool
     text_completions: bool
     decode: Callable[[list[int]], str]
@@ -93,9 +98,7 @@ class Scorer:
     @property
     def names(self) -> list[str]:
         """One name per reward column, in the column order of `score_group`'s result."""
-        return [f.name for f in self.funcs] + (
-            [self.env_reward_name] if self.env_reward_name else []
-        )
+        return [f.name for f in self.funcs] + [c.__name__ for c in self.env_reward_classes]
 
     async def score_group(self, episodes: Sequence[Episode]) -> torch.Tensor:
         """rewards_G_F: one column per name in `names`; NaN where a function returned None."""
@@ -111,8 +114,9 @@ class Scorer:
             log_metric=self.logs.add_metric,
         )
         columns = [await score(list(self.funcs), batch)] if self.funcs else []
-        if self.env_reward_name:
-            columns.append(torch.tensor([[e.env_reward] for e in episodes], dtype=torch.float32))
+        for env_class in self.env_reward_classes:
+            rewards = [_own_reward(e, env_class) for e in episodes]
+            columns.append(torch.tensor(rewards, dtype=torch.float32).unsqueeze(1))
         return torch.cat(columns, dim=1) if columns else torch.zeros(len(episodes), 0)
 
     def views(self, episode: Episode) -> tuple[Any, Any]:
@@ -121,6 +125,23 @@ class Scorer:
             return episode.row["prompt"], self.decode(episode.completion_ids)
         first_reply = next(i for i, m in enumerate(episode.messages) if m["role"] == "assistant")
         return episode.messages[:first_reply], episode.messages[first_reply:]
+
+
+def _own_reward(episode: Episode, env_class: type) -> float:
+    """The episode's environment reward if `env_class` played it (exactly), else NaN."""
+    if type(episode.environment) is not env_class or episode.env_reward is None:
+        return math.nan
+    return episode.env_reward
+
+
+def environment_reward_classes(factory: Any) -> tuple[type, ...]:
+    """The environment classes that score themselves, for one factory or a dict of them.
+
+    Each class counts once, in the dict's order, even when several names map to it.
+    """
+    factories = factory.values() if isinstance(factory, Mapping) else [factory]
+    classes = [f for f in factories if environment_reward_name(f) is not None]
+    return tuple(dict.fromkeys(classes))
 
 
 def environment_reward_name(factory: Any) -> str | None:
@@ -154,6 +175,7 @@ async def play_round(
 
     episodes = await engine.run(rows, num_generations, seed=seed, on_group=on_group)
     rewards_N_F = torch.cat([rewards_by_group[g] for g in range(len(rows))])
+    warn_if_unscored(episodes, rewards_N_F)
     return episodes, rewards_N_F
 
 
@@ -162,4 +184,26 @@ async def score_played(
 ) -> torch.Tensor:
     """rewards_N_F of episodes already played (in groups of `num_generations`), group by group."""
     groups = [episodes[g : g + num_generations] for g in range(0, len(episodes), num_generations)]
-    return torch.cat([await scorer.score_group(group) for group in groups])
+    rewards_N_F = torch.cat([await scorer.score_group(group) for group in groups])
+    warn_if_unscored(episodes, rewards_N_F)
+    return rewards_N_F
+
+
+def warn_if_unscored(episodes: Sequence[Episode], rewards_N_F: torch.Tensor) -> None:
+    """Log a warning, with the first such row, when every reward is None for some episode.
+
+    Such an episode gets reward 0 (`round.RewardShaping.combine`). The warning goes through
+    this module's logger, as TRL logs its own, so the same log filters catch it.
+    """
+    unscored_N = rewards_N_F.isnan().all(dim=1)
+    if not rewards_N_F.shape[1] or not unscored_N.any():
+        return
+    first = episodes[int(unscored_N.nonzero()[0])]
+    logger.warning(
+        "All reward functions returned None for %d of %d completions; they get reward 0. "
+        "Make at least one reward function return a number for every completion. First such "
+        "row: %s",
+        int(unscored_N.sum()),
+        len(episodes),
+        dict(first.row),
+    )

@@ -104,3 +104,13 @@ def eval_rows_loader(
         collate_fn=rows_collator,
         num_workers=num_workers,
     )
+
+
+def stream_loader(dataset: Any, rows_per_batch: int) -> torch.utils.data.DataLoader:
+    """A DataLoader reading an iterable dataset in order, `rows_per_batch` rows at a time.
+
+    One worker, so the stream keeps its order; the last batch may be shorter.
+    """
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=rows_per_batch, collate_fn=rows_collator, num_workers=0
+    )

@@ -10,6 +10,7 @@ Trainer does the rest: optimizer, schedule, accumulation, checkpoints (made atom
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,15 +24,27 @@ import anyio
 import torch
 from accelerate.utils import gather_object
 
-from agentgrpo import checkpoints
+from agentgrpo import checkpoints, porting
 from agentgrpo.checkpoint_saving import AtomicCheckpoints
 from agentgrpo.config import GRPOConfig
-from agentgrpo.data import episodes_from_rollout_func, rows_collator, training_rows
+from agentgrpo.data import (
+    adapt_to_iterable_datasets,
+    check_environment_column,
+    episodes_from_rollout_func,
+    is_iterable_dataset,
+    rows_collator,
+    training_rows,
+)
 from agentgrpo.learner.batch import TrainingBatch, collate_episodes
 from agentgrpo.learner.entropy_control import AdaptiveEntropy
 from agentgrpo.learner.logprobs import batched_logprobs, completion_logprobs
 from agentgrpo.learner.losses import normalises_by_num_items, policy_loss
-from agentgrpo.learner.token_weights import TokenWeighting, entropy_from_logits
+from agentgrpo.learner.token_weights import (
+    TokenWeighting,
+    entropy_from_logits,
+    high_entropy_mask,
+    off_policy_sequence_mask,
+)
 from agentgrpo.models import (
     check_liger_kernel,
     load_policy,
@@ -61,7 +74,7 @@ from agentgrpo.round import (
     round_seed,
 )
 from agentgrpo.rounds import play_round, score_played
-from agentgrpo.sampler import RoundSampler, eval_rows_loader, rows_loader
+from agentgrpo.sampler import RoundSampler, eval_rows_loader, rows_loader, stream_loader
 from agentgrpo.warm_start import environment_demonstrations, warm_start
 from agentgrpo.weight_sync import build_generator, generation_weights
 from agentgrpo.wiring import build_parts
@@ -75,7 +88,7 @@ class GRPOTrainer(AtomicCheckpoints):
     """Train a causal LM with GRPO on single-turn prompts or multi-turn tool-calling episodes.
 
     Accepts the arguments of TRL's `GRPOTrainer` with the same meanings, so a TRL script ports
-    by changing its import.
+    by changing its import; the keyword-only arguments are older spellings (see `porting`).
 
     Args:
         model: A hub id or local path, a `PreTrainedModel`, or a `PeftModel`.
@@ -84,7 +97,7 @@ class GRPOTrainer(AtomicCheckpoints):
         args: A `GRPOConfig`; defaults to one writing to `<model name>-GRPO`.
         train_dataset: Rows with a `prompt` (text, or a list of messages) and any other columns,
             which reward functions and the environment's `reset` receive by name.
-        eval_dataset: Like `train_dataset`, or a dict of them.
+        eval_dataset: Like `train_dataset` (an `IterableDataset` is streamed), or a dict of them.
         processing_class: The tokenizer; loaded from the model when None.
         reward_processing_classes: Tokenizers of reward models, by position.
         callbacks: transformers `TrainerCallback`s.
@@ -98,7 +111,18 @@ class GRPOTrainer(AtomicCheckpoints):
             TRL; an optional `episode_ids` list (one id per entry) makes entries with equal ids
             the rows of one episode, sharing its reward and advantage.
         environment_factory: An environment class (or zero-argument factory): each episode plays
-            against a fresh instance whose public methods are tools.
+            against a fresh instance whose public methods are tools. Or a dict of them by name:
+            each row's `environment` column picks its environment, whose tools alone (with
+            `tools`) its episodes are offered.
+        tokenizer: The older name of `processing_class` (give one of them).
+        reward_model: A reward model (or its path), added to `reward_funcs`.
+        reward_fn: A reward function, added to `reward_funcs`.
+        num_generations: The group size, when given here as well: it must equal the config's
+            (which it sets when `args` is None).
+
+    Raises:
+        ValueError: A user mistake (no reward, mismatched arguments, a bad dataset...).
+        ImportError: `args.optim` needs bitsandbytes and it is missing or fails.
     """
 
     _tag_names = ("trl", "grpo", "agentgrpo")
@@ -125,19 +149,29 @@ class GRPOTrainer(AtomicCheckpoints):
         peft_config: Any = None,
         tools: Sequence[Callable[..., Any]] | None = None,
         rollout_func: Callable[[list[Any], GRPOTrainer], Mapping[str, Any]] | None = None,
-        environment_factory: Callable[[], Any] | None = None,
+        environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None = None,
+        *,
+        tokenizer: Any = None,
+        reward_model: Any = None,
+        reward_fn: Callable[..., Any] | None = None,
+        num_generations: int | None = None,
     ):
-        args = args or GRPOConfig(output_dir=f"{_model_name(model)}-GRPO")
-        if isinstance(environment_factory, Mapping):
-            raise ValueError(
-                "a dict of environment factories is not supported; pass one environment class"
-            )
+        if args is None:
+            group: dict[str, Any] = {}
+            if num_generations is not None:
+                group["num_generations"] = num_generations
+            args = GRPOConfig(output_dir=f"{_model_name(model)}-GRPO", **group)
+        porting.check_num_generations(args.num_generations, num_generations)
+        porting.check_optimizer(args.optim, args.device)
+        adapt_to_iterable_datasets(args, train_dataset, eval_dataset)
+        processing_class = porting.processing_class_of(processing_class, tokenizer)
+        sources = porting.reward_sources(reward_funcs, reward_model, reward_fn)
         tokenizer_source = tokenizer_kwargs(args, model)
         model = load_policy(model, args, peft_config, quantization_config)
         check_liger_kernel(args, model)
         tokenizer = load_tokenizer(model, processing_class, tokenizer_source)
         self.reward_funcs = reward_functions(
-            reward_funcs or [], reward_processing_classes, reward_model_kwargs(args)
+            sources, reward_processing_classes, reward_model_kwargs(args)
         )
         self.rollout_func = rollout_func
         self.plan = RoundPlan.from_config(args, args.world_size)
@@ -161,6 +195,7 @@ class GRPOTrainer(AtomicCheckpoints):
             self.add_callback(reference_sync(self.ref_model, policy, args))
         self._environment_factory = environment_factory
         self._wire(tools or [], environment_factory)
+        check_environment_column(self.train_dataset, self.engine)
         if rollout_func is None:  # its extra fields are known only once it runs
             check_trainer_arguments(
                 self.reward_funcs, self.train_dataset, bool(environment_factory)
@@ -192,9 +227,10 @@ class GRPOTrainer(AtomicCheckpoints):
         self.engine, self.scorer, self.loss_config = parts.engine, parts.scorer, parts.loss_config
         self.token_weighting = TokenWeighting.from_config(args)
         self.entropy_control = AdaptiveEntropy.from_config(args)
+        shaping = RewardShaping.from_config(args)
         self._round_parts = RoundParts(
             play=self._play,
-            shaping=RewardShaping.from_config(args),
+            shaping=dataclasses.replace(shaping, weights_F=parts.reward_weights),
             collate=lambda episodes, advantages_N: collate_episodes(
                 episodes, advantages_N, tokenizer.pad_token_id, args.mask_truncated_completions
             ),
@@ -284,10 +320,76 @@ class GRPOTrainer(AtomicCheckpoints):
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         plan = self._eval_plan
+        if is_iterable_dataset(dataset):  # streamed: no len(), read in order by one worker
+            return self.accelerator.prepare(stream_loader(dataset, plan.prompts_per_process))
         loader = eval_rows_loader(
             dataset, plan.prompts_per_process, self.args.dataloader_num_workers
         )
         return self.accelerator.prepare(loader)
+
+    # ------------------------------------------------------------------ TRL's attributes
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """The name of each reward column, as logged: the functions', then each environment's."""
+        return self.scorer.names
+
+    @property
+    def reward_processing_classes(self) -> list[Any]:
+        """One entry per `reward_func_names`: a reward model's tokenizer, else None."""
+        own = [func.processing_class for func in self.reward_funcs]
+        return own + [None] * (len(self.scorer.names) - len(own))
+
+    def get_high_entropy_mask(
+        self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
+    ) -> torch.Tensor:
+        """TRL's mask of the tokens whose entropy is at or above a quantile over all processes.
+
+        Args:
+            entropies: Per-token entropies, (B, T).
+            mask: 1 where the token counts, (B, T).
+            threshold: The quantile in [0, 1] of the active tokens' entropies (over every
+                process) that a token must reach; `1 - top_entropy_quantile` in training.
+
+        Returns:
+            Bool (B, T): True where the token is active and reaches the threshold.
+        """
+        local = entropies[mask.bool()].float()
+        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=-1.0)
+        everyone = self.accelerator.gather(padded)
+        everyone = everyone[everyone >= 0]  # entropies are >= 0: the padding drops out
+        return high_entropy_mask(entropies, mask, threshold, everyone.to(entropies.device))
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """TRL's off-policy sequence mask (DeepSeek-V3.2): (B, 1), 1.0 keep, 0.0 drop.
+
+        A sequence is dropped when its advantage is negative and the mean over its active
+        tokens of `sampling_per_token_logps - per_token_logps` exceeds `off_policy_threshold`
+        (see `token_weights.off_policy_sequence_mask`). Tokens the sampler could not score
+        (NaN) count as no drift.
+
+        Args:
+            advantages: One per sequence, (B,) or (B, 1).
+            per_token_logps: The current policy's logprobs, (B, T).
+            sampling_per_token_logps: The sampler's logprobs, (B, T).
+            mask: 1 where the token counts, (B, T).
+            off_policy_threshold: The largest mean drift kept for a negative advantage.
+        """
+        logps_B_T = per_token_logps.detach()
+        sampler_B_T = torch.where(
+            sampling_per_token_logps.isnan(), logps_B_T, sampling_per_token_logps
+        )
+        keep_B = off_policy_sequence_mask(
+            logps_B_T, sampler_B_T, advantages.reshape(-1), mask, off_policy_threshold
+        )
+        return keep_B.unsqueeze(1).to(mask.dtype)
 
     @property
     def _eval_plan(self) -> RoundPlan:

@@ -8,13 +8,13 @@ training would.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from agentgrpo.learner.losses import LossConfig, VespoShape
 from agentgrpo.rewards.calls import RewardFunction
-from agentgrpo.rounds import Scorer, environment_reward_name
+from agentgrpo.rounds import Scorer, environment_reward_classes
 from rollout import EpisodeConfig, GenerationBackend, RolloutEngine
 
 
@@ -27,19 +27,21 @@ class RunParts:
         engine: Plays episodes with the backend, the environment and the tools.
         scorer: Rates a group of episodes with the reward functions and the environment.
         loss_config: The loss and its hyperparameters.
+        reward_weights: One weight per reward column (`scorer.names`).
     """
 
     episode_config: EpisodeConfig
     engine: RolloutEngine
     scorer: Scorer
     loss_config: LossConfig
+    reward_weights: list[float]
 
 
 def build_parts(
     config: Any,
     backend: GenerationBackend,
     tokenizer: Any,
-    environment_factory: Callable[[], Any] | None,
+    environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None,
     tools: Sequence[Callable[..., Any]] = (),
     reward_funcs: Sequence[RewardFunction] = (),
     trainer_state: Callable[[], Any] = lambda: None,
@@ -50,14 +52,16 @@ def build_parts(
         config: The run's settings.
         backend: Generates the model's turns.
         tokenizer: The policy's tokenizer.
-        environment_factory: The environment class (or zero-argument factory), or None.
+        environment_factory: The environment class (or zero-argument factory), a dict of them
+            by name (each row's `environment` column picks one), or None.
         tools: Plain tool functions offered in every episode.
         reward_funcs: Reward functions, already wrapped (`rewards.calls.reward_functions`).
         trainer_state: Returns the `TrainerState` passed to reward functions (None outside
             training).
 
     Raises:
-        ValueError: No reward at all, or `reward_weights` not matching the rewards.
+        ValueError: No reward at all, or `reward_weights` not matching the rewards (see
+            `reward_weights_of`).
     """
     episode_config = episode_config_of(config)
     engine = RolloutEngine(
@@ -73,14 +77,14 @@ def build_parts(
     )
     scorer = Scorer(
         funcs=list(reward_funcs),
-        env_reward_name=environment_reward_name(environment_factory),
+        env_reward_classes=environment_reward_classes(environment_factory),
         with_environments=environment_factory is not None,
         text_completions=not engine.context.has_tools,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         trainer_state=trainer_state,
     )
-    check_rewards(scorer.names, config.reward_weights)
-    return RunParts(episode_config, engine, scorer, loss_config_of(config))
+    weights = reward_weights_of(scorer.names, len(scorer.funcs), config.reward_weights)
+    return RunParts(episode_config, engine, scorer, loss_config_of(config), weights)
 
 
 def episode_config_of(config: Any) -> EpisodeConfig:
@@ -114,14 +118,34 @@ def loss_config_of(config: Any) -> LossConfig:
     )
 
 
-def check_rewards(names: Sequence[str], weights: Sequence[float] | None) -> None:
-    """Fail unless there is a reward, and `weights` (when given) has one value per reward."""
+def reward_weights_of(
+    names: Sequence[str], num_funcs: int, weights: Sequence[float] | None
+) -> list[float]:
+    """One weight per reward column: `names` are the functions' columns, then the environments'.
+
+    `weights` may cover every column, or only the `num_funcs` reward functions (TRL's form):
+    then each environment's own reward gets weight 1. None weighs every column 1.
+
+    Raises:
+        ValueError: There is no reward at all, or `weights` has another length.
+
+    Example:
+        >>> reward_weights_of(["correct", "Counter"], 1, [0.5])
+        [0.5, 1.0]
+    """
     if not names:
         raise ValueError(
-            "no reward: pass reward_funcs, or an environment with a reward()/get_reward() method"
+            "No reward source provided: pass reward_funcs, or an environment with a reward() "
+            "(or get_reward()) method"
         )
-    if weights is not None and len(weights) != len(names):
+    if weights is None:
+        return [1.0] * len(names)
+    if len(weights) == num_funcs:
+        return [float(w) for w in weights] + [1.0] * (len(names) - num_funcs)
+    if len(weights) != len(names):
         raise ValueError(
-            f"reward_weights has {len(weights)} values but there are "
-            f"{len(names)} rewards ({', '.join(names)})"
+            f"reward_weights has {len(weights)} values but there are {len(names)} rewards "
+            f"({', '.join(names)}): the number of reward weights must match the number of reward "
+            f"functions ({num_funcs}), or of rewards including the environment's own"
         )
+    return [float(w) for w in weights]

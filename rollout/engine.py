@@ -8,6 +8,7 @@ keeps memory and environment count in check. Episodes of one group share their r
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -20,6 +21,11 @@ from rollout.template import ChatRenderer, load_template
 from rollout.types import Episode, ParsedTurn
 from tools import Tool, as_tool
 
+#: The row column that picks the environment when `environment_factory` is a dict (TRL's name).
+ENVIRONMENT_COLUMN = "environment"
+
+Factory = Callable[[], Any]
+
 
 class RolloutEngine:
     """Plays tool-calling episodes through a chat template and a generation backend.
@@ -28,7 +34,10 @@ class RolloutEngine:
         backend: The generator (`TransformersBackend`, a vLLM backend, `ScriptedBackend`...).
         tokenizer: The policy's tokenizer.
         environment_factory: A zero-argument callable returning a fresh environment (usually
-            the environment class itself), or None for plain tools only.
+            the environment class itself); or a dict of them by name, where each row's
+            `environment` column picks its environment and only that environment's tools (with
+            the plain ones) are offered in its episodes, and `reset` never receives that
+            column; or None for plain tools only.
         tools: Plain tool functions (typed, Google-style docstrings) offered in every episode.
         chat_template: None (the tokenizer's), a built-in name (`"chatml_tools"`), or jinja.
         tool_call_parser: A parser name (a key of `rollout.PARSERS`: `"hermes"`,
@@ -40,7 +49,8 @@ class RolloutEngine:
 
     Raises:
         ToolTemplateError: There are tools but the template cannot show them.
-        EnvironmentSpecError: The environment class breaks the contract.
+        EnvironmentSpecError: An environment class breaks the contract.
+        ValueError: `environment_factory` is an empty dict.
 
     """
 
@@ -49,7 +59,7 @@ class RolloutEngine:
         backend: GenerationBackend,
         tokenizer: Any,
         *,
-        environment_factory: Callable[[], Any] | None = None,
+        environment_factory: Factory | Mapping[str, Factory] | None = None,
         tools: Iterable[Callable[..., Any]] = (),
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
@@ -57,25 +67,49 @@ class RolloutEngine:
         config: EpisodeConfig | None = None,
         max_concurrent_episodes: int = 256,
     ):
-        plain = {t.name: t for t in map(as_tool, tools)}
-        env_tools = _environment_tools(environment_factory)
-        if clash := sorted(plain.keys() & env_tools.keys()):
-            raise ValueError(f"tools {clash} are both plain tools and environment methods")
-        template = load_template(tokenizer, chat_template)
-        schemas = [t.schema for t in (*plain.values(), *env_tools.values())]
-        renderer = ChatRenderer(tokenizer, template, schemas, chat_template_kwargs)
-        if schemas:
-            renderer.check_tool_support()
-        self.context = EpisodeContext(
-            backend=backend,
-            renderer=renderer,
-            parser=select_parser(tool_call_parser, tokenizer, template, schemas),
-            config=config or EpisodeConfig(),
-            tools=plain,
-            environment_factory=environment_factory,
-            environment_tools=env_tools,
+        self.multi_environment = isinstance(environment_factory, Mapping)
+        factories: dict[str | None, Factory | None]
+        if isinstance(environment_factory, Mapping):
+            factories = {name: factory for name, factory in environment_factory.items()}
+        else:
+            factories = {None: environment_factory}
+        if not factories:
+            raise ValueError("environment_factory is an empty dict; give at least one environment")
+        setup = _Setup(
+            backend,
+            tokenizer,
+            load_template(tokenizer, chat_template),
+            {t.name: t for t in map(as_tool, tools)},
+            tool_call_parser,
+            chat_template_kwargs,
+            config or EpisodeConfig(),
+            ENVIRONMENT_COLUMN if self.multi_environment else None,
         )
+        self.contexts = {name: setup.context(factory) for name, factory in factories.items()}
+        self.context = next(iter(self.contexts.values()))
         self.max_concurrent_episodes = max_concurrent_episodes
+
+    def context_for(self, row: Mapping[str, Any]) -> EpisodeContext:
+        """The context a row's episodes play in: its environment's, with several environments.
+
+        Raises:
+            ValueError: With several environments, the row names none or an unknown one.
+        """
+        if not self.multi_environment:
+            return self.context
+        if ENVIRONMENT_COLUMN not in row:
+            raise ValueError(
+                f"with a dict environment_factory every row needs an {ENVIRONMENT_COLUMN!r} "
+                f"column naming its environment (one of {list(self.contexts)}); this row has "
+                f"the columns {sorted(row)}"
+            )
+        name = row[ENVIRONMENT_COLUMN]
+        if name not in self.contexts:
+            raise ValueError(
+                f"a row has environment={name!r}, which is not among the environments passed "
+                f"to environment_factory; expected one of {list(self.contexts)}"
+            )
+        return self.contexts[name]
 
     async def run(
         self,
@@ -101,6 +135,7 @@ class RolloutEngine:
             group `g`, whose members all reset from `rows[g]` with seed `seed + g`.
 
         """
+        contexts = [self.context_for(row) for row in rows]  # every row checked before any plays
         episodes: dict[int, Episode] = {}  # by index; all of them once the task group ends
         limiter = anyio.CapacityLimiter(self.max_concurrent_episodes)
         unfinished = [num_generations] * len(rows)
@@ -109,7 +144,7 @@ class RolloutEngine:
             index = group * num_generations + member
             async with limiter:
                 episodes[index] = await run_episode(
-                    self.context, rows[group], seed + group, group, index
+                    contexts[group], rows[group], seed + group, group, index
                 )
             unfinished[group] -= 1
             if unfinished[group] == 0 and on_group is not None:
@@ -127,6 +162,40 @@ class RolloutEngine:
         else:
             return [episodes[i] for i in range(len(rows) * num_generations)]
         raise first  # outside the handler: its own __cause__ (the user's error) stays intact
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every environment's episode context shares; `context` adds one environment."""
+
+    backend: GenerationBackend
+    tokenizer: Any
+    template: str
+    plain: dict[str, Tool]
+    tool_call_parser: str | None
+    chat_template_kwargs: Mapping[str, Any] | None
+    config: EpisodeConfig
+    routing_column: str | None
+
+    def context(self, factory: Factory | None) -> EpisodeContext:
+        """The context of episodes against `factory`'s environment (or none)."""
+        env_tools = _environment_tools(factory)
+        if clash := sorted(self.plain.keys() & env_tools.keys()):
+            raise ValueError(f"tools {clash} are both plain tools and environment methods")
+        schemas = [t.schema for t in (*self.plain.values(), *env_tools.values())]
+        renderer = ChatRenderer(self.tokenizer, self.template, schemas, self.chat_template_kwargs)
+        if schemas:
+            renderer.check_tool_support()
+        return EpisodeContext(
+            backend=self.backend,
+            renderer=renderer,
+            parser=select_parser(self.tool_call_parser, self.tokenizer, self.template, schemas),
+            config=self.config,
+            tools=self.plain,
+            environment_factory=factory,
+            environment_tools=env_tools,
+            routing_column=self.routing_column,
+        )
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:

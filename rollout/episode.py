@@ -86,6 +86,8 @@ class EpisodeContext:
     tools: Mapping[str, Tool] = field(default_factory=dict)
     environment_factory: Callable[[], Any] | None = None
     environment_tools: Mapping[str, Tool] = field(default_factory=dict)
+    # The row column that chose this environment (several environments): not passed to reset.
+    routing_column: str | None = None
 
     @property
     def has_tools(self) -> bool:
@@ -158,12 +160,12 @@ async def run_episode(
     if ctx.environment_factory is not None:
         factory = ctx.environment_factory
         env, observation = await run_in_daemon_thread(
-            functools.partial(_create_and_reset, factory, row, seed),
+            functools.partial(_create_and_reset, factory, _reset_row(ctx, row), seed),
             label=f"{getattr(factory, '__qualname__', 'environment')}() and reset()",
         )
     try:
         if env is not None:
-            messages = _with_observation(messages, observation, env)
+            messages = _with_observation(messages, observation)
         if not messages:
             raise ValueError(f"a task row needs a 'prompt' column; this one has {sorted(row)}")
         tools = {**ctx.tools, **_bind(ctx.environment_tools, env)}
@@ -189,6 +191,13 @@ async def run_episode(
         error=state.error,
         tool_calls=tuple(state.calls),
     )
+
+
+def _reset_row(ctx: EpisodeContext, row: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The row's columns `reset` may receive: all but the one that chose the environment."""
+    if ctx.routing_column is None:
+        return row
+    return {key: value for key, value in row.items() if key != ctx.routing_column}
 
 
 def _create_and_reset(
@@ -228,20 +237,17 @@ def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _with_observation(
-    messages: list[dict[str, Any]], observation: str | None, env: Any
+    messages: list[dict[str, Any]], observation: str | None
 ) -> list[dict[str, Any]]:
     """Add reset's text: on a new line of the last user message, or as the prompt itself.
 
     A row without a `prompt` column leaves the environment to state the task (TRL's
-    environment-owned data): then `reset` must return the text.
+    environment-owned data): its text is the user's message, and when `reset` returns None
+    the message is empty, as in TRL (the environment's tools and the template still frame
+    the task).
     """
     if not messages:
-        if not observation:
-            raise ValueError(
-                f"the row has no 'prompt' column, so {type(env).__qualname__}.reset() must return "
-                "the task's text; it returned nothing"
-            )
-        return [{"role": "user", "content": observation}]
+        return [{"role": "user", "content": observation or ""}]
     if not observation:
         return messages
     content = messages[-1].get("content") or ""

@@ -452,10 +452,12 @@ async def test_without_a_prompt_column_the_reset_text_is_the_prompt(tokenizer):
     assert episode.env_reward == 1.0
 
 
-async def test_a_row_without_prompt_needs_reset_to_return_the_task(tokenizer):
+async def test_without_a_prompt_column_a_silent_reset_starts_from_an_empty_user_message(tokenizer):
+    # TRL's environment-owned data: the placeholder prompt is one empty user message.
     eng = engine(tokenizer, scripted(tokenizer, ["Ok."]), environment_factory=IncrementEnv)
-    with pytest.raises(ValueError, match="must return the task's text"):
-        await eng.run([{"say": False}])
+    [episode] = await eng.run([{"say": False}])
+    assert episode.messages[0] == {"role": "user", "content": ""}
+    assert episode.messages[1]["content"] == "Ok."
 
 
 async def test_each_group_is_handed_over_as_soon_as_its_episodes_end(tokenizer):

@@ -335,7 +335,10 @@ def test_reward_functions_are_named_and_repeated_names_get_a_suffix():
 def test_reward_functions_refuse_what_cannot_be_called():
     with pytest.raises(TypeError, match="not int"):
         reward_functions([correct, 3])
-    with pytest.raises(ValueError, match="2 processing classes for 1 reward functions"):
+    with pytest.raises(
+        ValueError,
+        match=r"processing classes \(2\) must match the number of reward functions \(1\)",
+    ):
         reward_functions([correct], processing_classes=[None, None])
 
 

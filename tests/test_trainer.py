@@ -266,7 +266,7 @@ def test_a_reward_function_that_raises_stops_the_run_naming_it(tokenizer, tmp_pa
 
 def test_user_mistakes_are_refused_with_what_to_fix(tokenizer, tmp_path):
     model = tiny_llama(tokenizer)
-    with pytest.raises(ValueError, match="no reward"):
+    with pytest.raises(ValueError, match="No reward source provided"):
         GRPOTrainer(model, None, config(tmp_path), PROMPTS, processing_class=tokenizer)
     with pytest.raises(ValueError, match="reward_weights has 2 values"):
         GRPOTrainer(

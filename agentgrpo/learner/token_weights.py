@@ -182,6 +182,41 @@ def top_entropy_mask(
     return (active_B_T & (entropy_B_T.detach() >= threshold)).to(mask_B_T.dtype)
 
 
+def high_entropy_mask(
+    entropy_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    threshold: float,
+    pool: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The active tokens whose entropy reaches the `threshold`-quantile of `pool`.
+
+    TRL's form of `top_entropy_mask`: `threshold` is the quantile to reach (its
+    `1 - top_entropy_quantile`), and the quantile is taken over `pool`, the active entropies of
+    every process (default: those of `entropy_B_T`).
+
+    Args:
+        entropy_B_T: Per-token entropies, (B, T).
+        mask_B_T: 1 where the token counts, (B, T).
+        threshold: Quantile in [0, 1] (linear interpolation).
+        pool: The entropies the quantile is taken over, 1-D.
+
+    Returns:
+        Bool (B, T); all False when `pool` is empty.
+
+    Example:
+        >>> high_entropy_mask(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.ones(1, 4), 0.5)
+        tensor([[False, False,  True,  True]])
+
+    """
+    active_B_T = mask_B_T != 0
+    if pool is None:
+        pool = entropy_B_T.detach()[active_B_T]
+    if pool.numel() == 0:
+        return torch.zeros_like(active_B_T)
+    cut = torch.quantile(pool.float(), threshold)
+    return active_B_T & (entropy_B_T.detach() >= cut)
+
+
 # --------------------------------------------------------------------------- all together
 
 

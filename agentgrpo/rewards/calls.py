@@ -10,7 +10,9 @@ keyword arguments:
 - ``environments`` (one environment instance per completion), only when the batch has them.
 
 A function receives only the arguments it names (verifiers style: ``def f(completions,
-answer)``), or all of them when it takes ``**kwargs`` (TRL style). A named parameter that is not
+answer)``), or all of them when it takes ``**kwargs`` (TRL style). A parameter named
+``responses`` receives the completions (the name Unsloth-style cards use), unless a dataset
+column has that name. A named parameter that is not
 available and has no default is a user error (`ValueError`). It returns a list (or tuple) with
 one float per completion, or None where the reward does not apply to that sample; None becomes
 NaN in the reward matrix. ``async def`` functions are awaited; sync ones run in worker threads,
@@ -58,16 +60,27 @@ TRAINER_ARGUMENTS = (
 )
 
 
+# Parameter names filled from another argument when nothing has their own name.
+_ALIASES = {"responses": "completions"}
+
+
 class RewardFunctionError(RuntimeError):
     """A reward function raised, or returned something that is not one reward per completion."""
 
 
 @dataclass(frozen=True)
 class RewardFunction:
-    """A reward function and the name its rewards are logged under (unique in a trainer)."""
+    """A reward function and the name its rewards are logged under (unique in a trainer).
+
+    Attributes:
+        name: The reward's column and metric name.
+        fn: The function called with the batch's arguments.
+        processing_class: The tokenizer of a reward model; None for plain functions.
+    """
 
     name: str
     fn: Callable[..., Any]
+    processing_class: Any = None
 
 
 def _ignore(*args: Any) -> None:
@@ -272,8 +285,9 @@ def reward_functions(
         processing_classes = [processing_classes]
     if len(processing_classes) != len(funcs):
         raise ValueError(
-            f"{len(processing_classes)} processing classes for {len(funcs)} reward functions; "
-            "give one per reward function (None for plain functions)"
+            f"the number of reward processing classes ({len(processing_classes)}) must match "
+            f"the number of reward functions ({len(funcs)}): give one per reward function, by "
+            "position (None for plain functions)"
         )
     kwargs = model_kwargs or {}
     named = [_named(f, pc, kwargs) for f, pc in zip(funcs, processing_classes, strict=True)]
@@ -319,8 +333,11 @@ def _arguments_for(func: RewardFunction, available: Mapping[str, Any]) -> dict[s
         if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             continue
         by_keyword = p.kind is not inspect.Parameter.POSITIONAL_ONLY
+        alias = _ALIASES.get(p.name, p.name)
         if by_keyword and p.name in available:
             chosen[p.name] = available[p.name]
+        elif by_keyword and alias in available:
+            chosen[p.name] = available[alias]
         elif p.default is p.empty:
             how = "is not available" if by_keyword else "is positional-only"
             raise ValueError(
@@ -330,7 +347,7 @@ def _arguments_for(func: RewardFunction, available: Mapping[str, Any]) -> dict[s
                 "dataset column."
             )
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return dict(available)  # TRL style: named parameters checked above, then everything
+        return {**available, **chosen}  # TRL style: everything, and the aliases it names
     return chosen
 
 
@@ -428,7 +445,8 @@ def _named(func: Any, processing_class: Any, model_kwargs: dict[str, Any]) -> Re
         if isinstance(func, str) and "revision" in model_kwargs:
             tokenizer_kwargs["revision"] = model_kwargs["revision"]
         tokenizer = processing_class or _load_tokenizer(model, tokenizer_kwargs)
-        return RewardFunction(_model_name(model), _SequenceClassifierReward(model, tokenizer))
+        scorer = _SequenceClassifierReward(model, tokenizer)
+        return RewardFunction(_model_name(model), scorer, tokenizer)
     if not callable(func):
         raise TypeError(
             f"a reward function must be a callable, a sequence-classification model or a model "

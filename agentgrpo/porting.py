@@ -1,0 +1,105 @@
+"""GRPOTrainer arguments in the spellings that older TRL scripts and Unsloth-style cards use.
+
+Such a card builds the trainer as ``GRPOTrainer(model=..., args=..., train_dataset=...,
+tokenizer=tokenizer, reward_fn=reward_fn)``, passes ``num_generations`` to the trainer, and
+asks for ``optim="adamw_8bit"``. Each of these maps onto one of today's arguments here, and
+every conflict between an old spelling and a new one is an error saying which to keep.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# transformers' `optim` names that are bitsandbytes optimizers.
+BITSANDBYTES_OPTIMIZERS = frozenset(
+    {
+        "adamw_bnb_8bit",
+        "adamw_8bit",
+        "paged_adamw_32bit",
+        "paged_adamw_8bit",
+        "ademamix",
+        "ademamix_8bit",
+        "paged_ademamix_32bit",
+        "paged_ademamix_8bit",
+        "lion_32bit",
+        "lion_8bit",
+        "paged_lion_32bit",
+        "paged_lion_8bit",
+        "rmsprop_bnb",
+        "rmsprop_bnb_8bit",
+        "rmsprop_bnb_32bit",
+    }
+)
+
+
+def processing_class_of(processing_class: Any, tokenizer: Any) -> Any:
+    """The tokenizer: `processing_class`, or `tokenizer`, its older name.
+
+    Raises:
+        ValueError: Both are given.
+    """
+    if tokenizer is None:
+        return processing_class
+    if processing_class is not None:
+        raise ValueError(
+            "processing_class and tokenizer are the new and the old name of one argument, and "
+            "both are given; pass only processing_class"
+        )
+    return tokenizer
+
+
+def reward_sources(reward_funcs: Any, reward_model: Any, reward_fn: Any) -> list[Any]:
+    """`reward_funcs` as a list, followed by `reward_model` and `reward_fn` when given."""
+    if reward_funcs is None:
+        funcs = []
+    else:
+        funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    return funcs + [source for source in (reward_model, reward_fn) if source is not None]
+
+
+def check_num_generations(config_value: int, trainer_value: int | None) -> None:
+    """Fail when `num_generations` passed to the trainer differs from the config's.
+
+    Raises:
+        ValueError: The two values differ.
+    """
+    if trainer_value is not None and trainer_value != config_value:
+        raise ValueError(
+            f"GRPOTrainer(num_generations={trainer_value}) differs from the config's "
+            f"num_generations={config_value}; the group size is a GRPOConfig setting: set "
+            f"GRPOConfig(num_generations={trainer_value}) or drop the trainer argument"
+        )
+
+
+def check_optimizer(optim: Any, device: torch.device) -> None:
+    """Fail now, before any model work, when `optim` needs bitsandbytes and it cannot run.
+
+    A bitsandbytes optimizer is tried for one step on a tensor of 4096 elements (the size from
+    which it keeps 8-bit state) on `device`, so a build without kernels for that device is
+    caught here too, not at the first training step.
+
+    Raises:
+        ImportError: bitsandbytes is missing, or fails on `device`; the message says what to do.
+    """
+    name = str(getattr(optim, "value", optim))
+    if name not in BITSANDBYTES_OPTIMIZERS:
+        return
+    fix = "install it (`pip install bitsandbytes`) or choose optim='adamw_torch'"
+    try:
+        import bitsandbytes
+    except ImportError as error:
+        raise ImportError(
+            f"optim={name!r} is a bitsandbytes optimizer, and bitsandbytes is not installed: {fix}"
+        ) from error
+    try:
+        probe = torch.nn.Parameter(torch.zeros(4096, device=device))
+        probe.grad = torch.ones_like(probe)
+        bitsandbytes.optim.AdamW8bit([probe]).step()
+    except Exception as error:
+        raise ImportError(
+            f"optim={name!r} needs bitsandbytes, which is installed but fails on {device} "
+            f"({type(error).__name__}: {error}); upgrade it or choose another optimizer, e.g. "
+            "optim='adamw_torch'"
+        ) from error
