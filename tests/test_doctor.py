@@ -25,6 +25,7 @@ from agentgrpo.doctor import (
     fast_checks,
     startup_checks,
 )
+from agentgrpo.doctor.checks import parser_label
 from environments import Counter, class_tools
 from rollout import (
     PARSERS,
@@ -35,7 +36,7 @@ from rollout import (
     ToolCall,
     load_template,
 )
-from rollout.parsers import parse_hermes
+from rollout.parsers import get_parser, parse_hermes
 
 # ChatML with Hermes calls, as rollout/templates/chatml_tools.jinja, cut down; each bad template
 # below changes one thing in it.
@@ -160,6 +161,11 @@ def test_a_parser_registered_later_is_picked_up_by_name(tokenizer, monkeypatch):
     monkeypatch.setitem(PARSERS, "lookup_only", read_lookup)
     result = check_parser(setup(tokenizer, UNREADABLE_CALLS, tool_call_parser="lookup_only"))
     assert result.status is Status.OK and result.message.startswith("parser lookup_only reads")
+
+
+def test_a_parser_typed_against_the_tool_schemas_is_named_by_its_registered_name():
+    typed = get_parser("qwen3_xml", tools=[class_tools(Counter)["increment"].schema])
+    assert parser_label(typed) == "parser qwen3_xml"
 
 
 def test_a_parser_that_reads_arguments_as_text_is_a_warning(tokenizer):

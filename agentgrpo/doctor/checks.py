@@ -251,7 +251,9 @@ def check_stop_tokens(setup: Setup) -> CheckResult:
 
 def parser_label(parser: Parser) -> str:
     """How a result names a parser: its `PARSERS` name, or where it comes from."""
-    name = next((name for name, known in PARSERS.items() if known is parser), None)
+    # A parser typed against the tool schemas is `functools.partial(PARSERS[name], tools=...)`.
+    plain = getattr(parser, "func", parser)
+    name = next((name for name, known in PARSERS.items() if known is plain), None)
     if name is not None:
         return f"parser {name}"
     if getattr(parser, "__qualname__", "").startswith("tokenizer_parser"):
