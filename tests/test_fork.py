@@ -25,7 +25,7 @@ from agentgrpo.data import episodes_from_rollout_func
 from agentgrpo.learner.batch import collate_episodes
 from agentgrpo.learner.losses import aggregate, log_importance_ratio, masked_mean_per_episode
 from agentgrpo.learner.token_weights import off_policy_sequence_mask, sampler_correction
-from agentgrpo.reporting.metrics import episode_stats, round_metrics
+from agentgrpo.reporting.metrics import RewardLayout, episode_stats, round_metrics
 from agentgrpo.round import RoundPlan, split_micro_batches
 from environments import Counter
 from rollout import (
@@ -136,8 +136,9 @@ async def test_with_thinking_off_every_turn_after_a_tool_turn_forks(tokenizer):
     [episode] = await engine.run([ROW])
     assert len(episode.rows) == 3
     assert [row.completion_ids for row in episode.rows] == [sampled(tokenizer, t) for t in turns]
+    layout = RewardLayout([], [], num_generations=2, with_tools=True)
     metrics = round_metrics(
-        episode_stats([episode, episode]), torch.ones(2, 0), torch.ones(2), [], 2, batch_std=False
+        episode_stats([episode, episode]), torch.ones(2, 0), torch.ones(2), layout
     )
     assert metrics["episodes/rows_mean"] == 3.0
     assert metrics["turns/fork_frequency"] == 1.0  # both turns after the first forked

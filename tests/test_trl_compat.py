@@ -123,7 +123,7 @@ def test_a_dict_environment_factory_picks_each_rows_environment_by_its_environme
     assert all("environment" not in env.reset_with for _, env in seen)
     # Only the row's environment's tools are offered in its prompt.
     for record_ in trainer.last_records:
-        prompt = tokenizer.decode(record_.episode.prompt_ids)
+        prompt = tokenizer.decode(record_.episode.rows[0].prompt_ids)
         own, other = ("increment", "shout") if "Count" in prompt else ("shout", "increment")
         assert own in prompt and other not in prompt
         # One reward column per environment class; the other environment's is None.

@@ -83,6 +83,7 @@ def test_tool_call_frequency_is_calls_per_episode_and_failure_frequency_failures
     column = {
         "tool_calls": torch.tensor([2.0, 0.0, 1.0]),
         "turns": torch.tensor([3.0, 1.0, 2.0]),
+        "rows": torch.tensor([1.0, 1.0, 2.0]),
         "parse": torch.tensor([1.0, 0.0, 0.0]),
         "unknown_tool": zero,
         "bad_arguments": zero,
@@ -99,7 +100,7 @@ def test_tool_call_frequency_is_calls_per_episode_and_failure_frequency_failures
 
 
 def test_tool_metrics_are_logged_only_when_the_run_has_tools():
-    stats_N_S = torch.tensor([[5.0, 3.0, 0.0, 1.0, 0.0, 0, 0, 0, 0, 0]] * 2)
+    stats_N_S = torch.tensor([[5.0, 3.0, 0.0, 1.0, 1.0, 0.0, 0, 0, 0, 0, 0]] * 2)
     rewards_N_F, rewards_N = torch.tensor([[1.0], [0.0]]), torch.tensor([1.0, 0.0])
     without = round_metrics(stats_N_S, rewards_N_F, rewards_N, RewardLayout(["a"], [1.0], 2))
     with_tools = RewardLayout(["a"], [1.0], 2, with_tools=True)

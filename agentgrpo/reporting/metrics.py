@@ -13,6 +13,7 @@ processes and computes the metrics once from the whole generation batch.
 | `turns/mean`, `turns/max` | model turns per episode (only when the run has tools) |
 | `episodes/rows_mean` | training rows per episode (above 1 where the template forks) |
 | `turns/fork_frequency` | share of the turns after an episode's first that forked a new row |
+|  | (only when the run has tools, as the other `turns/` metrics) |
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def round_metrics(
     metrics = _length_metrics(column["model_tokens"], column["truncated"].bool())
     metrics["num_tokens_round"] = float((column["prompt_tokens"] + column["model_tokens"]).sum())
     metrics |= reward_metrics(rewards_N_F, rewards_N, layout)
-    metrics |= _fork_metrics(column["rows"], column["turns"])
+    metrics["episodes/rows_mean"] = float(column["rows"].mean())
     if layout.with_tools:
         metrics |= tool_metrics(column)
     return metrics
@@ -158,6 +159,7 @@ def tool_metrics(column: dict[str, torch.Tensor]) -> dict[str, float]:
         metrics[f"tools/failure_frequency/{kind}"] = share
     metrics["turns/mean"] = float(column["turns"].mean())
     metrics["turns/max"] = float(column["turns"].max())
+    metrics["turns/fork_frequency"] = _fork_frequency(column["rows"], column["turns"])
     return metrics
 
 
@@ -176,19 +178,15 @@ def _length_metrics(lengths_N: torch.Tensor, truncated_N: torch.Tensor) -> dict[
     }
 
 
-def _fork_metrics(rows_N: torch.Tensor, turns_N: torch.Tensor) -> dict[str, float]:
-    """Rows per episode, and the share of the turns after an episode's first that forked.
+def _fork_frequency(rows_N: torch.Tensor, turns_N: torch.Tensor) -> float:
+    """The share of the turns after an episode's first that forked a new row.
 
     Every model turn after the first follows a tool turn, which either extended the row or
-    forked a new one (`rollout.Episode.rows`), so `turns/fork_frequency` is forks over those
-    turns: 0 for a template that always extends, 1 for one that rewrites every turn.
+    forked a new one (`rollout.Episode.rows`): 0 for a template that always extends, 1 for one
+    that rewrites every turn.
     """
     continued = float((turns_N - 1).clamp(min=0).sum())
-    forks = float((rows_N - 1).sum())
-    return {
-        "episodes/rows_mean": float(rows_N.mean()),
-        "turns/fork_frequency": forks / continued if continued else 0.0,
-    }
+    return float((rows_N - 1).sum()) / continued if continued else 0.0
 
 
 def _nanstd(values_N: torch.Tensor) -> torch.Tensor:
