@@ -3,8 +3,9 @@
 A model that never writes a tool call gives GRPO nothing to compare: every episode of a group
 earns the same reward. A few supervised steps on `demonstrations()` conversations (which show
 the format, not the answers) fix that. The conversations are laid out by the engine's own
-renderer (`rollout.demonstration_ids`), so the warm start trains on exactly the tokens the model
-then sees and samples when it plays.
+renderer (`rollout.demonstrations.demonstration_ids`), so the warm start trains on exactly the
+tokens the model then sees and samples when it plays; where the chat template rewrites history, a
+conversation is several rows, as an episode is.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from rollout import ChatRenderer
-from rollout.demonstrations import demonstration_ids
+from rollout.demonstrations import DemonstrationRow, demonstration_ids
 
 
 def environment_demonstrations(environment: Any, n: int, seed: int) -> list[list[dict]]:
@@ -50,6 +51,12 @@ def warm_start(
 ) -> list[float]:
     """Fine-tune `model` in place, one AdamW step per conversation; loss on mask-1 tokens only.
 
+    A conversation is one or more rows (`demonstration_ids`: more than one where the template
+    forks), each its own sequence. Every trained token weighs the same: a step's loss is the
+    mean cross-entropy over the trained tokens of all the conversation's rows, so a turn counts
+    as much whether or not the template forked before it, and a one-row conversation's loss is
+    the model's own mean over its labels.
+
     Args:
         model: The policy (a causal LM), on its training device.
         renderer: The renderer episodes use, so the layout matches play exactly.
@@ -62,20 +69,30 @@ def warm_start(
         The loss of each step.
 
     """
-    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], learning_rate)
     was_training = model.training
     model.train()
     losses = []
     for step, messages in enumerate(conversations):
-        ids, mask = demonstration_ids(renderer, messages, stop_text)
-        ids_1_T = torch.tensor([ids], device=device)
-        labels_1_T = ids_1_T.masked_fill(torch.tensor([mask], device=device) == 0, -100)
-        loss = model(input_ids=ids_1_T, labels=labels_1_T).loss
-        loss.backward()
+        losses.append(_conversation_step(model, demonstration_ids(renderer, messages, stop_text)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
         log(step, losses[-1])
     model.train(was_training)
     return losses
+
+
+def _conversation_step(model: torch.nn.Module, rows: Sequence[DemonstrationRow]) -> float:
+    """Backpropagate the mean loss over the rows' trained tokens, one row at a time; return it."""
+    device = next(model.parameters()).device
+    trained = [sum(row.mask[1:]) for row in rows]  # the tokens each row's labels count
+    total = 0.0
+    for row, count in zip(rows, trained, strict=True):
+        if not count:  # a row whose only trained token is its first: no label to predict
+            continue
+        ids_1_T = torch.tensor([row.ids], device=device)
+        labels_1_T = ids_1_T.masked_fill(torch.tensor([row.mask], device=device) == 0, -100)
+        loss = model(input_ids=ids_1_T, labels=labels_1_T).loss * (count / sum(trained))
+        loss.backward()
+        total += loss.item()
+    return total

@@ -58,8 +58,10 @@ class ToolTemplateError(ValueError):
 class TemplateDriftError(RuntimeError):
     """The chat template re-renders earlier turns differently once a turn is added.
 
-    Episodes fork instead of raising it (`ChatRenderer.tool_turn`); it is raised only where a
-    single token row is required: `ChatRenderer.tool_turn_ids` and warm-start demonstrations.
+    Episodes and warm-start demonstrations fork instead of raising it
+    (`ChatRenderer.tool_turn`, `rollout.demonstrations`); it is raised where a single token row
+    is required (`ChatRenderer.tool_turn_ids`), and for a demonstration whose assistant turn
+    cannot be told apart from the template's text around it.
     """
 
 

@@ -493,7 +493,7 @@ def test_demonstrations_lay_out_with_the_engines_template_for_the_warm_start(tok
     schemas = [tool.schema for tool in class_tools(GuessNumber).values()]
     renderer = ChatRenderer(tokenizer, load_template(tokenizer, "chatml_tools"), schemas)
     for conversation in GuessNumber.demonstrations(4):
-        ids, mask = demonstration_ids(renderer, conversation, "<|im_end|>")
+        [(ids, mask)] = demonstration_ids(renderer, conversation, "<|im_end|>")
         trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
         assert trained.count("<tool_call>") == sum("tool_calls" in m for m in conversation)
 

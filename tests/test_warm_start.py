@@ -23,7 +23,7 @@ def renderer(tokenizer) -> ChatRenderer:
 def test_a_demonstration_is_token_for_token_the_episode_the_engine_records(tokenizer, renderer):
     turns = [tool_call("increment", step=3), "The counter is now 3."]
     episode = scripted_episode(tokenizer, turns, row={"prompt": "Reach 3.", "target": 3})
-    ids, mask = demonstration_ids(renderer, episode.messages, tokenizer.eos_token)
+    [(ids, mask)] = demonstration_ids(renderer, episode.messages, tokenizer.eos_token)
     played = single_row(episode).prompt_ids + single_row(episode).completion_ids
     assert ids[: len(played)] == played
     assert (
@@ -35,7 +35,7 @@ def test_a_demonstration_is_token_for_token_the_episode_the_engine_records(token
 
 def test_only_assistant_turns_are_trained(tokenizer, renderer):
     [conversation] = Counter.demonstrations(1, seed=3)
-    ids, mask = demonstration_ids(renderer, conversation, tokenizer.eos_token)
+    [(ids, mask)] = demonstration_ids(renderer, conversation, tokenizer.eos_token)
     trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
     step = conversation[1]["tool_calls"][0]["function"]["arguments"]["step"]
     call = tool_call("increment", step=step)
