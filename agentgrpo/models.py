@@ -193,8 +193,9 @@ def check_liger_kernel(args: Any, model: Any) -> None:
 
     As in TRL, only liger's layer kernels are applied (`fused_linear_cross_entropy` is set to
     False: the loss needs the logits), and a PEFT adapter on the output layer is refused.
-    liger-kernel's Triton kernels run only on a GPU, so a CPU run is refused, as is a missing
-    install, each with the fix.
+    PEFT prompt-learning adapters are refused too (their virtual tokens never reach liger's
+    kernels). Then, in TRL's order, a missing install is an ImportError; and liger-kernel's
+    Triton kernels run only on a GPU, so a CPU run is refused; each with the fix.
 
     Raises:
         ValueError: An unsupported combination, or no GPU.
@@ -207,6 +208,13 @@ def check_liger_kernel(args: Any, model: Any) -> None:
             "Applying a PEFT adapter to `lm_head` is not supported with use_liger_kernel=True: "
             "remove 'lm_head' from your target_modules"
         )
+    adapter = getattr(model, "active_peft_config", None) if hasattr(model, "peft_config") else None
+    if adapter is not None and adapter.is_prompt_learning:
+        raise ValueError(
+            "PEFT prompt-learning methods (prompt tuning, prefix tuning, p-tuning) are not "
+            "supported with use_liger_kernel=True: their virtual tokens are added in the PEFT "
+            "model's forward, which liger's kernels bypass; use LoRA or set use_liger_kernel=False"
+        )
     config = dict(args.liger_kernel_config or {})
     if config.get("fused_linear_cross_entropy"):
         raise ValueError(
@@ -214,16 +222,16 @@ def check_liger_kernel(args: Any, model: Any) -> None:
             "replaces the model's forward and never returns the logits the GRPO loss needs; "
             "leave it out"
         )
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ImportError(
+            "use_liger_kernel=True needs liger-kernel: pip install liger-kernel "
+            "(or set use_liger_kernel=False)"
+        )
     if args.device.type == "cpu":
         raise ValueError(
             "use_liger_kernel=True needs a GPU: liger-kernel's Triton kernels have no CPU "
             "backend (Triton finds no active driver on CPU). Train on a CUDA GPU, or set "
             "use_liger_kernel=False"
-        )
-    if importlib.util.find_spec("liger_kernel") is None:
-        raise ImportError(
-            "use_liger_kernel=True needs liger-kernel: pip install liger-kernel "
-            "(or set use_liger_kernel=False)"
         )
     args.liger_kernel_config = {**config, "fused_linear_cross_entropy": False}
 

@@ -6,6 +6,7 @@ comments); each setting that changes training also runs a short real GRPOTrainer
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import textwrap
@@ -391,10 +392,37 @@ def test_custom_code_is_not_run_without_trust_remote_code(remote_code_dir, tmp_p
 # --------------------------------------------------------------------------- 6. liger kernel
 
 
+LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
+
+
+@pytest.mark.skipif(LIGER_INSTALLED, reason="liger-kernel is installed")
+def test_use_liger_kernel_without_liger_installed_names_the_install(tokenizer, tmp_path):
+    args = config(tmp_path, use_liger_kernel=True)
+    with pytest.raises(ImportError, match="pip install liger-kernel"):
+        GRPOTrainer(tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer)
+
+
+@pytest.mark.skipif(not LIGER_INSTALLED, reason="needs liger-kernel installed")
 def test_use_liger_kernel_on_cpu_is_refused_naming_why(tokenizer, tmp_path):
     args = config(tmp_path, use_liger_kernel=True)
     with pytest.raises(ValueError, match="no CPU backend"):
         GRPOTrainer(tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer)
+
+
+def test_use_liger_kernel_refuses_prompt_learning_adapters_as_trl_does(tokenizer, tmp_path):
+    from peft import PromptTuningConfig, TaskType
+
+    args = config(tmp_path, use_liger_kernel=True)
+    prompt_tuning = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    with pytest.raises(ValueError, match="prompt-learning"):
+        GRPOTrainer(
+            tiny_llama(tokenizer),
+            rank_in_call,
+            args,
+            PROMPTS,
+            processing_class=tokenizer,
+            peft_config=prompt_tuning,
+        )
 
 
 def test_use_liger_kernel_refuses_what_trl_refuses(tokenizer, tmp_path):
