@@ -315,12 +315,16 @@ class GRPOTrainer(AtomicCheckpoints):
         """Eval rows, `per_device_eval_batch_size / num_generations_eval` prompts a process.
 
         Every row is evaluated, a short last batch (or a set smaller than one batch) included.
+        An iterable set is streamed in order; each process reads its own rows (no dispatch).
         """
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         plan = self._eval_plan
         if is_iterable_dataset(dataset):  # streamed: no len(), read in order by one worker
+            # A stream first seen here (`evaluate(eval_dataset=...)`) is set up as at init.
+            adapt_to_iterable_datasets(self.args, None, dataset)
+            self.accelerator.dataloader_config.dispatch_batches = False
             return self.accelerator.prepare(stream_loader(dataset, plan.prompts_per_process))
         loader = eval_rows_loader(
             dataset, plan.prompts_per_process, self.args.dataloader_num_workers

@@ -90,3 +90,10 @@ def test_a_weight_count_that_does_not_match_the_functions_is_refused():
 def test_an_unknown_aggregation_is_refused():
     with pytest.raises(ValueError, match="normalize_then_sum"):
         combine_rewards(torch.zeros(2, 1), [1.0], 2, aggregation="mean")
+
+
+def test_a_group_of_one_has_no_baseline_so_every_advantage_is_zero():
+    # TRL evaluates with num_generations_eval=1; training is refused below 2 by GRPOConfig.
+    rewards_N = torch.tensor([0.3, 1.0, -2.0])
+    for scale in ("group", "batch", "none"):
+        assert group_advantages(rewards_N, 1, scale).tolist() == [0.0, 0.0, 0.0]

@@ -303,6 +303,16 @@ def test_an_iterable_eval_set_or_a_dict_of_them_is_evaluated(tokenizer, tmp_path
     assert sorted(seen) == [p for p in "ABCDEF" for _ in range(2)]  # each row, G times
 
 
+def test_an_iterable_eval_set_first_given_to_evaluate_is_streamed_without_dispatch(
+    tokenizer, tmp_path
+):
+    train_rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"]})
+    args = config(tmp_path, per_device_eval_batch_size=4)
+    trainer = trainer_for(tokenizer, args, reward_funcs=one, train_dataset=train_rows)
+    assert trainer.evaluate(eval_dataset=stream(["A", "B", "C"]))["eval_reward"] == 1.0
+    assert trainer.args.accelerator_config.dispatch_batches is False
+
+
 def test_iterable_datasets_force_one_worker_and_dispatch_batches_off_and_refuse_it_on(
     tokenizer, tmp_path
 ):

@@ -317,6 +317,29 @@ def test_every_eval_row_is_played_when_the_set_is_not_a_whole_number_of_batches(
     assert "eval_loss" in metrics
 
 
+def test_num_generations_eval_1_evaluates_one_episode_per_row(tokenizer, tmp_path):
+    # TRL accepts groups of one in evaluation; their advantages are 0 (test_advantages.py).
+    eval_set = Dataset.from_dict({"prompt": ["Question 0", "Question 1", "Question 2"]})
+    seen: list[str] = []
+
+    def record_prompts(prompts, **kwargs):
+        seen.extend(prompts)
+        return [0.5] * len(prompts)
+
+    args = config(tmp_path, per_device_eval_batch_size=2, num_generations_eval=1)
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer),
+        record_prompts,
+        args,
+        PROMPTS,
+        eval_dataset=eval_set,
+        processing_class=tokenizer,
+    )
+    metrics = trainer.evaluate()
+    assert sorted(seen) == ["Question 0", "Question 1", "Question 2"]  # one episode each
+    assert metrics["eval_reward"] == 0.5
+
+
 # --------------------------------------------------------------------------- 5. trust_remote_code
 
 REMOTE_CODE = """

@@ -88,7 +88,9 @@ def group_advantages(
     Args:
         rewards_N: One reward per episode, shape (N,), groups of ``num_generations`` contiguous.
             Rewards must be finite: a NaN spreads to every advantage of its group.
-        num_generations: Group size G (>= 2); N must be a multiple of it.
+        num_generations: Group size G; N must be a multiple of it. G = 1 (TRL allows it for
+            evaluation, `num_generations_eval=1`) gives every episode advantage 0: a group of
+            one has no baseline. Training needs G >= 2 (`GRPOConfig` checks it).
         scale: What to divide the centred rewards by.
             ``"group"``: the group's std + 1e-4 (unit spread within each group; GRPO).
             ``"batch"``: the std of all N rewards + 1e-4 (PPO Lite).
@@ -108,6 +110,8 @@ def group_advantages(
     """
     if scale not in _SCALES:
         raise ValueError(f"unknown scale {scale!r}; expected one of {sorted(_SCALES)}")
+    if num_generations == 1 and rewards_N.dim() == 1:
+        return torch.zeros_like(rewards_N)  # a group of one has no baseline: no signal
     groups_M_G = _as_groups(rewards_N, num_generations)
     centred_M_G = groups_M_G - groups_M_G.mean(dim=1, keepdim=True)
     return _SCALES[scale](centred_M_G, groups_M_G).reshape(-1)
