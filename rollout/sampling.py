@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
+
+_BLOCK = 256
 
 
 def sample_tokens(
@@ -13,15 +16,22 @@ def sample_tokens(
     top_k_B: torch.Tensor,
     top_p_B: torch.Tensor,
     generators: Sequence[torch.Generator | None] | None = None,
+    *,
+    min_p_B: torch.Tensor | None = None,
+    penalty_B: torch.Tensor | None = None,
+    seen_B_V: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and return it with its logprob.
 
-    Rows with temperature 0 take the argmax. Other rows sample from softmax(logits / T) after
-    top-k (k = 0: off) and top-p (p = 1: off) filtering, by the Gumbel-max trick with noise from
-    the row's own generator, so a row's draw does not depend on the other rows of the batch.
-    The returned logprob is log softmax(logits / T) at the token, before filtering: the same
-    quantity a training forward pass computes from the same logits and temperature (T = 1 for
-    greedy rows).
+    The returned logprob is log softmax(logits / T) at the token, before any penalty or
+    filter: the quantity a training forward pass computes from the same logits and
+    temperature (T = 1 for greedy rows). The draw itself first applies the repetition penalty
+    (`penalty_B` > 1 divides the positive logits of the tokens in `seen_B_V` and multiplies
+    their negative ones, as transformers and vLLM do), then top-k (k = 0: off), top-p (p = 1:
+    off) and min-p (0: off; drops tokens less likely than min_p times the likeliest). Rows with
+    temperature 0 take the argmax; the others invert the filtered distribution's cumulative sum
+    at one uniform draw from the row's own generator, so a row's token does not depend on the
+    other rows of the batch.
 
     Args:
         logits_B_V: Next-token logits, float32.
@@ -29,6 +39,9 @@ def sample_tokens(
         top_k_B: Per-row top-k (int).
         top_p_B: Per-row top-p.
         generators: One random generator (or None: the global one) per row.
+        min_p_B: Per-row min-p, or None (off).
+        penalty_B: Per-row repetition penalty, or None (off); needs `seen_B_V`.
+        seen_B_V: True at the tokens each row has seen (its prompt and its samples so far).
 
     Returns:
         tokens_B (long) and logprobs_B (float32).
@@ -41,27 +54,65 @@ def sample_tokens(
 
     """
     greedy_B = temperature_B == 0
-    scaled_B_V = logits_B_V / torch.where(greedy_B, 1.0, temperature_B).unsqueeze(-1)
-    logprobs_B_V = torch.log_softmax(scaled_B_V, dim=-1)
+    divisor_B_1 = torch.where(greedy_B, 1.0, temperature_B).unsqueeze(-1)
+    unpenalized_B_V = logits_B_V / divisor_B_1
+    logprobs_B_V = torch.log_softmax(unpenalized_B_V, dim=-1)
+    scaled_B_V = unpenalized_B_V
+    if penalty_B is not None and seen_B_V is not None:
+        scaled_B_V = _penalize(logits_B_V, penalty_B, seen_B_V) / divisor_B_1
     filtered_B_V = _filter_top_p(_filter_top_k(scaled_B_V, top_k_B), top_p_B)
-    noise_B_V = _gumbel_noise(logits_B_V, generators)
-    drawn_B = (filtered_B_V + noise_B_V).argmax(dim=-1)
-    tokens_B = torch.where(greedy_B, scaled_B_V.argmax(dim=-1), drawn_B)
+    if min_p_B is not None:
+        filtered_B_V = _filter_min_p(filtered_B_V, min_p_B)
+    # A batch drawn from the plain distribution reuses the logprobs: no second softmax.
+    unchanged = filtered_B_V is unpenalized_B_V
+    probs_B_V = logprobs_B_V.exp() if unchanged else torch.softmax(filtered_B_V, dim=-1)
+    tokens_B = _inverse_cdf(probs_B_V, generators)
+    if bool(greedy_B.any()):
+        tokens_B = torch.where(greedy_B, scaled_B_V.argmax(dim=-1), tokens_B)
     return tokens_B, logprobs_B_V.gather(-1, tokens_B.unsqueeze(-1))[:, 0]
 
 
-def _gumbel_noise(
-    logits_B_V: torch.Tensor, generators: Sequence[torch.Generator | None] | None
+def _inverse_cdf(
+    probs_B_V: torch.Tensor, generators: Sequence[torch.Generator | None] | None
 ) -> torch.Tensor:
-    """Gumbel(0, 1) noise, row by row from each row's generator: argmax(x + noise) ~ softmax(x)."""
-    rows = len(logits_B_V)
-    generators = generators or [None] * rows
-    vocab = logits_B_V.shape[-1]
-    uniform_B_V = torch.stack(
-        [torch.rand(vocab, generator=g, device=logits_B_V.device) for g in generators]
-    )
-    tiny = torch.finfo(uniform_B_V.dtype).tiny
-    return -torch.log(-torch.log(uniform_B_V.clamp(min=tiny)))
+    """One token per row of `probs_B_V` (unnormalised is fine), by inverting its cumulative sum.
+
+    The vocabulary is cut into blocks of `_BLOCK` tokens: a row's uniform picks a block by the
+    blocks' cumulative masses, then a token inside it, so no cumulative sum runs over the whole
+    vocabulary (on a CPU that scan costs more than the rest of sampling). `right=True` never
+    lands on a zero-mass block or token; a rounding error that would still push past the
+    block's end (a zero-mass token) falls back to the block's last token of nonzero mass.
+    """
+    rows, vocab = probs_B_V.shape
+    if vocab % _BLOCK:
+        probs_B_V = nn.functional.pad(probs_B_V, (0, -vocab % _BLOCK))
+    blocks_B_N_K = probs_B_V.view(rows, -1, _BLOCK)
+    cdf_B_N = blocks_B_N_K.sum(dim=-1).cumsum(dim=-1)
+    uniform_B_1 = torch.cat([torch.rand(1, generator=g) for g in generators or [None] * rows])
+    target_B_1 = uniform_B_1.unsqueeze(-1).to(probs_B_V.device) * cdf_B_N[:, -1:]
+    block_B_1 = torch.searchsorted(cdf_B_N, target_B_1, right=True).clamp(max=cdf_B_N.shape[1] - 1)
+    before_B_1 = torch.where(block_B_1 > 0, cdf_B_N.gather(-1, (block_B_1 - 1).clamp(min=0)), 0.0)
+    inner_B_K = blocks_B_N_K[torch.arange(rows), block_B_1[:, 0]]
+    inner_B_1 = torch.searchsorted(inner_B_K.cumsum(dim=-1), target_B_1 - before_B_1, right=True)
+    positions_B_K = torch.arange(_BLOCK, device=probs_B_V.device).expand(rows, -1)
+    last_nonzero_B_1 = torch.where(inner_B_K > 0, positions_B_K, 0).amax(dim=-1, keepdim=True)
+    return (block_B_1 * _BLOCK + torch.minimum(inner_B_1, last_nonzero_B_1))[:, 0]
+
+
+def _penalize(
+    logits_B_V: torch.Tensor, penalty_B: torch.Tensor, seen_B_V: torch.Tensor
+) -> torch.Tensor:
+    penalty_B_1 = penalty_B.unsqueeze(-1)
+    penalized_B_V = torch.where(logits_B_V > 0, logits_B_V / penalty_B_1, logits_B_V * penalty_B_1)
+    return torch.where(seen_B_V, penalized_B_V, logits_B_V)
+
+
+def _filter_min_p(logits_B_V: torch.Tensor, min_p_B: torch.Tensor) -> torch.Tensor:
+    if not bool((min_p_B > 0).any()):
+        return logits_B_V
+    probs_B_V = torch.softmax(logits_B_V, dim=-1)
+    floor_B_1 = min_p_B.unsqueeze(-1) * probs_B_V.max(dim=-1, keepdim=True).values
+    return logits_B_V.masked_fill(probs_B_V < floor_B_1, float("-inf"))
 
 
 def _filter_top_k(logits_B_V: torch.Tensor, top_k_B: torch.Tensor) -> torch.Tensor:
