@@ -250,7 +250,10 @@ class GRPOConfig(TrainingArguments):
     )
     cache_implementation: str | None = field(
         default=None,
-        metadata={"help": "KV-cache implementation for transformers generation (not vLLM)."},
+        metadata={
+            "help": "Accepted for TRL scripts; agentgrpo's transformers backend always keeps its "
+            "own dynamic cache (reused across an episode's turns and a group's prompt)."
+        },
     )
 
     # --- vLLM ------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ trainer wraps every generation round in `sync.generating(model, global_step)`, w
 policy's weights when they changed since the last push (so after each optimizer step, and after
 a warm start or a resume), and lets a colocated vLLM sleep between rounds.
 
-- transformers: the backend reads the policy itself; nothing to push.
+- transformers: the backend reads the policy itself; nothing to push, but its prefix cache
+  is emptied around every round.
 - vLLM colocate: the engine runs in this process and reloads from the policy's tensors in place.
 - vLLM server: the trainer broadcasts the tensors to the server's workers (NCCL between GPUs,
   gloo on CPU; `rollout.weight_transport`), which load them through agentgrpo's worker
@@ -57,7 +58,10 @@ def build_generator(
 ) -> tuple[GenerationBackend, WeightSync]:
     """The backend `args` asks for (`use_vllm`, `vllm_mode`) and the sync that feeds it."""
     if not args.use_vllm:
-        return TransformersBackend.from_tokenizer(model, tokenizer, seed=args.seed), SharedWeights()
+        local = TransformersBackend.from_tokenizer(
+            model, tokenizer, seed=args.seed, sampling_overrides=sampling_overrides(args)
+        )
+        return local, SharedWeights(local)
     stop = default_stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     if args.vllm_mode == "colocate":
         sleeps = _sleeps(args)
@@ -78,7 +82,7 @@ def build_generator(
 
 
 def sampling_overrides(args: GRPOConfig) -> dict[str, Any]:
-    """Sampling fields beyond temperature, top-p and top-k, for vLLM.
+    """Sampling fields beyond temperature, top-p and top-k, for either backend.
 
     `min_p` and `repetition_penalty` when set, then `generation_kwargs`, which win over
     everything else.
@@ -121,12 +125,23 @@ def _base_name(peft_name: str) -> str:
 
 
 class SharedWeights:
-    """The transformers backend generates with the policy's own tensors: nothing to push."""
+    """The transformers backend generates with the policy's own tensors: nothing to push.
+
+    Its prefix cache holds keys and values of the weights it was filled with, so every round
+    starts and ends with an empty one (which also frees its memory for the optimizer step).
+    """
+
+    def __init__(self, backend: TransformersBackend):
+        self.backend = backend
 
     @contextlib.contextmanager
     def generating(self, model: torch.nn.Module, step: int) -> Iterator[None]:
         """Generate with the policy as it is."""
-        yield
+        self.backend.reset_prefix_cache()
+        try:
+            yield
+        finally:
+            self.backend.reset_prefix_cache()
 
 
 class ColocatedPush:

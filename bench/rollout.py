@@ -106,16 +106,16 @@ class Script:
 
 
 class BatchRecordingBackend(TransformersBackend):
-    """The real transformers backend, recording the size and duration of every batch it runs."""
+    """The real transformers backend, recording the rows and duration of every step it runs."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.batches: list[tuple[int, float]] = []  # (requests, seconds)
+        self.batches: list[tuple[int, float]] = []  # (rows, seconds) per step
 
-    def _run_batch(self, batch: list) -> None:
-        started = time.perf_counter()
-        super()._run_batch(batch)
-        self.batches.append((len(batch), time.perf_counter() - started))
+    def _step(self, admitted: list) -> None:
+        started, rows = time.perf_counter(), len(self._rows) + len(admitted)
+        super()._step(admitted)
+        self.batches.append((rows, time.perf_counter() - started))
 
 
 class RealComputeScriptedText:
@@ -340,8 +340,8 @@ def engine_vs_lock_step(
         for name, timing in timings.items():
             sizes = timing.batch_sizes
             print(
-                f"      {name + ':':10} {sum(sizes)} requests in {len(sizes):2} batches "
-                f"(mean {statistics.mean(sizes):4.1f}), generating {timing.generating_s:.2f} s"
+                f"      {name + ':':10} {len(sizes):3} steps (mean {statistics.mean(sizes):4.1f} "
+                f"rows), generating {timing.generating_s:.2f} s"
             )
         # With tools at once, lock-step still waits each round for that round's slowest call;
         # the engine can hide at most that waiting, and only if it generates no slower.

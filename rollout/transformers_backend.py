@@ -1,21 +1,34 @@
-"""Generation with a transformers model, batching whatever requests are pending.
+"""Generation with a transformers model: continuous batching over a prefix cache.
 
-Episodes call `generate` whenever they need a turn. Requests that arrive while a batch is running
-wait; when it ends, the next waiter takes every pending request (up to `max_batch_size`) and runs
-them as one left-padded batch in a worker thread, so tools and other episodes keep running on the
-event loop meanwhile. Each row stops at its own stop token or its own `max_tokens`.
+Episodes call `generate` whenever they need a turn. A call queues its request, then drives the
+backend one step at a time until its request is done (one step runs at a time, in a worker
+thread, so tools and other episodes keep running on the event loop). A step admits the
+requests that arrived, up to `max_batch_size` running rows, prefilling each from the longest
+cached prefix of its prompt and drawing its first token, then decodes one token for every
+running row. A row leaves as soon as it stops; the keys and values of what it read go to the
+prefix cache, so an episode's next turn (its prompt extends the last one) prefills only the
+new tokens, and the G members of a group prefill their shared prompt once.
+
+Models whose cache is not plain attention keys and values (recurrent or linear-attention
+layers) generate one request at a time, without prefix reuse.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import torch
+from transformers import DynamicCache
 
+from rollout import kv_cache
+from rollout.kv_cache import KV, PrefixCache
 from rollout.sampling import sample_tokens
 from rollout.types import Completion, SamplingParams
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass
@@ -24,6 +37,24 @@ class _Request:
     params: SamplingParams
     result: Completion | None = None
     error: BaseException | None = None
+    abandoned: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+@dataclass
+class _Row:
+    """A request being generated: `fed` tokens are in the cache; `tokens[-1]` is not yet."""
+
+    request: _Request
+    sampling: dict[str, float]
+    generator: torch.Generator
+    fed: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
 
 
 class TransformersBackend:
@@ -31,12 +62,16 @@ class TransformersBackend:
 
     Args:
         model: A causal LM. The backend only reads it (under `torch.inference_mode`), so the
-            trainer's updates are seen by the next batch without any weight push.
+            trainer's updates are seen without any weight push; call `reset_prefix_cache`
+            after they change the weights.
         stop_token_ids: Token ids that end a turn (e.g. the tokenizer's end-of-turn id).
-        pad_token_id: Id used for left padding and for rows that already stopped.
-        max_batch_size: The most requests generated together.
-        batch_wait_s: How long the next batch waits for more requests before it starts.
+        pad_token_id: Id fed to rows that already stopped (never sampled from).
+        max_batch_size: The most rows decoded together.
         seed: Seeds the requests that carry no seed of their own.
+        prefix_cache_tokens: The most positions of keys and values kept for reuse (0: none).
+        sampling_overrides: `min_p`, `repetition_penalty`, `temperature`, `top_p` or `top_k`
+            for every request (TRL's `generation_kwargs`); they win over the request's own.
+            The sampler logprobs stay those of softmax(logits / T), before any of them.
 
     """
 
@@ -46,8 +81,9 @@ class TransformersBackend:
         stop_token_ids: Collection[int],
         pad_token_id: int,
         max_batch_size: int = 64,
-        batch_wait_s: float = 0.002,
         seed: int = 0,
+        prefix_cache_tokens: int = 16384,
+        sampling_overrides: Mapping[str, Any] | None = None,
     ):
         if not stop_token_ids:
             raise ValueError("stop_token_ids is empty: generation would never end a turn")
@@ -55,10 +91,15 @@ class TransformersBackend:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
-        self.batch_wait_s = batch_wait_s
+        self.sampling_overrides = _checked_overrides(sampling_overrides or {})
         self.context_limit: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.prefixes = PrefixCache(prefix_cache_tokens)
+        self.reuses_keys_and_values = _has_plain_attention_cache(model)
         self._seeds = torch.Generator().manual_seed(seed)
-        self._pending: list[_Request] = []
+        self._arriving: list[_Request] = []
+        self._rows: list[_Row] = []
+        self._cache: DynamicCache | None = None
+        self._mask_B_T: torch.Tensor | None = None
         self._lock = anyio.Lock()
 
     @classmethod
@@ -71,101 +112,240 @@ class TransformersBackend:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
         return cls(model, stop, pad, **kwargs)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached keys and values: call it whenever the model's weights change."""
+        self.prefixes.clear()
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Queue a request and return its completion once a batch has generated it."""
+        """Queue a request and return its completion once the steps have generated it."""
         if self.context_limit and len(prompt_ids) + params.max_tokens > self.context_limit:
             raise ValueError(
                 f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
                 f"model's context of {self.context_limit} tokens"
             )
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: there is nothing to continue")
         request = _Request(list(prompt_ids), params)
-        self._pending.append(request)
-        while request.result is None and request.error is None:
-            async with self._lock:
-                if request.result is None and request.error is None:
-                    await anyio.sleep(self.batch_wait_s)
-                    batch = self._pending[: self.max_batch_size]
-                    del self._pending[: len(batch)]
-                    await anyio.to_thread.run_sync(self._run_batch, batch)
+        self._arriving.append(request)
+        try:
+            while not request.done:
+                async with self._lock:
+                    if not request.done:
+                        await anyio.to_thread.run_sync(self._step, self._admissions())
+        except BaseException:
+            request.abandoned = True  # cancelled: the next step drops its row
+            raise
         if request.error is not None:
             raise request.error
         assert request.result is not None  # the loop ends on a result or an error
         return request.result
 
-    def _run_batch(self, batch: list[_Request]) -> None:
-        """Generate a batch and store each result (or the error) on its request."""
-        try:
-            completions = self._sample([r.prompt_ids for r in batch], [r.params for r in batch])
-        except Exception as error:  # every request of the batch must learn about it
-            for request in batch:
-                request.error = error
-            return
-        for request, completion in zip(batch, completions, strict=True):
-            request.result = completion
+    def _admissions(self) -> list[_Request]:
+        """The arrived requests there is room for, taken off the queue (on the event loop)."""
+        room = self.max_batch_size - len(self._rows) if self.reuses_keys_and_values else 1
+        admitted = [r for r in self._arriving[: max(room, 0)] if not r.abandoned]
+        del self._arriving[: max(room, 0)]
+        return admitted
 
-    @torch.inference_mode()
-    def _sample(
-        self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
-    ) -> list[Completion]:
-        device = next(self.model.parameters()).device  # what transformers' `model.device` reads
-        ids_B_T, mask_B_T = self._left_pad(prompts, device)
-        positions_B_T = (mask_B_T.cumsum(-1) - 1).clamp(min=0)
-        temperature_B = torch.tensor([p.temperature for p in params], device=device)
-        top_k_B = torch.tensor([p.top_k for p in params], device=device)
-        top_p_B = torch.tensor([p.top_p for p in params], device=device)
-        generators = [self._row_generator(p.seed, device) for p in params]
-        out = self.model(
-            input_ids=ids_B_T,
-            attention_mask=mask_B_T,
-            position_ids=positions_B_T,
+    def _step(self, admitted: list[_Request]) -> None:
+        """Admit `admitted`, then decode one token for every running row; fail them on error."""
+        try:
+            with torch.inference_mode():
+                if not self.reuses_keys_and_values:
+                    for request in admitted:
+                        self._generate_alone(request)
+                    return
+                prefilled = [self._prefill(request) for request in admitted]
+                self._join([(row, kv) for row, kv in prefilled if not row.finished])
+                if self._rows:
+                    self._decode()
+        except Exception as error:  # every request in the step must learn about it
+            for request in [*admitted, *(row.request for row in self._rows)]:
+                request.error = error
+            self._rows, self._cache, self._mask_B_T = [], None, None
+
+    def _prefill(self, request: _Request) -> tuple[_Row, KV]:
+        """Read the prompt on top of its longest cached prefix and draw the first token.
+
+        Returns the row and the keys and values of its prompt (one row).
+        """
+        prompt = request.prompt_ids
+        reused, cached = self.prefixes.longest_prefix(prompt)
+        reused = min(reused, len(prompt) - 1)  # read at least one token: its logits are needed
+        cache = DynamicCache()
+        if cached is not None and reused > 0:
+            cache = kv_cache.cache_of(kv_cache.first_positions(cached, reused))
+        out = self._forward(prompt[reused:], range(reused, len(prompt)), cache)
+        kv = kv_cache.kv_of(out.past_key_values)
+        self.prefixes.add(prompt, kv)
+        row = self._new_row(request)
+        self._draw([row], out.logits[:, -1, :])
+        return row, kv
+
+    def _forward(self, token_ids: list[int], positions: range, cache: DynamicCache | None):
+        device = self._device()
+        return self.model(
+            input_ids=torch.tensor([token_ids], device=device),
+            attention_mask=torch.ones(1, positions.stop, dtype=torch.long, device=device),
+            position_ids=torch.tensor([list(positions)], device=device),
+            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        tokens: list[list[int]] = [[] for _ in prompts]
-        logprobs: list[list[float]] = [[] for _ in prompts]
-        stopped = [False] * len(prompts)
-        done = [False] * len(prompts)
-        for _ in range(max(p.max_tokens for p in params)):
-            next_B, logprob_B = sample_tokens(
-                out.logits[:, -1, :].float(), temperature_B, top_k_B, top_p_B, generators
-            )
-            for b, (token, logprob) in enumerate(
-                zip(next_B.tolist(), logprob_B.tolist(), strict=True)
-            ):
-                if done[b]:
-                    continue
-                tokens[b].append(token)
-                logprobs[b].append(logprob)
-                stopped[b] = token in self.stop_token_ids
-                done[b] = stopped[b] or len(tokens[b]) >= params[b].max_tokens
-            if all(done):
-                break
-            finished_B = torch.tensor(done, device=device)
-            next_B = next_B.masked_fill(finished_B, self.pad_token_id)
-            mask_B_T = torch.cat([mask_B_T, torch.ones_like(mask_B_T[:, :1])], dim=-1)
-            positions_B_T = positions_B_T[:, -1:] + 1
-            out = self.model(
-                input_ids=next_B.unsqueeze(-1),
-                attention_mask=mask_B_T,
-                position_ids=positions_B_T,
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
-        return [Completion(t, lp, s) for t, lp, s in zip(tokens, logprobs, stopped, strict=True)]
 
-    def _row_generator(self, seed: int | None, device: torch.device) -> torch.Generator:
-        """A request's own random stream: its draws do not depend on the rest of the batch."""
+    def _join(self, prefilled: list[tuple[_Row, KV]]) -> None:
+        """Put freshly prefilled rows into the decoding batch, everything left-padded."""
+        if not prefilled:
+            return
+        running = kv_cache.kv_of(self._cache) if self._cache is not None else None
+        widths = [len(row.fed) for row, _ in prefilled]
+        width = max([*widths, kv_cache.width(running) if running else 0])
+        parts = [kv_cache.left_pad(kv, width) for _, kv in prefilled]
+        masks = [_left_padded_ones(w, width) for w in widths]
+        if running is not None and self._mask_B_T is not None:
+            parts.insert(0, kv_cache.left_pad(running, width))
+            masks.insert(0, _pad_mask(self._mask_B_T.cpu(), width))
+        self._cache = kv_cache.cache_of(kv_cache.stack_rows(parts))
+        self._mask_B_T = torch.cat(masks).to(self._device())
+        self._rows.extend(row for row, _ in prefilled)
+
+    def _decode(self) -> None:
+        """Feed every running row its last token, draw the next, and let finished rows go."""
+        device = self._device()
+        assert self._mask_B_T is not None
+        self._mask_B_T = torch.cat([self._mask_B_T, self._mask_B_T.new_ones(len(self._rows), 1)], 1)
+        out = self.model(
+            input_ids=torch.tensor([[row.tokens[-1]] for row in self._rows], device=device),
+            attention_mask=self._mask_B_T,
+            position_ids=torch.tensor([[len(row.fed)] for row in self._rows], device=device),
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self._cache = out.past_key_values
+        for row in self._rows:
+            row.fed.append(row.tokens[-1])
+        self._draw(self._rows, out.logits[:, -1, :])
+        self._release([b for b, row in enumerate(self._rows) if row.finished])
+
+    def _release(self, finished: list[int]) -> None:
+        """Cache what the finished rows read, then drop them from the batch."""
+        if not finished:
+            return
+        assert self._cache is not None and self._mask_B_T is not None
+        running = kv_cache.kv_of(self._cache)
+        total = kv_cache.width(running)
+        for b in finished:
+            fed = self._rows[b].fed
+            read = kv_cache.take_columns(running, slice(b, b + 1), total - len(fed))
+            self.prefixes.add(fed, read)
+        kept = [b for b in range(len(self._rows)) if b not in set(finished)]
+        self._rows = [self._rows[b] for b in kept]
+        if not kept:
+            self._cache, self._mask_B_T = None, None
+            return
+        start = total - max(len(row.fed) for row in self._rows)  # drop all-padding columns
+        self._cache = kv_cache.cache_of(kv_cache.take_columns(running, kept, start))
+        self._mask_B_T = self._mask_B_T[kept, start:]
+
+    def _generate_alone(self, request: _Request) -> None:
+        """Generate one request with the model's own cache (models without plain KV)."""
+        row = self._new_row(request)
+        out = self._forward(request.prompt_ids, range(len(request.prompt_ids)), None)
+        self._draw([row], out.logits[:, -1, :])
+        while not row.finished:
+            row.fed.append(row.tokens[-1])
+            last = len(row.fed) - 1
+            out = self._forward([row.tokens[-1]], range(last, last + 1), out.past_key_values)
+            self._draw([row], out.logits[:, -1, :])
+
+    def _new_row(self, request: _Request) -> _Row:
+        params = request.params
+        sampling = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+        }
+        sampling |= self.sampling_overrides
+        seed = params.seed
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self._seeds))
-        return torch.Generator(device=device).manual_seed(seed)
+        generator = torch.Generator(device=self._device()).manual_seed(seed)
+        return _Row(request, sampling, generator, fed=list(request.prompt_ids))
 
-    def _left_pad(
-        self, prompts: Sequence[list[int]], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(p) for p in prompts)
-        ids_B_T = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask_B_T = torch.zeros((len(prompts), width), dtype=torch.long)
-        for b, prompt in enumerate(prompts):
-            ids_B_T[b, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask_B_T[b, width - len(prompt) :] = 1
-        return ids_B_T.to(device), mask_B_T.to(device)
+    def _draw(self, rows: list[_Row], logits_B_V: torch.Tensor) -> None:
+        """Sample each row's next token; a row that stops or runs out of tokens finishes."""
+        device = logits_B_V.device
+
+        def column(name: str, dtype=torch.float32) -> torch.Tensor:
+            return torch.tensor([row.sampling[name] for row in rows], dtype=dtype, device=device)
+
+        penalty_B = column("repetition_penalty")
+        penalized = bool((penalty_B != 1).any())
+        tokens_B, logprobs_B = sample_tokens(
+            logits_B_V.float(),
+            column("temperature"),
+            column("top_k", torch.long),
+            column("top_p"),
+            [row.generator for row in rows],
+            min_p_B=column("min_p"),
+            penalty_B=penalty_B if penalized else None,
+            seen_B_V=_seen(rows, logits_B_V.shape[-1], device) if penalized else None,
+        )
+        for row, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            stopped = token in self.stop_token_ids
+            if stopped or len(row.tokens) >= row.request.params.max_tokens or row.request.abandoned:
+                row.finished = True
+                row.request.result = Completion(row.tokens, row.logprobs, stopped)
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device  # what transformers' `model.device` reads
+
+
+def _checked_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`generation_kwargs` this backend applies; anything else is refused by name.
+
+    `do_sample=False` means greedy (temperature 0), `do_sample=True` changes nothing.
+    """
+    overrides = dict(overrides)
+    if overrides.pop("do_sample", True) is False:
+        overrides["temperature"] = 0.0
+    unknown = sorted(set(overrides) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"generation_kwargs {unknown} are not supported by the transformers backend, which "
+            f"applies {['do_sample', *SAMPLING_FIELDS]}; remove them, or generate with vLLM "
+            "(use_vllm=True), which takes any vllm.SamplingParams field"
+        )
+    return overrides
+
+
+def _has_plain_attention_cache(model: Any) -> bool:
+    """Whether the model's cache is attention keys and values only (no recurrent state)."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    attention = {"full_attention", "sliding_attention", "chunked_attention"}
+    supports = getattr(type(model), "_supports_default_dynamic_cache", lambda: True)
+    return set(layer_types) <= attention and bool(supports())
+
+
+def _left_padded_ones(ones: int, width: int) -> torch.Tensor:
+    """A one-row attention mask: `width - ones` padding positions, then `ones` real ones."""
+    mask_1_W = torch.zeros(1, width, dtype=torch.long)
+    mask_1_W[:, width - ones :] = 1
+    return mask_1_W
+
+
+def _pad_mask(mask_B_T: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(mask_B_T, (width - mask_B_T.shape[1], 0))
+
+
+def _seen(rows: list[_Row], vocab: int, device: torch.device) -> torch.Tensor:
+    """True at the tokens each row has read or drawn (what the repetition penalty hits)."""
+    seen_B_V = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    for b, row in enumerate(rows):
+        seen_B_V[b, torch.tensor(row.fed + row.tokens, device=device)] = True
+    return seen_B_V

@@ -290,7 +290,8 @@ def test_agentgrpo_run_exits_after_a_tool_that_blocks_for_ever(
         [sys.executable, "-m", "agentgrpo", "run", "stuck.py:StuckCounter",
          "--model", str(model_dir), "--dataset", "rows.jsonl", "--chat-template", "chatml_tools",
          "--max-steps", "1", "--per-device-train-batch-size", "2", "--num-generations", "2",
-         "--max-completion-length", "48", "--tool-timeout-s", "1", "--output-dir", "out"],
+         "--max-completion-length", "48", "--tool-timeout-s", "1", "--output-dir", "out",
+         "--temperature", "0"],  # greedy: the taught call, whatever the sampler draws
         capture_output=True, text=True, cwd=tmp_path, timeout=300,  # before: never exited
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

@@ -81,6 +81,7 @@ def test_mean_reward_rises_on_a_tool_calling_environment(tokenizer, tmp_path):
         for k in (2, 5, 8)
     ]
     teach(model, demos, lr=1e-2, steps=150, until_learned=False)
+    share_before = step_share(model, tokenizer, step=5)
     args = config(
         tmp_path,
         max_steps=8,
@@ -104,7 +105,26 @@ def test_mean_reward_rises_on_a_tool_calling_environment(tokenizer, tmp_path):
     history = trainer.state.log_history
     calls = [e["tools/call_frequency"] for e in history if "tools/call_frequency" in e]
     assert min(calls) > 0.5  # real tool calls throughout (calls per episode)
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:2]) / 2 + 0.2, rewards
+    # The policy's own probability of the rewarded call, not the rewards a few sampled groups
+    # happened to get: every group that mixes 5 with other steps pushes it up, whatever the
+    # draws (0.334 -> 0.420 when this was written).
+    share_after = step_share(trainer.model, tokenizer, step=5)
+    print(f"share of step 5: {share_before:.3f} -> {share_after:.3f}; rewards {rewards}")
+    assert share_after > share_before + 0.05
+
+
+def step_share(model, tokenizer, step: int, steps=(2, 5, 8)) -> float:
+    """The model's probability of calling increment with `step`, among the `steps` taught."""
+    ids = {}
+    for k in steps:
+        [row] = scripted_episode(tokenizer, [tool_call("increment", step=k), "Done."], ROW_5).rows
+        ids[k] = row.prompt_ids + row.completion_ids
+    first, other = ids[steps[0]], ids[steps[1]]
+    at = next(i for i, (a, b) in enumerate(zip(first, other, strict=False)) if a != b)
+    with torch.no_grad():
+        logits_V = model(torch.tensor([first[:at]])).logits[0, -1]
+    probs_K = torch.softmax(logits_V.float(), -1)[[ids[k][at] for k in steps]]
+    return (probs_K[steps.index(step)] / probs_K.sum()).item()
 
 
 ROW_5 = {"prompt": [{"role": "user", "content": "Make the counter reach 5."}], "target": 5}

@@ -532,3 +532,38 @@ def test_sequence_level_ratios_with_a_per_sequence_loss_do_not_warn(tmp_path, lo
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config(tmp_path, loss_type=loss_type, importance_sampling_level="sequence")
+
+
+# --- min_p, repetition_penalty and generation_kwargs with transformers generation -------------
+
+
+def test_sampling_settings_reach_the_transformers_backend_and_train(tokenizer, tmp_path):
+    args = config(
+        tmp_path,
+        top_p=0.9,
+        min_p=0.01,
+        repetition_penalty=1.1,
+        generation_kwargs={"do_sample": True, "top_k": 20},
+    )
+    model = tiny_llama(tokenizer)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    trainer = GRPOTrainer(
+        model, rank_in_call, args=args, train_dataset=PROMPTS, processing_class=tokenizer
+    )
+    backend = trainer.engine.context.backend
+    assert backend.sampling_overrides == {"min_p": 0.01, "repetition_penalty": 1.1, "top_k": 20}
+    trainer.train()
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert backend.prefixes.tokens == 0  # emptied after each round: the weights changed
+
+
+def test_generation_kwargs_the_transformers_backend_cannot_apply_are_refused(tokenizer, tmp_path):
+    args = config(tmp_path, generation_kwargs={"num_beams": 2, "length_penalty": -0.1})
+    with pytest.raises(ValueError, match=r"\['length_penalty', 'num_beams'\] are not supported"):
+        GRPOTrainer(
+            tiny_llama(tokenizer),
+            rank_in_call,
+            args=args,
+            train_dataset=PROMPTS,
+            processing_class=tokenizer,
+        )
