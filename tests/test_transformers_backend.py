@@ -8,6 +8,7 @@ from dataclasses import replace
 import anyio
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rollout import GenerationBackend, SamplingParams, TransformersBackend
 from rollout.sampling import sample_tokens
@@ -177,6 +178,40 @@ async def test_a_next_turn_prefills_only_the_tokens_after_what_the_last_turn_rea
     assert log.shapes[0] == (1, 1 + len(tool_turn))
     expected = forward_logprobs(tiny_model, second_prompt, second.token_ids)
     assert torch.allclose(expected, torch.tensor(second.logprobs), atol=1e-4)
+
+
+@pytest.mark.anyio
+async def test_a_sliding_window_model_generates_as_a_plain_forward_pass_would():
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=2000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=4,  # shorter than every context below
+        max_window_layers=1,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    backend = TransformersBackend(model, stop_token_ids=[1999], pad_token_id=0)
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    prompts = [PROMPTS[1], [1, 520, 33, 8, 9, 10, 11], PROMPTS[2]]
+    together = await generate_concurrently(backend, prompts, [greedy] * 3)
+    next_turn = prompts[1] + together[1].token_ids + [5, 6]  # read over the prefix cache
+    contexts = [*prompts, next_turn]
+    completions = [*together, await backend.generate(next_turn, greedy)]
+    for context, completion in zip(contexts, completions, strict=True):
+        assert completion.token_ids == greedy_by_whole_forward_passes(model, context, 8)
+
+
+def greedy_by_whole_forward_passes(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
 
 
 @pytest.mark.anyio
