@@ -562,7 +562,8 @@ def _print_levers(runners: list[Runner], rows: dict[str, dict]) -> None:
 def _print_generations(runs: dict[str, list[dict]]) -> None:
     print(
         "generation calls per timed step, rows x new tokens (s): agentgrpo = backend batches "
-        "(when the backend has `_sample`), TRL = model.generate calls"
+        "(continuous batching: runs of decoding steps over the same number of rows), "
+        "TRL = model.generate calls"
     )
     for label, results in runs.items():
         for result in results:
@@ -825,6 +826,8 @@ def _make_step_timer():
                     self._spans.append((started, time.perf_counter()))
 
             backend.generate = timed_generate
+            if hasattr(backend, "_step"):
+                self._attach_steps(backend)
             sample = getattr(backend, "_sample", None)
             if sample is None:
                 return
@@ -837,6 +840,24 @@ def _make_step_timer():
                 return completions
 
             backend._sample = recorded
+
+        def _attach_steps(self, backend: Any) -> None:
+            """Continuous batching: each `_step` decodes one token for its running rows.
+            Consecutive steps over the same number of rows are recorded as one batch."""
+            step = backend._step
+
+            def recorded(admitted):
+                rows = len(backend._rows) + len(admitted)
+                started = time.perf_counter()
+                step(admitted)
+                seconds = time.perf_counter() - started
+                if self._calls and self._calls[-1][0] == rows:
+                    _, passes, before = self._calls.pop()
+                    self._calls.append((rows, passes + 1, before + seconds))
+                else:
+                    self._calls.append((rows, 1, seconds))
+
+            backend._step = recorded
 
         def _attach_model(self, model: Any) -> None:
             generate = model.generate
