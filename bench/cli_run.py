@@ -71,12 +71,12 @@ def _run(args: argparse.Namespace, extra: list[str]) -> dict:
 
 
 def _train_seconds(output: str) -> float:
-    """The run's own "train time 3m 41s" (its GRPO steps), in seconds."""
-    found = re.findall(r"train time (?:(\d+)m )?(\d+)s", output)
+    """The run's own train time (its GRPO steps): "42.3 s", "3m 41s" or "1h 02m 05s"."""
+    found = re.findall(r"train time (?:(\d+)h )?(?:(\d+)m )?([\d.]+) ?s", output)
     if not found:
         sys.exit("the run printed no 'train time': has its summary changed?")
-    minutes, seconds = found[-1]
-    return 60 * int(minutes or 0) + int(seconds)
+    hours, minutes, seconds = found[-1]
+    return 3600 * int(hours or 0) + 60 * int(minutes or 0) + float(seconds)
 
 
 def _describe(run: dict) -> str:
