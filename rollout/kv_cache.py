@@ -100,7 +100,7 @@ class PrefixCache:
         """
         best, best_key = 0, None
         for key in self._entries:
-            shared = _shared_prefix_length(key, token_ids)
+            shared = shared_prefix_length(key, token_ids)
             if shared > best:
                 best, best_key = shared, key
         if best_key is None:
@@ -124,7 +124,8 @@ class PrefixCache:
         self._entries.clear()
 
 
-def _shared_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+def shared_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
     length = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

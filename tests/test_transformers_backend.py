@@ -181,6 +181,44 @@ async def test_a_next_turn_prefills_only_the_tokens_after_what_the_last_turn_rea
 
 
 @pytest.mark.anyio
+async def test_requests_of_different_cached_lengths_prefill_in_one_pass(tiny_model):
+    backend = TransformersBackend(tiny_model, stop_token_ids=[len(PROMPTS)], pad_token_id=2)
+    firsts = await generate_concurrently(
+        backend, PROMPTS[:2], [SamplingParams(max_tokens=4, seed=s) for s in range(2)]
+    )
+    next_turns = [
+        PROMPTS[0] + firsts[0].token_ids + [17, 18, 19, 20, 21],
+        PROMPTS[1] + firsts[1].token_ids + [22, 23],
+        PROMPTS[2],  # nothing cached, and shorter than the others' reads: left-padded
+    ]
+    params = [SamplingParams(max_tokens=5, temperature=0.8, seed=s) for s in range(3)]
+    with ForwardLog(tiny_model) as log:
+        together = await generate_concurrently(backend, next_turns, params)
+    assert log.shapes[0] == (3, 1 + 5)  # the longest reads its last sampled token and 5 more
+    for prompt, completion in zip(next_turns, together, strict=True):
+        expected = forward_logprobs(tiny_model, prompt, completion.token_ids, temperature=0.8)
+        assert torch.allclose(expected, torch.tensor(completion.logprobs), atol=1e-4)
+    alone = TransformersBackend(tiny_model, stop_token_ids=[len(PROMPTS)], pad_token_id=2)
+    for prompt, param, completion in zip(next_turns, params, together, strict=True):
+        assert (await alone.generate(prompt, param)).token_ids == completion.token_ids
+
+
+@pytest.mark.anyio
+async def test_a_long_prompt_and_a_short_next_turn_prefill_apart(tiny_model):
+    backend = TransformersBackend(tiny_model, stop_token_ids=[len(PROMPTS)], pad_token_id=2)
+    first = await backend.generate(PROMPTS[2], SamplingParams(max_tokens=3, seed=0))
+    long_prompt = list(range(100, 161))  # shares no prefix with what is cached
+    with ForwardLog(tiny_model) as log:
+        await generate_concurrently(
+            backend,
+            [long_prompt, PROMPTS[2] + first.token_ids + [5]],
+            [SamplingParams(max_tokens=2, seed=s) for s in range(2)],
+        )
+    # Reading 61 tokens for a row that needs 2 would cost more than a second pass.
+    assert log.shapes[:2] == [(1, len(long_prompt)), (1, 2)]
+
+
+@pytest.mark.anyio
 async def test_a_sliding_window_model_generates_as_a_plain_forward_pass_would():
     torch.manual_seed(0)
     config = Qwen2Config(
@@ -221,8 +259,8 @@ async def test_a_groups_members_read_their_shared_prompt_once(tiny_model):
     params = [SamplingParams(max_tokens=5, seed=s) for s in range(4)]
     with ForwardLog(tiny_model) as log:
         completions = await generate_concurrently(backend, group, params)
-    prefills = [shape for shape in log.shapes if shape[0] == 1]
-    assert sorted(prefills) == [(1, 1)] * 3 + [(1, len(PROMPTS[1]))]
+    # The first member reads the prompt; the other three then read its last token together.
+    assert log.shapes[:2] == [(1, len(PROMPTS[1])), (3, 1)]
     for completion in completions:
         expected = forward_logprobs(tiny_model, PROMPTS[1], completion.token_ids)
         assert torch.allclose(expected, torch.tensor(completion.logprobs), atol=1e-4)
@@ -264,7 +302,7 @@ async def test_without_a_prefix_cache_every_prompt_is_read_whole(tiny_model):
     )
     with ForwardLog(tiny_model) as log:
         await generate_concurrently(backend, [PROMPTS[1]] * 2, [SamplingParams(max_tokens=2)] * 2)
-    assert [s for s in log.shapes if s[0] == 1] == [(1, len(PROMPTS[1]))] * 2
+    assert log.shapes[0] == (2, len(PROMPTS[1]))  # both read whole, in one pass
 
 
 @pytest.mark.anyio
