@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
+from rollout.attention import use_grouped_query_sdpa
+
 
 def policy_init_kwargs(args: Any, quantization_config: Any = None) -> dict[str, Any]:
     """The keyword arguments the policy's `from_pretrained` gets, as TRL builds them.
@@ -58,6 +60,9 @@ def load_policy(
 ) -> Any:
     """The model to train: a hub id or local path is loaded, a model is used as given.
 
+    A model on transformers' "sdpa" attention is switched to `rollout.attention`'s
+    "sdpa_gqa", the same attention without copying grouped key-value heads on a CPU.
+
     Args:
         model: A hub id or local folder, a `PreTrainedModel`, or a `PeftModel`.
         args: The `GRPOConfig` (`model_init_kwargs`, `trust_remote_code`, `disable_dropout`,
@@ -82,6 +87,7 @@ def load_policy(
         from peft import get_peft_model
 
         policy = get_peft_model(policy, peft_config)
+    use_grouped_query_sdpa(policy)
     if args.disable_dropout:
         disable_dropout(policy)
     if args.cast_lm_head_to_fp32:

@@ -355,8 +355,10 @@ def _eval_backend(namespace: argparse.Namespace, path: str, tokenizer: Any) -> A
     from transformers import AutoModelForCausalLM
 
     from rollout import TransformersBackend
+    from rollout.attention import use_grouped_query_sdpa
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    use_grouped_query_sdpa(model)
     return TransformersBackend.from_tokenizer(model, tokenizer, seed=namespace.seed)
 
 
