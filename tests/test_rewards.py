@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -13,6 +14,7 @@ from agentgrpo.rewards import (
     get_soft_overlong_punishment,
     think_format_reward,
 )
+from agentgrpo.rewards.math_check import MathChecker
 
 
 def accuracy(completion, gold):
@@ -107,6 +109,22 @@ def test_pathological_answers_are_rejected_quickly():
 
 def test_answers_never_reach_eval():
     assert not answers_match("__import__('os').system('false')", "0")
+
+
+def test_a_comparison_past_its_time_limit_is_not_equal_and_the_checker_goes_on():
+    checker = MathChecker(timeout_s=1.0)
+    try:
+        assert not checker.equal("1", "10^{10^{10}}")  # sympy would build 10^10 digits
+        assert checker.equal(r"\frac{1}{2}", "0.5")  # a new process answers
+    finally:
+        checker.close()
+
+
+def test_answers_are_checked_from_many_threads_at_once():
+    cases = [(r"\boxed{2\sqrt{3}}", r"\sqrt{12}", 1.0), (r"\boxed{\frac{1}{3}}", "0.33", 0.0)] * 4
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        rewards = list(pool.map(lambda case: accuracy(case[0], case[1]), cases))
+    assert rewards == [expected for _, _, expected in cases]
 
 
 # --- think_format_reward ------------------------------------------------------------------

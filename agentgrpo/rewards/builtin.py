@@ -5,7 +5,8 @@ called once per batch with keyword arguments, returning one float (or None, "not
 completion.
 
 - `accuracy_reward`: does the completion's final answer equal the gold `solution`? Verified as
-  strings after normalisation, then numerically or symbolically with sympy.
+  strings after normalisation, then by math-verify (the library TRL's uses), numerically or
+  symbolically.
 - `think_format_reward`: does the completion open with exactly one ``<think>...</think>`` block?
 - `get_soft_overlong_punishment`: DAPO's length penalty, a factory for a reward function.
 
@@ -22,36 +23,24 @@ How an answer is read (the same for completions and gold solutions), first match
    number (``-3``, ``1,000``, ``2.5``, ``3/4``). The math span is there so that a gold solution
    ending in ``$\frac{1}{2}$`` reads as 1/2, not 2.
 
-sympy is imported on first use, so importing this module stays fast. It never evaluates text
-with ``eval``: a small parser here turns simple LaTeX into sympy objects, and refuses powers and
-factorials that would build huge numbers, so no answer can hang the trainer.
+math-verify runs in a process of its own, started on first use (`math_check`): importing this
+module stays fast, no text is ever evaluated with ``eval``, and no answer can hang the trainer.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import re
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import sympy
+from agentgrpo.rewards.math_check import MathChecker
 
 MAX_SYMPY_CHARS = 200  # longer answers are compared as strings only
 _TAIL_CHARS = 2000  # math spans and numbers are looked for in this many final characters
 _MAX_BOXED_CHARS = 2000  # a \boxed{ whose braces do not close within this many is skipped
-_MAX_EXPONENT = 1000  # |exponent| of a numeric power, and largest factorial argument
-_MAX_DIGITS = 10_000  # largest numeric power allowed, in decimal digits
-_REL_TOL = 1e-6
-_ABS_TOL = 1e-20  # absorbs evalf's rounding when one side is exactly zero
 _FUNCTION_NAMES = {"sqrt", "sin", "cos", "tan", "cot", "sec", "csc", "log", "ln", "exp"}
 _CONSTANT_NAMES = {"pi", "infty", "inf", "oo"}
-_GREEK = {
-    "alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta",
-    "vartheta", "iota", "kappa", "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "upsilon",
-    "phi", "varphi", "chi", "psi", "omega",
-}  # fmt: skip
 
 
 # --- the reward functions -----------------------------------------------------------------
@@ -65,10 +54,9 @@ def accuracy_reward(
     Both answers are read as the module docstring describes. They are equal when their
     normalised strings match (``$``, ``\left``/``\right``, spacing commands, spaces, thousands
     separators, a trailing ``.`` and units such as ``\%``, ``^\circ`` or ``\text{cm}`` are
-    dropped; ``\dfrac``/``\tfrac`` read as ``\frac``), or when sympy finds them numerically
-    equal (relative tolerance 1e-6) or ``simplify(a - b) == 0``. A leading ``x =`` is ignored,
-    and tuples or intervals such as ``(1, 2)`` are compared element by element (brackets too).
-    Expressions with free symbols are compared at a few fixed points before ``simplify``.
+    dropped; ``\dfrac``/``\tfrac`` read as ``\frac``), or when math-verify finds them the
+    same number, expression, equation, tuple, interval or set (`answers_match`): ``x = 5``
+    equals ``5``, ``(x+1)^2`` equals ``x^2 + 2x + 1``, ``\frac{1}{3}`` does not equal ``0.33``.
 
     Args:
         completions: One completion per sample: text, or a list of messages.
@@ -316,6 +304,11 @@ def normalize_answer(answer: str) -> str:
 def answers_match(answer: str, gold: str) -> bool:
     r"""Whether two extracted answers are equal, as `accuracy_reward` decides.
 
+    Equal normalised strings (`normalize_answer`) match. Otherwise math-verify decides, in its
+    own process (`math_check.MathChecker`, at most 5 s a comparison). Answers it could spend
+    minutes on are compared as strings only: longer than `MAX_SYMPY_CHARS`, a power inside an
+    exponent (``10^{10^{10}}``), or an exponent of four digits or more.
+
     Example:
         >>> answers_match(r"2\sqrt{3}", r"\sqrt{12}"), answers_match("(1, 2)", "(2, 1)")
         (True, False)
@@ -324,269 +317,35 @@ def answers_match(answer: str, gold: str) -> bool:
     a, b = normalize_answer(answer), normalize_answer(gold)
     if a == b:
         return True
-    (a_open, a_items, a_close), (b_open, b_items, b_close) = _split_items(a), _split_items(b)
-    if (a_open, a_close, len(a_items)) != (b_open, b_close, len(b_items)):
+    if any(len(s) > MAX_SYMPY_CHARS or _costly(s) for s in (a, b)):
         return False
-    return all(_items_match(x, y) for x, y in zip(a_items, b_items, strict=True))
-
-
-_DEPTH = {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}
-_ENCLOSURES = [("\\{", "\\}"), ("(", ")"), ("[", "]"), ("(", "]"), ("[", ")")]
-
-
-def _split_items(s: str) -> tuple[str, list[str], str]:
-    """Split a tuple, interval or list at its top-level commas: (opening, items, closing)."""
-    for left, right in _ENCLOSURES:
-        if s.startswith(left) and s.endswith(right):
-            items = _split_top_level(s[len(left) : -len(right)])
-            if items is not None and len(items) > 1:
-                return left, items, right
-    return "", _split_top_level(s) or [s], ""
-
-
-def _split_top_level(s: str) -> list[str] | None:
-    """Split at commas outside brackets; None when the brackets do not balance."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(s):
-        depth += _DEPTH.get(ch, 0)
-        if depth < 0:
-            return None
-        if ch == "," and depth == 0:
-            items.append(s[start:i])
-            start = i + 1
-    return items + [s[start:]] if depth == 0 else None
-
-
-def _items_match(a: str, b: str) -> bool:
-    a, b = _drop_variable(a), _drop_variable(b)
-    if a == b:
-        return True
-    return _sympy_equal(a, b)
-
-
-def _drop_variable(s: str) -> str:
-    """``x=5`` -> ``5``: a single name on the left of the only ``=`` is not part of the answer."""
-    match = re.fullmatch(r"(?:[A-Za-z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?=([^=]+)", s)
-    return match.group(1) if match else s
-
-
-def _sympy_equal(a: str, b: str) -> bool:
-    """Numeric or symbolic equality; any failure (parse, evaluation, size) means not equal."""
-    x, y = _to_sympy(a), _to_sympy(b)
-    if x is None or y is None:
-        return False
-    try:
-        if x == y:
-            return True
-        symbols = sorted(x.free_symbols | y.free_symbols, key=str)
-        if not symbols:
-            return _close(x, y) is True
-        verdicts = [_close(x.subs(point), y.subs(point)) for point in _points(symbols)]
-        usable = [v for v in verdicts if v is not None]
-        if len(usable) >= 2:
-            return all(usable)
-        return bool(_sympy().simplify(x - y) == 0)
-    except Exception:  # sympy raises many kinds on odd input: all mean "not shown equal"
-        return False
-
-
-def _points(symbols: list[sympy.Symbol]) -> list[dict[sympy.Symbol, sympy.Float]]:
-    """A few generic points, one value per symbol, one of them negative."""
-    values = [0.5371, 1.2913, -0.8779, 2.0617]
-    return [
-        {s: _sympy().Float(values[(k + i) % len(values)]) for i, s in enumerate(symbols)}
-        for k in range(len(values))
-    ]
-
-
-def _close(x: sympy.Expr, y: sympy.Expr) -> bool | None:
-    """Relative closeness of two numbers; None when either does not evaluate to a finite one."""
-    vx, vy = x.evalf(30), y.evalf(30)
-    if not (vx.is_number and vy.is_number):
-        return None
-    if not (vx.is_finite and vy.is_finite):
-        return True if vx == vy else None
-    diff = abs(vx - vy).evalf(30)
-    scale = max(abs(vx).evalf(30), abs(vy).evalf(30))
-    return bool(diff <= _REL_TOL * scale or diff <= _ABS_TOL)
+    return _checker().equal(b, a)
 
 
 @functools.cache
-def _sympy() -> Any:
-    import sympy
-
-    return sympy
+def _checker() -> MathChecker:
+    return MathChecker()
 
 
-@functools.lru_cache(maxsize=4096)
-def _to_sympy(text: str) -> sympy.Expr | None:
-    """Parse simple LaTeX into a sympy expression; None if it is not that or is too big."""
-    if len(text) > MAX_SYMPY_CHARS:
-        return None
-    try:
-        return _LatexParser(text).parse()
-    except Exception:
-        return None
+_OPENING, _CLOSING = "{([", "})]"
+_BIG_EXPONENT = re.compile(r"\^\s*[{(\[]?\s*-?\d{4}")
 
 
-# --- a small LaTeX parser -----------------------------------------------------------------
-
-_TOKEN = re.compile(r"(\d+\.?\d*|\.\d+)|(\\[a-zA-Z]+|\\[{}|])|([a-zA-Z]+)|(\S)")
-_OPERATOR_COMMANDS = {"\\cdot": "*", "\\times": "*", "\\ast": "*", "\\div": "/"}
-_BRACKETS = {"(": ")", "{": "}", "[": "]", "\\{": "\\}"}
-
-
-class _LatexParser:
-    r"""Recursive descent over simple LaTeX math, building sympy objects.
-
-    Grammar: sum := product (('+'|'-') product)*; product := unary (('*'|'/')? unary)* (a
-    missing operator is implicit multiplication: ``2\sqrt{3}``, ``3x``); unary := '-' unary |
-    power; power := postfix ('^' unary)?; postfix := primary '!'*.
-    """
-
-    def __init__(self, text: str) -> None:
-        text = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", text)
-        self.tokens: list[str] = []
-        for number, command, word, other in _TOKEN.findall(text):
-            if word and word not in _FUNCTION_NAMES | _CONSTANT_NAMES:
-                self.tokens.extend(word)  # xy is x*y
-            else:
-                token = number or command or word or other
-                self.tokens.append(_OPERATOR_COMMANDS.get(token, token))
-        self.i = 0
-        self.sp = _sympy()
-
-    def parse(self) -> sympy.Expr:
-        expr = self.sum()
-        if self.i != len(self.tokens):
-            raise ValueError(f"unexpected {self.tokens[self.i]!r}")
-        return expr
-
-    def peek(self) -> str | None:
-        return self.tokens[self.i] if self.i < len(self.tokens) else None
-
-    def take(self, expected: str | None = None) -> str:
-        token = self.peek()
-        if token is None or (expected is not None and token != expected):
-            raise ValueError(f"expected {expected!r}, found {token!r}")
-        self.i += 1
-        return token
-
-    def sum(self) -> sympy.Expr:
-        expr = self.product()
-        while self.peek() in ("+", "-"):
-            sign = 1 if self.take() == "+" else -1
-            expr = expr + sign * self.product()
-        return expr
-
-    def product(self) -> sympy.Expr:
-        expr = self.unary()
-        while True:
-            token = self.peek()
-            if token in ("*", "/"):
-                self.take()
-                rhs = self.unary()
-                expr = expr * rhs if token == "*" else expr / rhs
-            elif token is not None and self._starts_primary(token):
-                expr = expr * self.power()
-            else:
-                return expr
-
-    def unary(self) -> sympy.Expr:
-        if self.peek() in ("-", "+"):
-            return (-1 if self.take() == "-" else 1) * self.unary()
-        return self.power()
-
-    def power(self) -> sympy.Expr:
-        base = self.postfix()
-        if self.peek() != "^":
-            return base
-        self.take()
-        exponent = self.unary()
-        _check_power(base, exponent)
-        return base**exponent
-
-    def postfix(self) -> sympy.Expr:
-        expr = self.primary()
-        while self.peek() == "!":
-            self.take()
-            if not (expr.is_integer and 0 <= expr <= _MAX_EXPONENT):
-                raise ValueError("factorial too big or not of a small integer")
-            expr = self.sp.factorial(expr)
-        return expr
-
-    def _starts_primary(self, token: str) -> bool:
-        if token in _BRACKETS:
-            return True
-        return token[0].isalnum() or token[0] == "." or (token[0] == "\\" and token != "\\}")
-
-    def group(self) -> sympy.Expr:
-        r"""A braced group, or a single primary as LaTeX allows (``\sqrt2``)."""
-        if self.peek() == "{":
-            self.take()
-            expr = self.sum()
-            self.take("}")
-            return expr
-        return self.primary()
-
-    def primary(self) -> sympy.Expr:
-        sp, token = self.sp, self.take()
-        if token[0].isdigit() or token[0] == ".":
-            return sp.Rational(token)
-        if token in _BRACKETS:
-            expr = self.sum()
-            self.take(_BRACKETS[token])
-            return expr
-        if token == "|":
-            expr = self.sum()
-            self.take("|")
-            return sp.Abs(expr)
-        name = token.removeprefix("\\")
-        if name == "frac":
-            numerator = self.group()
-            return numerator / self.group()
-        if name == "sqrt":
-            if self.peek() == "[":
-                self.take()
-                index = self.sum()
-                self.take("]")
-                radicand = self.group()
-                _check_power(radicand, 1 / index)
-                return radicand ** (1 / index)
-            return sp.sqrt(self.group())
-        if name in _FUNCTION_NAMES:
-            function = {"ln": sp.log, "log": sp.log}.get(name) or getattr(sp, name)
-            return function(self.power())
-        if name == "pi":
-            return sp.pi
-        if name in ("infty", "inf", "oo"):
-            return sp.oo
-        if (len(name) == 1 and name.isalpha()) or name in _GREEK:
-            return sp.Symbol(name + self._subscript())
-        raise ValueError(f"cannot read {token!r}")
-
-    def _subscript(self) -> str:
-        if self.peek() != "_":
-            return ""
-        self.take()
-        if self.peek() == "{":
-            self.take()
-            parts = []
-            while self.peek() != "}":
-                parts.append(self.take())
-            self.take("}")
-            return "_" + "".join(parts)
-        return "_" + self.take()
-
-
-def _check_power(base: sympy.Expr, exponent: sympy.Expr) -> None:
-    """Refuse numeric powers that would build huge numbers (``9^{9^{9}}``) before sympy does."""
-    if not exponent.is_number:
-        return
-    size = abs(complex(exponent.evalf(15)))
-    if size > _MAX_EXPONENT:
-        raise ValueError(f"exponent too large: {exponent}")
-    if base.is_number:
-        magnitude = abs(complex(base.evalf(15)))
-        if magnitude and size * abs(math.log10(magnitude)) > _MAX_DIGITS:
-            raise ValueError("power too large")
+def _costly(text: str) -> bool:
+    """Whether sympy may compute for long over `text`: towers of powers, or huge exponents."""
+    in_exponent: list[bool] = []  # per open bracket: whether it opened an exponent
+    after_caret = False
+    for ch in text:
+        if ch == "^":
+            if any(in_exponent):
+                return True
+            after_caret = True
+        elif ch in _OPENING:
+            in_exponent.append(after_caret)
+            after_caret = False
+        elif ch in _CLOSING:
+            if in_exponent:
+                in_exponent.pop()
+        elif not ch.isspace():
+            after_caret = False
+    return _BIG_EXPONENT.search(text) is not None
