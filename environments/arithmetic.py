@@ -49,6 +49,9 @@ class Arithmetic:
 
     """
 
+    # An episode is a calculate turn and a submit turn (the longest expressions: 180 tokens).
+    episode_limits = {"max_completion_length": 192, "max_turns": 3}
+
     def reset(self, answer: float) -> None:
         """Remember the expected answer; nothing is added to the prompt."""
         self.expected = float(answer)

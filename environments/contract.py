@@ -25,7 +25,16 @@ from environments.errors import EnvironmentSpecError
 from tools import Tool, ToolDefinitionError, as_tool
 
 RESERVED_NAMES: frozenset[str] = frozenset(
-    {"reset", "reward", "get_reward", "close", "dataset", "demonstrations", "done"}
+    {
+        "reset",
+        "reward",
+        "get_reward",
+        "close",
+        "dataset",
+        "demonstrations",
+        "done",
+        "episode_limits",
+    }
 )
 """Names with a meaning in the contract; never exposed to the model as tools."""
 
@@ -55,6 +64,10 @@ class Environment(Protocol):
       ``datasets.Dataset``), used when no dataset is given.
     - ``demonstrations(cls, n: int, seed: int = 0) -> list[list[dict]]``: a classmethod
       returning ``n`` chat conversations that show the tool-call format, for a warm start.
+    - ``episode_limits``: a class attribute, a dict with ``max_completion_length`` (tokens per
+      episode, tool turns included) and/or ``max_turns`` (model turns): what an episode needs
+      to reach its reward. ``agentgrpo run`` and ``agentgrpo eval`` use them unless the command
+      line or the config file sets those options (see `episode_limits`).
 
     Example:
         >>> from environments import Counter
@@ -162,7 +175,45 @@ def check_environment(cls: type) -> None:
             f"{name}.done is a method, but the engine reads `done` as a bool and a method is "
             "always true; make it an attribute (set self.done = True) or a @property"
         )
+    episode_limits(cls)
     class_tools(cls)
+
+
+EPISODE_LIMITS = ("max_completion_length", "max_turns")
+"""The keys an environment's ``episode_limits`` may have."""
+
+
+def episode_limits(cls: type) -> dict[str, int]:
+    """The class's ``episode_limits`` (an empty dict without one), checked.
+
+    Raises:
+        EnvironmentSpecError: It is not a dict, has a key other than `EPISODE_LIMITS`, or a
+            value that is not a whole number >= 1.
+
+    Example:
+        >>> from environments import Arithmetic, Counter
+        >>> episode_limits(Arithmetic), episode_limits(Counter)
+        ({'max_completion_length': 192, 'max_turns': 3}, {})
+
+    """
+    limits = inspect.getattr_static(cls, "episode_limits", {})
+    name = cls.__qualname__
+    if not isinstance(limits, dict):
+        raise EnvironmentSpecError(
+            f"{name}.episode_limits must be a dict such as "
+            f"{{'max_completion_length': 256, 'max_turns': 4}}, not {type(limits).__name__}"
+        )
+    unknown = sorted(set(limits) - set(EPISODE_LIMITS))
+    if unknown:
+        raise EnvironmentSpecError(
+            f"{name}.episode_limits has {unknown}; its keys are {list(EPISODE_LIMITS)}"
+        )
+    for key, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EnvironmentSpecError(
+                f"{name}.episode_limits[{key!r}] must be a whole number >= 1, not {value!r}"
+            )
+    return dict(limits)
 
 
 def _check_reset(cls: type) -> None:

@@ -102,6 +102,9 @@ class GuessNumber(gym_environment(GuessNumberGame, name="GuessNumberGym", **_TOO
     used only when the engine gives no seed of its own.
     """
 
+    # A binary search takes up to 7 guesses, 47 tokens each with the tool's answer.
+    episode_limits = {"max_completion_length": 352, "max_turns": 8}
+
     @classmethod
     def dataset(cls, split: str = "train") -> datasets.Dataset:
         """Task rows: ``prompt`` (one user message) and ``seed``; the same rows on every call.

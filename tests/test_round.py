@@ -190,7 +190,7 @@ def test_eval_and_training_play_episodes_with_the_same_settings(tmp_path, tokeni
         top_p=0.9,
         top_k=5,
     )
-    assert episode_config_of(eval_config(namespace)) == expected
+    assert episode_config_of(eval_config(namespace, Counter)) == expected
     backend = scripted_backend(tokenizer, ["Done."])
     trained = build_parts(training, backend, tokenizer, Counter)  # as GRPOTrainer builds it
     assert trained.episode_config == trained.engine.context.config == expected

@@ -179,14 +179,14 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
     add(
         "--max-turns",
         type=value_parser("max_turns", int),
-        default=RUN_DEFAULTS["max_turns"],
-        help="model turns",
+        help="model turns (default: the environment's episode_limits, else "
+        f"{RUN_DEFAULTS['max_turns']}, as in training)",
     )
     add(
         "--max-completion-length",
         type=value_parser("max_completion_length", int),
-        default=RUN_DEFAULTS["max_completion_length"],
-        help="tokens per episode, tool turns included",
+        help="tokens per episode, tool turns included (default: the environment's "
+        f"episode_limits, else {RUN_DEFAULTS['max_completion_length']}, as in training)",
     )
     add("--chat-template", help="template name or jinja (default: the model's own)")
     add("--tool-call-parser", help="hermes or llama3_json (default: detected)")

@@ -27,6 +27,7 @@ from agentgrpo.cli.options import (
     read_config_file,
 )
 from agentgrpo.cli.values import FieldType
+from environments.contract import EPISODE_LIMITS, episode_limits
 
 # Keys a --config file may hold besides GRPOConfig's fields: the command's own options.
 RUN_KEYS = ("model", "dataset", "dataset_split", "reward", "resume")
@@ -78,7 +79,7 @@ def run(namespace: argparse.Namespace) -> int:
     if checkpoint is not None and _finished(checkpoint, config):
         return _finish_without_training(trainer, checkpoint, final)
     attach_run_callbacks(trainer)
-    _print_start(namespace.env, settings["model"], trainer, len(train_rows), checkpoint)
+    _print_start({**settings, "checkpoint": checkpoint}, namespace.env, trainer, len(train_rows))
     started = time.monotonic()
     if not _train(trainer, checkpoint, namespace):
         return INTERRUPTED
@@ -146,11 +147,14 @@ def _run_settings(namespace: argparse.Namespace, env_class: type) -> dict[str, A
         config["chat_template"] = BUILTIN_TEMPLATE
         if hasattr(env_class, "demonstrations"):
             config["warm_start_steps"] = DEFAULT_WARM_START_STEPS
-    config.update({k: v for k, v in from_file.items() if k in config_fields()})
-    config.update(config_overrides(namespace))
+    limits = episode_limits(env_class)
+    config.update(limits)
+    user = {k: v for k, v in from_file.items() if k in config_fields()}
+    user.update(config_overrides(namespace))
+    config.update(user)
     if "output_dir" not in config:
         config["output_dir"] = _default_output_dir(env_class, config, bool(own["resume"]))
-    return {**own, "config": config}
+    return {**own, "config": config, "from_environment": sorted(set(limits) - set(user))}
 
 
 def _default_output_dir(env_class: type, config: dict[str, Any], resume: bool) -> str:
@@ -272,23 +276,23 @@ def _grpo_config(fields: dict[str, Any]) -> Any:
         raise UsageError(f"invalid options: {error}") from None
 
 
-def _print_start(
-    env: str, model: str | None, trainer: Any, rows: int, checkpoint: str | None
-) -> None:
+def _print_start(settings: dict[str, Any], env: str, trainer: Any, rows: int) -> None:
     if not trainer.is_world_process_zero():
         return
     args = trainer.args
     backend = f"vLLM ({args.vllm_mode})" if args.use_vllm else "transformers"
     lines = {
         "environment": f"{env} ({rows} rows)",
-        "model": model or sources.DEFAULT_MODEL,
+        "model": settings["model"] or sources.DEFAULT_MODEL,
         "device": f"{args.device} x {args.world_size} process(es)",
         "generation": backend,
         "steps": f"{args.max_steps} x {args.per_device_train_batch_size} episodes "
         f"({args.num_generations} per prompt), lr {args.learning_rate:g}",
+        "episodes": _episode_line(args.max_completion_length, args.max_turns, settings),
         "warm start": f"{args.warm_start_steps} steps" if args.warm_start_steps else "none",
         "output": args.output_dir,
     }
+    checkpoint = settings["checkpoint"]
     if checkpoint:
         lines["warm start"] = "skipped (resuming)"
         lines["resume from"] = checkpoint
@@ -296,6 +300,13 @@ def _print_start(
     for name, value in lines.items():
         print(f"  {name:<12} {value}")
     print(flush=True)
+
+
+def _episode_line(tokens: int, turns: int | None, settings: dict[str, Any]) -> str:
+    """`tokens` and `turns` per episode, and which of them the environment's limits chose."""
+    line = f"up to {tokens} tokens, {turns if turns is not None else 'any number of'} turns"
+    chosen = settings.get("from_environment")
+    return f"{line} (the environment's {', '.join(chosen)})" if chosen else line
 
 
 # ---------------------------------------------------------------------- eval
@@ -317,18 +328,27 @@ def _eval_engine(namespace: argparse.Namespace, env_class: type) -> tuple[Any, A
     path = sources.model_path(namespace.model)
     tokenizer = load_tokenizer(None, AutoTokenizer.from_pretrained(path))
     backend = _eval_backend(namespace, path, tokenizer)
-    parts = build_parts(eval_config(namespace), backend, tokenizer, env_class, (), rewards)
+    config = eval_config(namespace, env_class)
+    parts = build_parts(config, backend, tokenizer, env_class, (), rewards)
     startup_checks(parts.engine)
     return parts.engine, parts.scorer
 
 
-def eval_config(namespace: argparse.Namespace) -> Any:
-    """The `GRPOConfig` of a run whose episodes are played as `agentgrpo eval` plays them."""
+def eval_config(namespace: argparse.Namespace, env_class: type) -> Any:
+    """The `GRPOConfig` of a run whose episodes are played as `agentgrpo eval` plays them.
+
+    The token and turn limits are the command line's, else the environment's
+    `episode_limits`, else `agentgrpo run`'s defaults: as the run that trained the model.
+    """
     template = namespace.chat_template or (BUILTIN_TEMPLATE if namespace.model is None else None)
+    limits = {**RUN_DEFAULTS, **episode_limits(env_class)}
+    for name in EPISODE_LIMITS:
+        if getattr(namespace, name) is not None:
+            limits[name] = getattr(namespace, name)
     return _grpo_config(
         {
-            "max_completion_length": namespace.max_completion_length,
-            "max_turns": namespace.max_turns,
+            "max_completion_length": limits["max_completion_length"],
+            "max_turns": limits["max_turns"],
             "temperature": namespace.temperature,
             "top_p": namespace.top_p,
             "top_k": namespace.top_k,

@@ -138,9 +138,11 @@ def _generate(
     from transformers import AutoModelForCausalLM
 
     from agentgrpo.doctor import check_generation
+    from environments.contract import episode_limits
     from rollout import EpisodeConfig, RolloutEngine, TransformersBackend
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    limits = {**RUN_DEFAULTS, **episode_limits(env_class)}  # as `agentgrpo run` plays
     engine = RolloutEngine(
         TransformersBackend.from_tokenizer(model, tokenizer, seed=0),
         tokenizer,
@@ -148,8 +150,7 @@ def _generate(
         chat_template=setup.template,
         tool_call_parser=namespace.tool_call_parser,
         config=EpisodeConfig(
-            max_completion_length=RUN_DEFAULTS["max_completion_length"],
-            max_turns=RUN_DEFAULTS["max_turns"],
+            max_completion_length=limits["max_completion_length"], max_turns=limits["max_turns"]
         ),
     )
     return check_generation(
