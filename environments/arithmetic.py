@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tools.calculator import calculator
 
@@ -50,7 +50,7 @@ class Arithmetic:
     """
 
     # An episode is a calculate turn and a submit turn (the longest expressions: 180 tokens).
-    episode_limits = {"max_completion_length": 192, "max_turns": 3}
+    episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 192, "max_turns": 3}
 
     def reset(self, answer: float) -> None:
         """Remember the expected answer; nothing is added to the prompt."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import random
 import string
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import gymnasium
 from gymnasium.spaces import Discrete, Text
@@ -103,7 +103,7 @@ class GuessNumber(gym_environment(GuessNumberGame, name="GuessNumberGym", **_TOO
     """
 
     # A binary search takes up to 7 guesses, 47 tokens each with the tool's answer.
-    episode_limits = {"max_completion_length": 352, "max_turns": 8}
+    episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 352, "max_turns": 8}
 
     @classmethod
     def dataset(cls, split: str = "train") -> datasets.Dataset:
