@@ -3,11 +3,12 @@
 Episodes call `generate` whenever they need a turn. A call queues its request, then drives the
 backend one step at a time until its request is done (one step runs at a time, in a worker
 thread, so tools and other episodes keep running on the event loop). A step admits the
-requests that arrived, up to `max_batch_size` running rows, prefilling each from the longest
-cached prefix of its prompt and drawing its first token, then decodes one token for every
-running row. A row leaves as soon as it stops; the keys and values of what it read go to the
-prefix cache, so an episode's next turn (its prompt extends the last one) prefills only the
-new tokens, and the G members of a group prefill their shared prompt once.
+requests that arrived, up to `max_batch_size` running rows, prefilling them from the longest
+cached prefix of each prompt (those of similar lengths in one forward pass) and drawing their
+first tokens, then decodes one token for every running row. A row leaves as soon as it stops;
+the keys and values of what it read go to the prefix cache, so an episode's next turn (its
+prompt extends the last one) prefills only the new tokens, and the G members of a group
+prefill their shared prompt once.
 
 Models whose cache is not plain attention keys and values (recurrent or linear-attention
 layers) generate one request at a time, without prefix reuse.
