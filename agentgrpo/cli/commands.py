@@ -79,7 +79,7 @@ def run(namespace: argparse.Namespace) -> int:
     if checkpoint is not None and _finished(checkpoint, config):
         return _finish_without_training(trainer, checkpoint, final)
     attach_run_callbacks(trainer)
-    _print_start({**settings, "checkpoint": checkpoint}, namespace.env, trainer, len(train_rows))
+    _print_start(namespace.env, settings, trainer, len(train_rows), checkpoint)
     started = time.monotonic()
     if not _train(trainer, checkpoint, namespace):
         return INTERRUPTED
@@ -276,7 +276,9 @@ def _grpo_config(fields: dict[str, Any]) -> Any:
         raise UsageError(f"invalid options: {error}") from None
 
 
-def _print_start(settings: dict[str, Any], env: str, trainer: Any, rows: int) -> None:
+def _print_start(
+    env: str, settings: dict[str, Any], trainer: Any, rows: int, checkpoint: str | None
+) -> None:
     if not trainer.is_world_process_zero():
         return
     args = trainer.args
@@ -292,7 +294,6 @@ def _print_start(settings: dict[str, Any], env: str, trainer: Any, rows: int) ->
         "warm start": f"{args.warm_start_steps} steps" if args.warm_start_steps else "none",
         "output": args.output_dir,
     }
-    checkpoint = settings["checkpoint"]
     if checkpoint:
         lines["warm start"] = "skipped (resuming)"
         lines["resume from"] = checkpoint
