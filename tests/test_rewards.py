@@ -103,7 +103,7 @@ def test_pathological_answers_are_rejected_quickly():
     ]
     start_s = time.perf_counter()
     rewards = accuracy_reward(completions, solution=["1"] * len(completions))
-    assert time.perf_counter() - start_s < 2.0
+    assert time.perf_counter() - start_s < 10.0  # not minutes: none reaches sympy's slow paths
     assert rewards == [0.0] * 8 + [1.0, 0.0]
 
 
@@ -112,7 +112,7 @@ def test_answers_never_reach_eval():
 
 
 def test_a_comparison_past_its_time_limit_is_not_equal_and_the_checker_goes_on():
-    checker = MathChecker(timeout_s=1.0)
+    checker = MathChecker(timeout_s=5.0)  # room for a loaded machine; the hang takes far longer
     try:
         assert not checker.equal("1", "10^{10^{10}}")  # sympy would build 10^10 digits
         assert checker.equal(r"\frac{1}{2}", "0.5")  # a new process answers
