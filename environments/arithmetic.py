@@ -7,6 +7,7 @@ import random
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from environments.messages import number_text, tool_turn
 from tools.calculator import calculator
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class Arithmetic:
                 raise ValueError("an answer was already submitted; only the first one counts")
             self.submitted = float(answer)
             self.done = True
-        return f"Submitted {_number(answer)}."
+        return f"Submitted {number_text(answer)}."
 
     def reward(self) -> float:
         """1.0 if the submitted answer is within 1e-6 of the expected one, else 0.0."""
@@ -170,23 +171,7 @@ def _demonstration(cls: type[Arithmetic], rng: random.Random) -> list[dict[str, 
     result = env.calculate(expression)
     return [
         {"role": "user", "content": _DEMO_PHRASING.format(expression=expression)},
-        *_tool_turn("calculate", {"expression": expression}, result),
-        *_tool_turn("submit", {"answer": answer}, env.submit(answer)),
+        *tool_turn("calculate", {"expression": expression}, result),
+        *tool_turn("submit", {"answer": answer}, env.submit(answer)),
         {"role": "assistant", "content": f"The answer is {result}."},
     ]
-
-
-def _tool_turn(name: str, arguments: dict[str, Any], result: str) -> list[dict[str, Any]]:
-    """An assistant message calling one tool, and the tool's result."""
-    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
-    return [
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "name": name, "content": result},
-    ]
-
-
-def _number(value: float) -> str:
-    """A number as text, like the calculator prints it: ``12`` for 12.0, ``3.5`` otherwise."""
-    if float(value).is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))

@@ -16,6 +16,7 @@ import gymnasium
 from gymnasium.spaces import Discrete, Text
 
 from environments.gym_adapter import gym_environment
+from environments.messages import tool_turn
 
 if TYPE_CHECKING:
     import datasets
@@ -158,7 +159,7 @@ def _play_demo(seed: int) -> list[dict[str, Any]]:
         while not env.done:
             guess = (low + high) // 2
             answer = getattr(env, _TOOL["action_tool"])(guess)  # the tool gym_environment made
-            messages += _tool_turn("guess", {"number": guess}, answer)
+            messages += tool_turn("guess", {"number": guess}, answer)
             if answer.startswith("Too low"):
                 low = guess + 1
             elif answer.startswith("Too high"):
@@ -167,12 +168,3 @@ def _play_demo(seed: int) -> list[dict[str, Any]]:
         env.close()
     messages.append({"role": "assistant", "content": f"Found it: the number is {guess}."})
     return messages
-
-
-def _tool_turn(name: str, arguments: dict[str, Any], result: str) -> list[dict[str, Any]]:
-    """An assistant message calling one tool, and the tool's result."""
-    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
-    return [
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "name": name, "content": result},
-    ]
