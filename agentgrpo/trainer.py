@@ -64,6 +64,7 @@ from agentgrpo.reporting.round_report import (
     logged_metrics,
 )
 from agentgrpo.reporting.run_log import EpisodeLog
+from agentgrpo.reporting.trackers import check_trackers
 from agentgrpo.rewards.calls import check_trainer_arguments, reward_functions
 from agentgrpo.round import (
     RewardShaping,
@@ -122,7 +123,8 @@ class GRPOTrainer(AtomicCheckpoints):
 
     Raises:
         ValueError: A user mistake (no reward, mismatched arguments, a bad dataset...).
-        ImportError: `args.optim` needs bitsandbytes and it is missing or fails.
+        ImportError: `args.optim` needs bitsandbytes and it is missing or fails; or a tracker
+            in `args.report_to` (trackio, wandb, tensorboard) is not installed.
     """
 
     _tag_names = ("trl", "grpo", "agentgrpo")
@@ -163,6 +165,7 @@ class GRPOTrainer(AtomicCheckpoints):
             args = GRPOConfig(output_dir=f"{_model_name(model)}-GRPO", **group)
         porting.check_num_generations(args.num_generations, num_generations)
         porting.check_optimizer(args.optim, args.device)
+        check_trackers(args.report_to)
         adapt_to_iterable_datasets(args, train_dataset, eval_dataset)
         processing_class = porting.processing_class_of(processing_class, tokenizer)
         sources = porting.reward_sources(reward_funcs, reward_model, reward_fn)

@@ -154,6 +154,10 @@ def _run_settings(namespace: argparse.Namespace, env_class: type) -> dict[str, A
     config.update(user)
     if "output_dir" not in config:
         config["output_dir"] = _default_output_dir(env_class, config, bool(own["resume"]))
+    # The trackers' names for the run (transformers' defaults: project "huggingface", a random
+    # run name): a run resumed in its output folder then continues its own trackio run.
+    config.setdefault("project", env_class.__name__)
+    config.setdefault("run_name", config["output_dir"])
     return {**own, "config": config, "from_environment": sorted(set(limits) - set(user))}
 
 
@@ -267,13 +271,19 @@ _RESUME_OPTIONS = {"--output-dir": True, "--resume-from-checkpoint": True, "--re
 
 
 def _grpo_config(fields: dict[str, Any]) -> Any:
-    """GRPOConfig(**fields), its errors turned into usage errors naming the option."""
+    """GRPOConfig(**fields); its errors, and a `report_to` tracker not installed: usage errors."""
     from agentgrpo import GRPOConfig
+    from agentgrpo.reporting.trackers import check_trackers
 
     try:
-        return GRPOConfig(**fields)
+        config = GRPOConfig(**fields)
     except (TypeError, ValueError) as error:
         raise UsageError(f"invalid options: {error}") from None
+    try:
+        check_trackers(config.report_to)  # before the model loads
+    except ImportError as error:
+        raise UsageError(str(error)) from None
+    return config
 
 
 def _print_start(

@@ -50,6 +50,11 @@ RUN_DEFAULTS: dict[str, Any] = {
     "report_to": "none",
     "seed": 0,
 }
+# Defaults `agentgrpo run` works out for each run (commands._run_settings), as `--help` says them.
+RUN_DEFAULTS_PER_RUN: dict[str, str] = {
+    "project": "the environment's class name",
+    "run_name": "the output folder",
+}
 
 
 def _at_least(low: float, what: str = "a whole number") -> Limit:
@@ -127,7 +132,7 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         False: parser.add_argument_group("Trainer options (transformers TrainingArguments)"),
     }
     for name, field in config_fields().items():
-        default = RUN_DEFAULTS.get(name, _default_of(field))
+        default = RUN_DEFAULTS_PER_RUN.get(name, repr(RUN_DEFAULTS.get(name, _default_of(field))))
         help_text = field.metadata.get("help", "").replace("%", "%%")
         groups[name in own].add_argument(
             option_name(name),
@@ -137,7 +142,7 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
             type=value_parser(name),
             nargs="?" if _is_bool(name) else None,
             const=True if _is_bool(name) else None,
-            help=f"{help_text} (default: {default!r})",
+            help=f"{help_text} (default: {default})",
         )
 
 

@@ -162,9 +162,16 @@ def table_integrations(report_to: Sequence[str] | str | None) -> list[Any]:
 def log_to_integrations(
     table: CompletionsTable, report_to: Sequence[str] | str | None, unique_prompts: bool
 ) -> None:
-    """Log the table as `completions` to each of `table_integrations(report_to)`."""
+    """Log the table as `completions` to each of `table_integrations(report_to)`.
+
+    With it goes `train/global_step`, the key transformers' callbacks log each step's metrics
+    under: a tracker numbers its log calls itself (trackio 0, 1, 2, ...), so this key is what
+    ties the table to the metrics of its step.
+    """
     backends = table_integrations(report_to)
     if backends:
         frame = table.frame(unique_prompts)
         for backend in backends:
-            backend.log({"completions": backend.Table(dataframe=frame)})
+            backend.log(
+                {"completions": backend.Table(dataframe=frame), "train/global_step": table.step}
+            )
