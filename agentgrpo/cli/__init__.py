@@ -4,6 +4,7 @@
     agentgrpo eval ENV [--model DIR]     play held-out rows without training
     agentgrpo envs                       list the built-in environments
     agentgrpo doctor [ENV] [--model M]   check a model, its template and ENV without training
+    agentgrpo view RUN_DIR [--html OUT]  a web page of a run's curves and episodes
     agentgrpo vllm-serve --model M ...   start a vLLM server the trainer can push weights to
 
 ENV is `env:Name` (built-in), `package.module:Class` or `path/to/file.py:Class`. Mistakes a
@@ -75,7 +76,7 @@ class CommandParser(argparse.ArgumentParser):
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and each subcommand's parser by name."""
     from agentgrpo.cli import commands as run_commands
-    from agentgrpo.cli import doctor
+    from agentgrpo.cli import doctor, view
 
     parser = CommandParser(
         prog="agentgrpo", description="Train LLM agents with GRPO on tool-calling episodes."
@@ -87,6 +88,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "eval": _eval_parser(sub, run_commands.evaluate),
         "envs": _command(sub, "envs", run_commands.envs, "list the built-in environments"),
         "doctor": doctor.add_parser(sub, doctor.doctor),
+        "view": view.add_parser(sub, view.view),
     }
     return parser, commands
 
