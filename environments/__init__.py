@@ -19,10 +19,10 @@ The contract (`Environment`, checked by `check_environment`). An environment is 
   ``close(self)`` is always called when the episode ends; setting ``self.done = True`` ends
   the episode.
 
-Built-ins: `Counter` (one tool), `Arithmetic` (calculate, then submit an answer) and
-`GuessNumber` (a gymnasium game through `gym_environment`, the adapter for any
-``gymnasium.Env`` with text observations). README.md beside this file has a runnable example
-of each shape.
+Built-ins: `Counter` (one tool), `Arithmetic` (calculate, then submit an answer), `Chain`
+(three dependent one-operation calls, then submit) and `GuessNumber` (a gymnasium game through
+`gym_environment`, the adapter for any ``gymnasium.Env`` with text observations). README.md
+beside this file has a runnable example of each shape.
 
 Specs name a class: ``env:Counter`` (built-in), ``package.module:Class`` or
 ``path/to/file.py:Class``. User mistakes raise `EnvironmentSpecError`, `EnvironmentInitError`,
@@ -66,6 +66,7 @@ Example:
 """
 
 from environments.arithmetic import Arithmetic
+from environments.chain import Chain
 from environments.contract import (
     RESERVED_NAMES,
     Environment,
@@ -98,6 +99,7 @@ __all__ = [
     "BUILTIN_ENVIRONMENTS",
     "RESERVED_NAMES",
     "Arithmetic",
+    "Chain",
     "Counter",
     "Environment",
     "EnvironmentCloseError",

@@ -27,6 +27,7 @@ from pathlib import Path
 from types import ModuleType
 
 from environments.arithmetic import Arithmetic
+from environments.chain import Chain
 from environments.counter import Counter
 from environments.errors import EnvironmentSpecError
 from environments.guess_number import GuessNumber
@@ -35,6 +36,7 @@ BUILTIN_ENVIRONMENTS: dict[str, type] = {
     "Counter": Counter,
     "Arithmetic": Arithmetic,
     "GuessNumber": GuessNumber,
+    "Chain": Chain,
 }
 """The environments reachable as ``env:Name``."""
 

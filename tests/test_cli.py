@@ -37,6 +37,7 @@ def test_envs_lists_every_builtin_with_one_line_each():
         "env:Counter",
         "env:Arithmetic",
         "env:GuessNumber",
+        "env:Chain",
     ]
     assert all(len(line.split()) > 2 for line in lines)
 

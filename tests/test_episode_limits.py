@@ -12,7 +12,7 @@ from conftest import tool_call
 from agentgrpo.cli import build_parser
 from agentgrpo.cli.commands import _run_settings, eval_config
 from agentgrpo.cli.options import RUN_DEFAULTS
-from environments import BUILTIN_ENVIRONMENTS, Arithmetic, Counter, GuessNumber
+from environments import BUILTIN_ENVIRONMENTS, Arithmetic, Chain, Counter, GuessNumber
 from environments.contract import check_environment, episode_limits
 from environments.errors import EnvironmentSpecError
 from rollout import EpisodeConfig, RolloutEngine
@@ -42,6 +42,8 @@ def solve(env_class: type, row: dict, results: list[str]) -> str:
         if not results:
             return tool_call("calculate", expression=row["expression"])
         return tool_call("submit", answer=float(results[0])) if len(results) == 1 else "Done."
+    if env_class is Chain:
+        return chain_turn(row, results)
     if env_class is GuessNumber:
         low, high = 1, 100
         for guess_result in results:
@@ -52,6 +54,16 @@ def solve(env_class: type, row: dict, results: list[str]) -> str:
                 high = guess - 1
         return tool_call("guess", number=(low + high) // 2)
     raise AssertionError(f"no solver for {env_class.__name__}")
+
+
+def chain_turn(row: dict, results: list[str]) -> str:
+    """A step's call on the last result (the start first), then `submit`, then the end."""
+    steps = re.findall(r"(add|subtract|multiply by) (\d+)", row["steps"])
+    value = float(results[-1]) if results else row["start"]
+    if len(results) < len(steps):
+        name, number = steps[len(results)]
+        return tool_call(name.split()[0], a=value, b=int(number))
+    return tool_call("submit", answer=value) if len(results) == len(steps) else "Done."
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_ENVIRONMENTS))
