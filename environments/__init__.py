@@ -24,7 +24,8 @@ Built-ins: `Counter` (one tool), `Arithmetic` (calculate, then submit an answer)
 `gym_environment`, the adapter for any ``gymnasium.Env`` with text observations). README.md
 beside this file has a runnable example of each shape.
 
-Specs name a class: ``env:Counter`` (built-in), ``package.module:Class`` or
+Specs name a class: ``env:Counter`` (built-in), ``gym:FrozenLake-v1`` (a registered gymnasium
+env with a text observation, see `environments.gym_ids`), ``package.module:Class`` or
 ``path/to/file.py:Class``. User mistakes raise `EnvironmentSpecError`, `EnvironmentInitError`,
 `EnvironmentResetError`, `EnvironmentRewardError` or `EnvironmentCloseError`, each naming the
 class, the method and what to fix.

@@ -1,8 +1,11 @@
 """Turning an environment spec string, as typed on the command line, into a class.
 
-Three forms, told apart by the part before the last ``:``:
+Four forms, told apart by the part before the last ``:`` (``gym:`` by the prefix alone):
 
 - ``env:Name``: a built-in from `BUILTIN_ENVIRONMENTS`;
+- ``gym:ENV_ID``: a registered gymnasium env with a text observation (a ``Text`` observation
+  space or an ``ansi`` render mode), through the gymnasium adapter; ``gym:ENV_ID,key=value``
+  passes arguments to ``gymnasium.make`` (see `environments.gym_ids`);
 - ``path/to/file.py:Class``: anything ending in ``.py`` or containing a path separator; a
   relative path starts at the current directory. The file runs once, as a module with a name of
   its own (so two files called ``env.py`` do not collide); resolving it again reuses it;
@@ -31,6 +34,7 @@ from environments.chain import Chain
 from environments.counter import Counter
 from environments.errors import EnvironmentSpecError
 from environments.guess_number import GuessNumber
+from environments.gym_ids import gym_id_environment
 
 BUILTIN_ENVIRONMENTS: dict[str, type] = {
     "Counter": Counter,
@@ -41,7 +45,11 @@ BUILTIN_ENVIRONMENTS: dict[str, type] = {
 """The environments reachable as ``env:Name``."""
 
 _NOT_IDENTIFIER = re.compile(r"\W")
-_FORMS = "'env:Name' (a built-in), 'package.module:Class' or 'path/to/file.py:Class'"
+_FORMS = (
+    "'env:Name' (a built-in), 'gym:ENV_ID' (a gymnasium id), 'package.module:Class' or "
+    "'path/to/file.py:Class'"
+)
+GYM_PREFIX = "gym:"
 
 
 def resolve_environment(spec: str) -> type:
@@ -51,7 +59,8 @@ def resolve_environment(spec: str) -> type:
     for the full contract.
 
     Args:
-        spec: ``env:Name``, ``package.module:Class`` or ``path/to/file.py:Class``.
+        spec: ``env:Name``, ``gym:ENV_ID``, ``package.module:Class`` or
+            ``path/to/file.py:Class``.
 
     Returns:
         The class (not an instance).
@@ -63,6 +72,8 @@ def resolve_environment(spec: str) -> type:
     """
     if not isinstance(spec, str) or ":" not in spec:
         raise EnvironmentSpecError(f"environment spec {spec!r} has no ':'; use {_FORMS}")
+    if spec.startswith(GYM_PREFIX):  # before splitting: a gym id may hold a ':' of its own
+        return gym_id_environment(spec.removeprefix(GYM_PREFIX))
     where, _, attribute = spec.rpartition(":")
     if not where or not attribute:
         raise EnvironmentSpecError(

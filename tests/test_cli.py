@@ -29,10 +29,11 @@ def agentgrpo(
     )
 
 
-def test_envs_lists_every_builtin_with_one_line_each():
+def test_envs_lists_every_builtin_with_one_line_each_then_the_environment_sources():
     result = agentgrpo("envs")
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
+    builtins, sources = result.stdout.strip().split("\n\n")
+    lines = builtins.splitlines()
     assert [line.split()[0] for line in lines] == [
         "env:Counter",
         "env:Arithmetic",
@@ -40,6 +41,10 @@ def test_envs_lists_every_builtin_with_one_line_each():
         "env:Chain",
     ]
     assert all(len(line.split()) > 2 for line in lines)
+    forms = [line.split()[0] for line in sources.splitlines()[1:]]
+    for form in ("env:Name", "package.module:Class", "path/file.py:Class", "gym:ENV_ID"):
+        assert form in forms
+    assert "gym:FrozenLake-v1" in sources
 
 
 def test_run_help_documents_every_option():

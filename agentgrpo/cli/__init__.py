@@ -2,15 +2,15 @@
 
     agentgrpo run ENV [options]          train with GRPO on an environment
     agentgrpo eval ENV [--model DIR]     play held-out rows without training
-    agentgrpo envs                       list the built-in environments
+    agentgrpo envs                       list the built-ins and the environment sources
     agentgrpo doctor [ENV] [--model M]   check a model, its template and ENV without training
     agentgrpo view RUN_DIR [--html OUT]  a web page of a run's curves and episodes
     agentgrpo vllm-serve --model M ...   start a vLLM server the trainer can push weights to
 
-ENV is `env:Name` (built-in), `package.module:Class` or `path/to/file.py:Class`. Mistakes a
-user can make (an unknown environment or option, a class that breaks the contract, a missing
-dataset) print one `error:` line and exit with status 2; `AGENTGRPO_DEBUG=1` shows the
-traceback instead.
+ENV is `env:Name` (built-in), `gym:ENV_ID` (a gymnasium id), `package.module:Class` or
+`path/to/file.py:Class`. Mistakes a user can make (an unknown environment or option, a class
+that breaks the contract, a missing dataset) print one `error:` line and exit with status 2;
+`AGENTGRPO_DEBUG=1` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     commands = {
         "run": _run_parser(sub, run_commands.run),
         "eval": _eval_parser(sub, run_commands.evaluate),
-        "envs": _command(sub, "envs", run_commands.envs, "list the built-in environments"),
+        "envs": _command(
+            sub, "envs", run_commands.envs, "list the built-ins and the environment sources"
+        ),
         "doctor": doctor.add_parser(sub, doctor.doctor),
         "view": view.add_parser(sub, view.view),
     }
@@ -218,7 +220,9 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
 
 def _add_env(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "env", metavar="ENV", help="env:Name, package.module:Class or path/to/file.py:Class"
+        "env",
+        metavar="ENV",
+        help="env:Name, gym:ENV_ID, package.module:Class or path/to/file.py:Class",
     )
 
 

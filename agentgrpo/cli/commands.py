@@ -1,4 +1,4 @@
-"""The subcommands: `run` trains, `eval` plays held-out rows, `envs` lists the built-ins.
+"""The subcommands: `run` trains, `eval` plays held-out rows, `envs` lists the environments.
 
 Each takes the parsed namespace and returns an exit code. Set-up (options, environment, model,
 rows, trainer) happens before anything slow, so user mistakes surface in seconds.
@@ -118,14 +118,29 @@ def evaluate(namespace: argparse.Namespace) -> int:
     return 0
 
 
+# The forms of spec `run` and `eval` take, for `agentgrpo envs` to list after the built-ins.
+ENVIRONMENT_SOURCES = (
+    ("env:Name", "a built-in above"),
+    ("package.module:Class", "a class in an importable module"),
+    ("path/file.py:Class", "a class in a file (relative to the current directory)"),
+    ("gym:ENV_ID", "a registered gymnasium env with a text observation (ansi or Text), such"),
+    ("", "as the toy-text gym:FrozenLake-v1, gym:Taxi-v4 and gym:CliffWalking-v1;"),
+    ("", "arguments for gymnasium.make follow the id: gym:FrozenLake-v1,is_slippery=false"),
+)
+
+
 def envs(namespace: argparse.Namespace) -> int:
-    """Print each built-in environment with the first line of its docstring."""
+    """Print each built-in environment with the first line of its docstring, then every source."""
     from environments import BUILTIN_ENVIRONMENTS
 
     width = max(map(len, BUILTIN_ENVIRONMENTS)) + len("env:")
     for name, cls in BUILTIN_ENVIRONMENTS.items():
         summary = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
         print(f"{'env:' + name:<{width}}  {summary}")
+    width = max(len(form) for form, _ in ENVIRONMENT_SOURCES)
+    print("\nenvironment sources (for run and eval):")
+    for form, meaning in ENVIRONMENT_SOURCES:
+        print(f"  {form:<{width}}  {meaning}")
     return 0
 
 
