@@ -3,13 +3,14 @@
 Three forms, told apart by the part before the last ``:``:
 
 - ``env:Name``: a built-in from `BUILTIN_ENVIRONMENTS`;
+- ``rg:TASK``: a reasoning-gym task (`reasoning_gym_environment`; needs reasoning-gym);
 - ``path/to/file.py:Class``: anything ending in ``.py`` or containing a path separator; a
   relative path starts at the current directory. The file runs once, as a module with a name of
   its own (so two files called ``env.py`` do not collide); resolving it again reuses it;
 - ``package.module:Class``: imported with `importlib`, so the module must be on ``sys.path``.
 
-``Class`` may be dotted (``module:Outer.Inner``). A built-in prefix wins, so a user's own
-``env.py`` is reached as ``env.py:Class``.
+``Class`` may be dotted (``module:Outer.Inner``). A built-in prefix (``env``, ``rg``) wins, so a
+user's own ``env.py`` is reached as ``env.py:Class``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from environments.chain import Chain
 from environments.counter import Counter
 from environments.errors import EnvironmentSpecError
 from environments.guess_number import GuessNumber
+from environments.reasoning_gym_tasks import reasoning_gym_environment
 
 BUILTIN_ENVIRONMENTS: dict[str, type] = {
     "Counter": Counter,
@@ -41,7 +43,10 @@ BUILTIN_ENVIRONMENTS: dict[str, type] = {
 """The environments reachable as ``env:Name``."""
 
 _NOT_IDENTIFIER = re.compile(r"\W")
-_FORMS = "'env:Name' (a built-in), 'package.module:Class' or 'path/to/file.py:Class'"
+_FORMS = (
+    "'env:Name' (a built-in), 'rg:TASK' (reasoning-gym), 'package.module:Class' or "
+    "'path/to/file.py:Class'"
+)
 
 
 def resolve_environment(spec: str) -> type:
@@ -51,7 +56,7 @@ def resolve_environment(spec: str) -> type:
     for the full contract.
 
     Args:
-        spec: ``env:Name``, ``package.module:Class`` or ``path/to/file.py:Class``.
+        spec: ``env:Name``, ``rg:TASK``, ``package.module:Class`` or ``path/to/file.py:Class``.
 
     Returns:
         The class (not an instance).
@@ -68,7 +73,13 @@ def resolve_environment(spec: str) -> type:
         raise EnvironmentSpecError(
             f"environment spec {spec!r} needs text on both sides of ':'; use {_FORMS}"
         )
-    obj = _builtin(attribute) if where == "env" else load_attribute(spec, inspect.isclass)
+    match where:
+        case "env":
+            obj: object = _builtin(attribute)
+        case "rg":
+            obj = reasoning_gym_environment(attribute)
+        case _:
+            obj = load_attribute(spec, inspect.isclass)
     if not inspect.isclass(obj):
         raise EnvironmentSpecError(
             f"{spec!r} names a {type(obj).__name__}, not a class; an environment is a class "

@@ -32,7 +32,7 @@ def agentgrpo(
 def test_envs_lists_every_builtin_with_one_line_each():
     result = agentgrpo("envs")
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
+    lines = [line for line in result.stdout.strip().splitlines() if line.startswith("env:")]
     assert [line.split()[0] for line in lines] == [
         "env:Counter",
         "env:Arithmetic",
@@ -40,6 +40,7 @@ def test_envs_lists_every_builtin_with_one_line_each():
         "env:Chain",
     ]
     assert all(len(line.split()) > 2 for line in lines)
+    assert "rg:TASK" in result.stdout  # reasoning-gym's tasks, or how to install them
 
 
 def test_run_help_documents_every_option():

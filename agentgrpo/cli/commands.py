@@ -30,8 +30,9 @@ from agentgrpo.cli.values import FieldType
 from environments.contract import EPISODE_LIMITS, episode_limits
 
 # Keys a --config file may hold besides GRPOConfig's fields: the command's own options.
-RUN_KEYS = ("model", "dataset", "dataset_split", "reward", "resume")
+RUN_KEYS = ("model", "dataset", "dataset_split", "dataset_size", "reward", "resume")
 _RUN_KEY_TYPES = {key: FieldType.of(str | None) for key in RUN_KEYS} | {
+    "dataset_size": FieldType.of(int | None),
     "reward": FieldType.of(str | list[str] | None),
     "resume": FieldType.of(bool | None),
 }
@@ -56,7 +57,9 @@ def run(namespace: argparse.Namespace) -> int:
     config = _grpo_config(settings["config"])
     sources.check_output_dir(config.output_dir)
     checkpoint = _resume_from(settings["resume"], config)
-    train_rows = sources.rows(env_class, settings["dataset"], settings["dataset_split"])
+    train_rows = sources.rows(
+        env_class, settings["dataset"], settings["dataset_split"], settings["dataset_size"]
+    )
     rewards = sources.reward_functions(settings["reward"])
     model = sources.model_path(settings["model"])
     evaluates = config.eval_strategy != "no"  # held-out rows, as `agentgrpo eval` plays them
@@ -96,7 +99,7 @@ def evaluate(namespace: argparse.Namespace) -> int:
     from agentgrpo.reporting.evaluate import evaluate as play_and_report
 
     env_class = sources.environment_class(namespace.env)
-    rows = sources.rows(env_class, namespace.dataset, namespace.split)
+    rows = sources.rows(env_class, namespace.dataset, namespace.split, namespace.dataset_size)
     if namespace.num_episodes is not None:
         rows = rows.select(range(min(namespace.num_episodes, len(rows))))
     engine, scorer = _eval_engine(namespace, env_class)
@@ -119,13 +122,18 @@ def evaluate(namespace: argparse.Namespace) -> int:
 
 
 def envs(namespace: argparse.Namespace) -> int:
-    """Print each built-in environment with the first line of its docstring."""
-    from environments import BUILTIN_ENVIRONMENTS
+    """Print each built-in environment with the first line of its docstring, then the rg: tasks."""
+    from environments import BUILTIN_ENVIRONMENTS, EnvironmentSpecError
+    from environments.reasoning_gym_tasks import INSTALL, task_listing
 
     width = max(map(len, BUILTIN_ENVIRONMENTS)) + len("env:")
     for name, cls in BUILTIN_ENVIRONMENTS.items():
         summary = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
         print(f"{'env:' + name:<{width}}  {summary}")
+    try:
+        print(task_listing())
+    except EnvironmentSpecError:
+        print(f"rg:TASK, reasoning-gym's generated tasks: not installed ({INSTALL})")
     return 0
 
 
