@@ -94,6 +94,11 @@ from environments.lifecycle import (
     read_reward,
     reset_environment,
 )
+from environments.reasoning_gym_tasks import (
+    ReasoningGymTask,
+    reasoning_gym_environment,
+    task_names,
+)
 from environments.resolve import BUILTIN_ENVIRONMENTS, resolve_environment
 
 __all__ = [
@@ -111,6 +116,7 @@ __all__ = [
     "GuessNumber",
     "GuessNumberGame",
     "GymEnvironment",
+    "ReasoningGymTask",
     "check_environment",
     "class_tools",
     "close_after_failure",
@@ -120,7 +126,9 @@ __all__ = [
     "gym_environment",
     "is_done",
     "read_reward",
+    "reasoning_gym_environment",
     "reset_environment",
     "resolve_environment",
+    "task_names",
     "tool_names",
 ]

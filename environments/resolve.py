@@ -1,18 +1,19 @@
 """Turning an environment spec string, as typed on the command line, into a class.
 
-Four forms, told apart by the part before the last ``:`` (``gym:`` by the prefix alone):
+Five forms, told apart by the part before the last ``:`` (``gym:`` by the prefix alone):
 
 - ``env:Name``: a built-in from `BUILTIN_ENVIRONMENTS`;
 - ``gym:ENV_ID``: a registered gymnasium env with a text observation (a ``Text`` observation
   space or an ``ansi`` render mode), through the gymnasium adapter; ``gym:ENV_ID,key=value``
   passes arguments to ``gymnasium.make`` (see `environments.gym_ids`);
+- ``rg:TASK``: a reasoning-gym task (`reasoning_gym_environment`; needs reasoning-gym);
 - ``path/to/file.py:Class``: anything ending in ``.py`` or containing a path separator; a
   relative path starts at the current directory. The file runs once, as a module with a name of
   its own (so two files called ``env.py`` do not collide); resolving it again reuses it;
 - ``package.module:Class``: imported with `importlib`, so the module must be on ``sys.path``.
 
-``Class`` may be dotted (``module:Outer.Inner``). A built-in prefix wins, so a user's own
-``env.py`` is reached as ``env.py:Class``.
+``Class`` may be dotted (``module:Outer.Inner``). A built-in prefix (``env``, ``rg``) wins, so a
+user's own ``env.py`` is reached as ``env.py:Class``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from environments.counter import Counter
 from environments.errors import EnvironmentSpecError
 from environments.guess_number import GuessNumber
 from environments.gym_ids import gym_id_environment
+from environments.reasoning_gym_tasks import reasoning_gym_environment
 
 BUILTIN_ENVIRONMENTS: dict[str, type] = {
     "Counter": Counter,
@@ -46,8 +48,8 @@ BUILTIN_ENVIRONMENTS: dict[str, type] = {
 
 _NOT_IDENTIFIER = re.compile(r"\W")
 _FORMS = (
-    "'env:Name' (a built-in), 'gym:ENV_ID' (a gymnasium id), 'package.module:Class' or "
-    "'path/to/file.py:Class'"
+    "'env:Name' (a built-in), 'gym:ENV_ID' (a gymnasium id), 'rg:TASK' (reasoning-gym), "
+    "'package.module:Class' or 'path/to/file.py:Class'"
 )
 GYM_PREFIX = "gym:"
 
@@ -59,7 +61,7 @@ def resolve_environment(spec: str) -> type:
     for the full contract.
 
     Args:
-        spec: ``env:Name``, ``gym:ENV_ID``, ``package.module:Class`` or
+        spec: ``env:Name``, ``gym:ENV_ID``, ``rg:TASK``, ``package.module:Class`` or
             ``path/to/file.py:Class``.
 
     Returns:
@@ -79,7 +81,13 @@ def resolve_environment(spec: str) -> type:
         raise EnvironmentSpecError(
             f"environment spec {spec!r} needs text on both sides of ':'; use {_FORMS}"
         )
-    obj = _builtin(attribute) if where == "env" else load_attribute(spec, inspect.isclass)
+    match where:
+        case "env":
+            obj: object = _builtin(attribute)
+        case "rg":
+            obj = reasoning_gym_environment(attribute)
+        case _:
+            obj = load_attribute(spec, inspect.isclass)
     if not inspect.isclass(obj):
         raise EnvironmentSpecError(
             f"{spec!r} names a {type(obj).__name__}, not a class; an environment is a class "

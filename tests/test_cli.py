@@ -45,6 +45,7 @@ def test_envs_lists_every_builtin_with_one_line_each_then_the_environment_source
     for form in ("env:Name", "package.module:Class", "path/file.py:Class", "gym:ENV_ID"):
         assert form in forms
     assert "gym:FrozenLake-v1" in sources
+    assert "rg:TASK" in sources  # reasoning-gym's tasks, or how to install them
 
 
 def test_run_help_documents_every_option():

@@ -30,8 +30,9 @@ from agentgrpo.cli.values import FieldType
 from environments.contract import EPISODE_LIMITS, episode_limits
 
 # Keys a --config file may hold besides GRPOConfig's fields: the command's own options.
-RUN_KEYS = ("model", "dataset", "dataset_split", "reward", "resume")
+RUN_KEYS = ("model", "dataset", "dataset_split", "dataset_size", "reward", "resume")
 _RUN_KEY_TYPES = {key: FieldType.of(str | None) for key in RUN_KEYS} | {
+    "dataset_size": FieldType.of(int | None),
     "reward": FieldType.of(str | list[str] | None),
     "resume": FieldType.of(bool | None),
 }
@@ -56,7 +57,9 @@ def run(namespace: argparse.Namespace) -> int:
     config = _grpo_config(settings["config"])
     sources.check_output_dir(config.output_dir)
     checkpoint = _resume_from(settings["resume"], config)
-    train_rows = sources.rows(env_class, settings["dataset"], settings["dataset_split"])
+    train_rows = sources.rows(
+        env_class, settings["dataset"], settings["dataset_split"], settings["dataset_size"]
+    )
     rewards = sources.reward_functions(settings["reward"])
     model = sources.model_path(settings["model"])
     evaluates = config.eval_strategy != "no"  # held-out rows, as `agentgrpo eval` plays them
@@ -96,7 +99,7 @@ def evaluate(namespace: argparse.Namespace) -> int:
     from agentgrpo.reporting.evaluate import evaluate as play_and_report
 
     env_class = sources.environment_class(namespace.env)
-    rows = sources.rows(env_class, namespace.dataset, namespace.split)
+    rows = sources.rows(env_class, namespace.dataset, namespace.split, namespace.dataset_size)
     if namespace.num_episodes is not None:
         rows = rows.select(range(min(namespace.num_episodes, len(rows))))
     engine, scorer = _eval_engine(namespace, env_class)
@@ -126,12 +129,14 @@ ENVIRONMENT_SOURCES = (
     ("gym:ENV_ID", "a registered gymnasium env with a text observation (ansi or Text), such"),
     ("", "as the toy-text gym:FrozenLake-v1, gym:Taxi-v4 and gym:CliffWalking-v1;"),
     ("", "arguments for gymnasium.make follow the id: gym:FrozenLake-v1,is_slippery=false"),
+    ("rg:TASK", "a reasoning-gym task, generated rows scored by the task (the tasks follow)"),
 )
 
 
 def envs(namespace: argparse.Namespace) -> int:
     """Print each built-in environment with the first line of its docstring, then every source."""
-    from environments import BUILTIN_ENVIRONMENTS
+    from environments import BUILTIN_ENVIRONMENTS, EnvironmentSpecError
+    from environments.reasoning_gym_tasks import INSTALL, task_listing
 
     width = max(map(len, BUILTIN_ENVIRONMENTS)) + len("env:")
     for name, cls in BUILTIN_ENVIRONMENTS.items():
@@ -141,6 +146,10 @@ def envs(namespace: argparse.Namespace) -> int:
     print("\nenvironment sources (for run and eval):")
     for form, meaning in ENVIRONMENT_SOURCES:
         print(f"  {form:<{width}}  {meaning}")
+    try:
+        print(task_listing())
+    except EnvironmentSpecError:
+        print(f"rg:TASK, reasoning-gym's generated tasks: not installed ({INSTALL})")
     return 0
 
 

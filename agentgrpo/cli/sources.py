@@ -69,15 +69,20 @@ def check_output_dir(output_dir: str) -> None:
             )
 
 
-def rows(env_class: type, dataset: str | None, split: str) -> Any:
+def rows(env_class: type, dataset: str | None, split: str, size: int | None = None) -> Any:
     """The task rows: `--dataset` if given, else the environment's own `dataset(split)`.
 
+    `size` (`--dataset-size`) is passed to a `dataset()` that takes `size` (the rows are then
+    generated, as for `rg:TASK`); other rows are cut to their first `size`.
+
     Raises:
-        UsageError: There is neither, or the source cannot be read.
+        UsageError: There is neither, or the source cannot be read, or `size` is below 1.
 
     """
+    if size is not None and size < 1:
+        raise UsageError(f"--dataset-size must be at least 1, got {size}")
     if dataset is not None:
-        return _load_dataset(dataset, split)
+        return _first(_load_dataset(dataset, split), size)
     method = getattr(env_class, "dataset", None)
     if method is None:
         raise UsageError(
@@ -85,9 +90,14 @@ def rows(env_class: type, dataset: str | None, split: str) -> Any:
             f"pass --dataset FILE.jsonl (or a datasets-loadable name), or give the class "
             f"`@classmethod def dataset(cls, split='train')`"
         )
-    if "split" in inspect.signature(method).parameters:
-        return method(split=split)
-    return method()
+    parameters = inspect.signature(method).parameters
+    if size is not None and "size" in parameters:
+        return method(split=split, size=size)
+    return _first(method(split=split) if "split" in parameters else method(), size)
+
+
+def _first(rows: Any, size: int | None) -> Any:
+    return rows if size is None else rows.select(range(min(size, len(rows))))
 
 
 def reward_functions(specs: list[str]) -> list[Callable[..., Any]]:
