@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import random
-import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from environments.messages import number_text, tool_turn
+from environments.messages import tool_turn
+from environments.submission import NumberAnswer
 from tools.calculator import calculator
 
 if TYPE_CHECKING:
@@ -27,10 +26,9 @@ _PHRASINGS = {  # eval phrasings are held out: a policy must not just memorise t
 }
 _DEMO_PHRASING = "Example: what is {expression}?"
 _ROWS = {"train": 320, "eval": 64}
-_TOLERANCE = 1e-6
 
 
-class Arithmetic:
+class Arithmetic(NumberAnswer):
     """Evaluate an arithmetic expression with ``calculate``, then ``submit`` the answer.
 
     Reward 1.0 when the submitted answer equals the row's ``answer`` (within 1e-6), else 0.0,
@@ -52,13 +50,6 @@ class Arithmetic:
 
     # An episode is a calculate turn and a submit turn (the longest expressions: 180 tokens).
     episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 192, "max_turns": 3}
-
-    def reset(self, answer: float) -> None:
-        """Remember the expected answer; nothing is added to the prompt."""
-        self.expected = float(answer)
-        self.submitted: float | None = None
-        self.done = False
-        self._submitting = threading.Lock()  # a turn's calls run concurrently, in threads
 
     def calculate(self, expression: str) -> str:
         """Evaluate an arithmetic expression and return the result.
@@ -84,20 +75,7 @@ class Arithmetic:
             ValueError: An answer was already submitted, or this one is not a finite number.
 
         """
-        if isinstance(answer, bool) or not math.isfinite(answer):
-            raise ValueError(f"the answer must be a finite number, got {answer!r}")
-        with self._submitting:
-            if self.submitted is not None:
-                raise ValueError("an answer was already submitted; only the first one counts")
-            self.submitted = float(answer)
-            self.done = True
-        return f"Submitted {number_text(answer)}."
-
-    def reward(self) -> float:
-        """1.0 if the submitted answer is within 1e-6 of the expected one, else 0.0."""
-        if self.submitted is None:
-            return 0.0
-        return 1.0 if abs(self.submitted - self.expected) <= _TOLERANCE else 0.0
+        return self._submit(answer)
 
     @classmethod
     def dataset(cls, split: str = "train") -> datasets.Dataset:

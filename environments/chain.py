@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import random
-import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from environments.messages import number_text, tool_turn
+from environments.submission import NumberAnswer
 
 if TYPE_CHECKING:
     import datasets
@@ -30,10 +29,9 @@ _DEMO_PHRASINGS = (
 )
 _ROWS = {"train": 320, "eval": 64}
 _STEPS = 3
-_TOLERANCE = 1e-6
 
 
-class Chain:
+class Chain(NumberAnswer):
     """Apply three operations in order, one tool call each, then ``submit`` the result.
 
     A row says "start with 37, then add 48, then multiply by 3, then subtract 29". The tools do
@@ -57,13 +55,6 @@ class Chain:
 
     # Four tool turns (3 steps, submit) of about 45 tokens each, tool results included.
     episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 224, "max_turns": 4}
-
-    def reset(self, answer: float) -> None:
-        """Remember the expected answer; nothing is added to the prompt."""
-        self.expected = float(answer)
-        self.submitted: float | None = None
-        self.done = False
-        self._submitting = threading.Lock()  # a turn's calls run concurrently, in threads
 
     def add(self, a: float, b: float) -> str:
         """Add two numbers and return the sum.
@@ -105,20 +96,7 @@ class Chain:
             ValueError: An answer was already submitted, or this one is not a finite number.
 
         """
-        if isinstance(answer, bool) or not math.isfinite(answer):
-            raise ValueError(f"the answer must be a finite number, got {answer!r}")
-        with self._submitting:
-            if self.submitted is not None:
-                raise ValueError("an answer was already submitted; only the first one counts")
-            self.submitted = float(answer)
-            self.done = True
-        return f"Submitted {number_text(answer)}."
-
-    def reward(self) -> float:
-        """1.0 if the submitted answer is within 1e-6 of the expected one, else 0.0."""
-        if self.submitted is None:
-            return 0.0
-        return 1.0 if abs(self.submitted - self.expected) <= _TOLERANCE else 0.0
+        return self._submit(answer)
 
     @classmethod
     def dataset(cls, split: str = "train") -> datasets.Dataset:
