@@ -85,6 +85,8 @@ class Scorer:
         decode: Token ids to text, for text completions.
         trainer_state: Returns the current `TrainerState`, passed to reward functions.
         logs: Collects what reward functions pass to `log_metric` and `log_extra`.
+        agent_columns: The reward columns an agent fills with what it returns
+            (`rollout.agents.Agent.columns`; empty without an agent), after the others.
     """
 
     funcs: Sequence[RewardFunction]
@@ -94,11 +96,13 @@ class Scorer:
     decode: Callable[[list[int]], str]
     trainer_state: Callable[[], Any]
     logs: RewardLogs = field(default_factory=RewardLogs)
+    agent_columns: Sequence[str] = ()
 
     @property
     def names(self) -> list[str]:
         """One name per reward column, in the column order of `score_group`'s result."""
-        return [f.name for f in self.funcs] + [c.__name__ for c in self.env_reward_classes]
+        own = [c.__name__ for c in self.env_reward_classes]
+        return [f.name for f in self.funcs] + own + list(self.agent_columns)
 
     async def score_group(self, episodes: Sequence[Episode]) -> torch.Tensor:
         """rewards_G_F: one column per name in `names`; NaN where a function returned None."""
@@ -117,6 +121,9 @@ class Scorer:
         for env_class in self.env_reward_classes:
             rewards = [_own_reward(e, env_class) for e in episodes]
             columns.append(torch.tensor(rewards, dtype=torch.float32).unsqueeze(1))
+        for name in self.agent_columns:
+            rewards = [_agent_reward(e, name) for e in episodes]
+            columns.append(torch.tensor(rewards, dtype=torch.float32).unsqueeze(1))
         return torch.cat(columns, dim=1) if columns else torch.zeros(len(episodes), 0)
 
     def views(self, episode: Episode) -> tuple[Any, Any]:
@@ -132,6 +139,12 @@ def _own_reward(episode: Episode, env_class: type) -> float:
     if type(episode.environment) is not env_class or episode.env_reward is None:
         return math.nan
     return episode.env_reward
+
+
+def _agent_reward(episode: Episode, name: str) -> float:
+    """The agent's reward in column `name`; NaN when it returned None (or failed)."""
+    value = (episode.agent_rewards or {}).get(name)
+    return math.nan if value is None else value
 
 
 def environment_reward_classes(factory: Any) -> tuple[type, ...]:

@@ -80,6 +80,7 @@ from agentgrpo.warm_start import environment_demonstrations, warm_start
 from agentgrpo.weight_sync import build_generator, generation_weights
 from agentgrpo.wiring import build_parts
 from rollout import Episode, EpisodeRecord
+from rollout.agents import Agent
 
 # Where a checkpoint keeps the adaptive entropy controller (the name TRL 1.16 uses).
 ENTROPY_STATE_FILE = "entropy_ctrl_state.json"
@@ -120,6 +121,11 @@ class GRPOTrainer(AtomicCheckpoints):
         reward_fn: A reward function, added to `reward_funcs`.
         num_generations: The group size, when given here as well: it must equal the config's
             (which it sets when `args` is None).
+        agent: An agent function, `(client: openai.AsyncOpenAI, row) -> reward` (or sync with
+            an `openai.OpenAI`), or a `rollout.agents.Agent`: it plays each episode itself
+            against an OpenAI-compatible endpoint served on 127.0.0.1 by this policy, and
+            every request is recorded token-exactly (`rollout.agents`). Not with `tools` or
+            `environment_factory`; needs `train_dataset` (`pip install 'agentgrpo[agents]'`).
 
     Raises:
         ValueError: A user mistake (no reward, mismatched arguments, a bad dataset...).
@@ -157,6 +163,7 @@ class GRPOTrainer(AtomicCheckpoints):
         reward_model: Any = None,
         reward_fn: Callable[..., Any] | None = None,
         num_generations: int | None = None,
+        agent: Agent | Callable[..., Any] | None = None,
     ):
         if args is None:
             group: dict[str, Any] = {}
@@ -197,6 +204,7 @@ class GRPOTrainer(AtomicCheckpoints):
             policy = self.accelerator.unwrap_model(self.model)
             self.add_callback(reference_sync(self.ref_model, policy, args))
         self._environment_factory = environment_factory
+        self.agent = agent if agent is None or isinstance(agent, Agent) else Agent(agent)
         self._wire(tools or [], environment_factory)
         check_environment_column(self.train_dataset, self.engine)
         if rollout_func is None:  # its extra fields are known only once it runs
@@ -226,6 +234,7 @@ class GRPOTrainer(AtomicCheckpoints):
             tools,
             self.reward_funcs,
             trainer_state=lambda: self.state,
+            agent=self.agent,
         )
         self.engine, self.scorer, self.loss_config = parts.engine, parts.scorer, parts.loss_config
         self.token_weighting = TokenWeighting.from_config(args)

@@ -16,6 +16,7 @@ from agentgrpo.learner.losses import LossConfig, VespoShape
 from agentgrpo.rewards.calls import RewardFunction
 from agentgrpo.rounds import Scorer, environment_reward_classes
 from rollout import EpisodeConfig, GenerationBackend, RolloutEngine
+from rollout.agents import Agent
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ def build_parts(
     tools: Sequence[Callable[..., Any]] = (),
     reward_funcs: Sequence[RewardFunction] = (),
     trainer_state: Callable[[], Any] = lambda: None,
+    agent: Agent | None = None,
 ) -> RunParts:
     """Build the parts of a run from `config` (a `GRPOConfig`).
 
@@ -58,6 +60,8 @@ def build_parts(
         reward_funcs: Reward functions, already wrapped (`rewards.calls.reward_functions`).
         trainer_state: Returns the `TrainerState` passed to reward functions (None outside
             training).
+        agent: An agent that plays each episode through the engine's chat endpoint, in place
+            of an environment and tools; its returned rewards are reward columns of their own.
 
     Raises:
         ValueError: No reward at all, or `reward_weights` not matching the rewards (see
@@ -74,14 +78,16 @@ def build_parts(
         chat_template_kwargs=config.chat_template_kwargs,
         config=episode_config,
         max_concurrent_episodes=config.max_concurrent_episodes,
+        agent=agent,
     )
     scorer = Scorer(
         funcs=list(reward_funcs),
         env_reward_classes=environment_reward_classes(environment_factory),
         with_environments=environment_factory is not None,
-        text_completions=not engine.context.has_tools,
+        text_completions=not engine.context.has_tools and agent is None,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         trainer_state=trainer_state,
+        agent_columns=agent.columns if agent is not None else (),
     )
     weights = reward_weights_of(scorer.names, len(scorer.funcs), config.reward_weights)
     return RunParts(episode_config, engine, scorer, loss_config_of(config), weights)

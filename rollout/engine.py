@@ -7,6 +7,7 @@ keeps memory and environment count in check. Episodes of one group share their r
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,10 @@ from typing import Any
 import anyio
 
 from environments import check_environment, class_tools, close_environment, create_environment
+from rollout.agent_session import SessionContext
+from rollout.agents import Agent, run_agent_episode
 from rollout.backend import GenerationBackend
+from rollout.endpoint import ChatEndpoint
 from rollout.episode import EpisodeConfig, EpisodeContext, run_episode
 from rollout.parsers import Parser, detect_parser, get_parser, tokenizer_parser
 from rollout.template import ChatRenderer, load_template
@@ -46,11 +50,15 @@ class RolloutEngine:
         chat_template_kwargs: Extra template variables (e.g. `{"enable_thinking": False}`).
         config: Limits and sampling (`EpisodeConfig`).
         max_concurrent_episodes: The most episodes in flight at once.
+        agent: An agent function (`rollout.agents.Agent`) that plays each episode itself
+            through an OpenAI-compatible endpoint the engine serves on 127.0.0.1 while a
+            round plays (`rollout.endpoint`); then there is no environment and no tool here.
 
     Raises:
         ToolTemplateError: There are tools but the template cannot show them.
         EnvironmentSpecError: An environment class breaks the contract.
-        ValueError: `environment_factory` is an empty dict.
+        ValueError: `environment_factory` is an empty dict, or an agent comes with an
+            environment or tools.
 
     """
 
@@ -66,7 +74,13 @@ class RolloutEngine:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         config: EpisodeConfig | None = None,
         max_concurrent_episodes: int = 256,
+        agent: Agent | None = None,
     ):
+        if agent is not None and (environment_factory is not None or tools):
+            raise ValueError(
+                "an agent runs its own tools and environment: pass agent= without "
+                "environment_factory or tools"
+            )
         self.multi_environment = isinstance(environment_factory, Mapping)
         factories: dict[str | None, Factory | None]
         if isinstance(environment_factory, Mapping):
@@ -88,6 +102,12 @@ class RolloutEngine:
         self.contexts = {name: setup.context(factory) for name, factory in factories.items()}
         self.context = next(iter(self.contexts.values()))
         self.max_concurrent_episodes = max_concurrent_episodes
+        self.agent = agent
+        self.endpoint: ChatEndpoint | None = None
+        self.sessions: SessionContext | None = None
+        if agent is not None:
+            self.endpoint = ChatEndpoint(getattr(tokenizer, "name_or_path", "") or "agentgrpo")
+            self.sessions = setup.sessions()
 
     def context_for(self, row: Mapping[str, Any]) -> EpisodeContext:
         """The context a row's episodes play in: its environment's, with several environments.
@@ -143,7 +163,7 @@ class RolloutEngine:
         async def play(group: int, member: int) -> None:
             index = group * num_generations + member
             async with limiter:
-                episodes[index] = await run_episode(
+                episodes[index] = await self._play_one(
                     contexts[group], rows[group], seed + group, group, index
                 )
             unfinished[group] -= 1
@@ -152,7 +172,7 @@ class RolloutEngine:
                 await on_group([episodes[i] for i in range(start, start + num_generations)])
 
         try:
-            async with anyio.create_task_group() as tasks:
+            async with self._serving(), anyio.create_task_group() as tasks:
                 for group in range(len(rows)):
                     for member in range(num_generations):
                         tasks.start_soon(play, group, member)
@@ -162,6 +182,24 @@ class RolloutEngine:
         else:
             return [episodes[i] for i in range(len(rows) * num_generations)]
         raise first  # outside the handler: its own __cause__ (the user's error) stays intact
+
+    def _serving(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """The agent endpoint answering while the round plays (nothing to serve without one)."""
+        return self.endpoint.serving() if self.endpoint else contextlib.nullcontext()
+
+    async def _play_one(
+        self, ctx: EpisodeContext, row: Mapping[str, Any], seed: int, group: int, index: int
+    ) -> Episode:
+        if self.agent is None or self.endpoint is None or self.sessions is None:
+            return await run_episode(ctx, row, seed, group, index)
+        return await run_agent_episode(
+            self.agent, self.endpoint, self.sessions, row, seed, group, index
+        )
+
+    def close(self) -> None:
+        """Give back the agent endpoint's port (a no-op without an agent)."""
+        if self.endpoint is not None:
+            self.endpoint.close()
 
 
 @dataclass(frozen=True)
@@ -176,6 +214,19 @@ class _Setup:
     chat_template_kwargs: Mapping[str, Any] | None
     config: EpisodeConfig
     routing_column: str | None
+
+    def sessions(self) -> SessionContext:
+        """What agent sessions share: requests name their own tools, so parsers follow them."""
+        return SessionContext(
+            self.backend,
+            self.tokenizer,
+            self.template,
+            lambda schemas: select_parser(
+                self.tool_call_parser, self.tokenizer, self.template, schemas
+            ),
+            self.config,
+            self.chat_template_kwargs,
+        )
 
     def context(self, factory: Factory | None) -> EpisodeContext:
         """The context of episodes against `factory`'s environment (or none)."""

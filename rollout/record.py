@@ -7,7 +7,8 @@ in every field but `environment` (a live object, not data: it reads back None).
 
 Each line is a JSON object holding the episode's fields (`rows`: a list of
 `{"prompt_ids", "completion_ids", "loss_mask", "sampler_logprobs"}` objects, one per training row;
-`messages`, `tool_calls`, `finish`, `error`, `stats`, `row`, `group`, `index`, `env_reward`)
+`messages`, `tool_calls`, `finish`, `error`, `stats`, `row`, `group`, `index`, `env_reward`,
+`agent_rewards`)
 and its scores (`rewards` by function, `reward`, `advantage`),
 `policy_version` and `process`. It is strict JSON, so any JSON reader takes it. Floats are
 written as Python's shortest repr, which reads back bit for bit (float32 values included: they
@@ -81,6 +82,7 @@ def record_to_dict(record: EpisodeRecord) -> dict[str, Any]:
         "advantage": encode_value(record.advantage),
         "rewards": encode_value(dict(record.rewards)),
         "env_reward": encode_value(episode.env_reward),
+        "agent_rewards": encode_value(episode.agent_rewards),
         "finish": str(episode.finish),
         "error": episode.error,
         "stats": {
@@ -121,6 +123,7 @@ def record_from_dict(data: Mapping[str, Any]) -> EpisodeRecord:
         env_reward=decode_value(data["env_reward"]),
         error=data["error"],
         tool_calls=tuple(_call_from_dict(call) for call in data["tool_calls"]),
+        agent_rewards=decode_value(data.get("agent_rewards")),
     )
     return EpisodeRecord(
         episode=episode,

@@ -175,7 +175,9 @@ class Episode:
     (`rollout.record`), which reads back None.
 
     `tool_calls` holds one record per tool message in `messages`, in the same order: each
-    turn's parsed calls, then the calls of that turn that could not be parsed.
+    turn's parsed calls, then the calls of that turn that could not be parsed. An agent's
+    episode (`rollout.agents`) holds its calls that got a result instead, and `agent_rewards`,
+    the reward columns of what the agent returned (None for other episodes).
     """
 
     rows: tuple[EpisodeRow, ...]
@@ -189,6 +191,7 @@ class Episode:
     environment: Any = field(default=None, repr=False, compare=False)
     error: str | None = None
     tool_calls: tuple[ToolCallRecord, ...] = ()
+    agent_rewards: Mapping[str, float | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.rows:

@@ -52,25 +52,25 @@ def run(namespace: argparse.Namespace) -> int:
     from agentgrpo.doctor import startup_checks
     from agentgrpo.reporting.run_log import attach_run_callbacks, summary_table
 
-    env_class = sources.environment_class(namespace.env)
-    settings = _run_settings(namespace, env_class)
+    source = sources.task_source(namespace.env)
+    settings = _run_settings(namespace, source)
     config = _grpo_config(settings["config"])
     sources.check_output_dir(config.output_dir)
     checkpoint = _resume_from(settings["resume"], config)
     train_rows = sources.rows(
-        env_class, settings["dataset"], settings["dataset_split"], settings["dataset_size"]
+        source, settings["dataset"], settings["dataset_split"], settings["dataset_size"]
     )
     rewards = sources.reward_functions(settings["reward"])
     model = sources.model_path(settings["model"])
     evaluates = config.eval_strategy != "no"  # held-out rows, as `agentgrpo eval` plays them
-    eval_rows = sources.rows(env_class, settings["dataset"], "eval") if evaluates else None
+    eval_rows = sources.rows(source, settings["dataset"], "eval") if evaluates else None
     trainer = GRPOTrainer(
         model,
         rewards,
         args=config,
         train_dataset=train_rows,
         eval_dataset=eval_rows,
-        environment_factory=env_class,
+        **_played_by(source),
     )
     if config.chat_template:  # the saved model then plays with the template it learned on
         from rollout import load_template
@@ -98,11 +98,11 @@ def evaluate(namespace: argparse.Namespace) -> int:
     """Play one episode per held-out row without training and print the figures."""
     from agentgrpo.reporting.evaluate import evaluate as play_and_report
 
-    env_class = sources.environment_class(namespace.env)
-    rows = sources.rows(env_class, namespace.dataset, namespace.split, namespace.dataset_size)
+    source = sources.task_source(namespace.env)
+    rows = sources.rows(source, namespace.dataset, namespace.split, namespace.dataset_size)
     if namespace.num_episodes is not None:
         rows = rows.select(range(min(namespace.num_episodes, len(rows))))
-    engine, scorer = _eval_engine(namespace, env_class)
+    engine, scorer = _eval_engine(namespace, source)
     print(
         f"evaluating {namespace.model or sources.DEFAULT_MODEL} on {namespace.env} "
         f"({len(rows)} rows, split {namespace.split!r}, temperature {namespace.temperature})",
@@ -129,6 +129,8 @@ ENVIRONMENT_SOURCES = (
     ("gym:ENV_ID", "a registered gymnasium env with a text observation (ansi or Text), such"),
     ("", "as the toy-text gym:FrozenLake-v1, gym:Taxi-v4 and gym:CliffWalking-v1;"),
     ("", "arguments for gymnasium.make follow the id: gym:FrozenLake-v1,is_slippery=false"),
+    ("agent:file.py:function", "an agent function driving an OpenAI client (also"),
+    ("", "agent:package.module:function); rows from --dataset"),
     ("rg:TASK", "a reasoning-gym task, generated rows scored by the task (the tasks follow)"),
 )
 
@@ -156,7 +158,17 @@ def envs(namespace: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- run
 
 
-def _run_settings(namespace: argparse.Namespace, env_class: type) -> dict[str, Any]:
+def _played_by(source: Any) -> dict[str, Any]:
+    """The trainer's argument for what plays the episodes: an environment class or an agent."""
+    return {"environment_factory": source} if isinstance(source, type) else {"agent": source}
+
+
+def _episode_limits(source: Any) -> dict[str, int]:
+    """An environment class's `episode_limits`; an agent has none (the run's defaults apply)."""
+    return episode_limits(source) if isinstance(source, type) else {}
+
+
+def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:
     """The run's options, merged: command line over config file over the run defaults."""
     from_file = read_config_file(namespace.config) if namespace.config else {}
     check_keys(from_file, [*config_fields(), *RUN_KEYS], f"config file {namespace.config}")
@@ -169,23 +181,23 @@ def _run_settings(namespace: argparse.Namespace, env_class: type) -> dict[str, A
     config = dict(RUN_DEFAULTS)
     if own["model"] is None:
         config["chat_template"] = BUILTIN_TEMPLATE
-        if hasattr(env_class, "demonstrations"):
+        if hasattr(source, "demonstrations"):
             config["warm_start_steps"] = DEFAULT_WARM_START_STEPS
-    limits = episode_limits(env_class)
+    limits = _episode_limits(source)
     config.update(limits)
     user = {k: v for k, v in from_file.items() if k in config_fields()}
     user.update(config_overrides(namespace))
     config.update(user)
     if "output_dir" not in config:
-        config["output_dir"] = _default_output_dir(env_class, config, bool(own["resume"]))
+        config["output_dir"] = _default_output_dir(source, config, bool(own["resume"]))
     # The trackers' names for the run (transformers' defaults: project "huggingface", a random
     # run name): a run resumed in its output folder then continues its own trackio run.
-    config.setdefault("project", env_class.__name__)
+    config.setdefault("project", sources.source_name(source))
     config.setdefault("run_name", config["output_dir"])
     return {**own, "config": config, "from_environment": sorted(set(limits) - set(user))}
 
 
-def _default_output_dir(env_class: type, config: dict[str, Any], resume: bool) -> str:
+def _default_output_dir(source: Any, config: dict[str, Any], resume: bool) -> str:
     """The folder holding `--resume-from-checkpoint`, else a new one named after the run."""
     if resume:
         raise UsageError(
@@ -194,7 +206,7 @@ def _default_output_dir(env_class: type, config: dict[str, Any], resume: bool) -
         )
     if config.get("resume_from_checkpoint"):
         return str(Path(config["resume_from_checkpoint"]).parent)
-    return f"runs/{env_class.__name__}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return f"runs/{sources.source_name(source)}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def _resume_from(resume: bool, config: Any) -> str | None:
@@ -347,7 +359,7 @@ def _episode_line(tokens: int, turns: int | None, settings: dict[str, Any]) -> s
 # ---------------------------------------------------------------------- eval
 
 
-def _eval_engine(namespace: argparse.Namespace, env_class: type) -> tuple[Any, Any]:
+def _eval_engine(namespace: argparse.Namespace, source: Any) -> tuple[Any, Any]:
     """The engine and scorer `wiring.build_parts` builds for training, from eval's options."""
     from transformers import AutoTokenizer
 
@@ -358,25 +370,34 @@ def _eval_engine(namespace: argparse.Namespace, env_class: type) -> tuple[Any, A
     from agentgrpo.wiring import build_parts
 
     rewards = reward_functions(sources.reward_functions(namespace.reward), None)
-    if not rewards and environment_reward_name(env_class) is None:
-        raise UsageError(f"{env_class.__name__} has no reward(); pass --reward module:function")
+    played_by = _played_by(source)
+    if not rewards and "agent" not in played_by and environment_reward_name(source) is None:
+        raise UsageError(f"{source.__name__} has no reward(); pass --reward module:function")
     path = sources.model_path(namespace.model)
     tokenizer = load_tokenizer(None, AutoTokenizer.from_pretrained(path))
     backend = _eval_backend(namespace, path, tokenizer)
-    config = eval_config(namespace, env_class)
-    parts = build_parts(config, backend, tokenizer, env_class, (), rewards)
+    config = eval_config(namespace, source)
+    parts = build_parts(
+        config,
+        backend,
+        tokenizer,
+        played_by.get("environment_factory"),
+        (),
+        rewards,
+        agent=played_by.get("agent"),
+    )
     startup_checks(parts.engine)
     return parts.engine, parts.scorer
 
 
-def eval_config(namespace: argparse.Namespace, env_class: type) -> Any:
+def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
     """The `GRPOConfig` of a run whose episodes are played as `agentgrpo eval` plays them.
 
     The token and turn limits are the command line's, else the environment's
     `episode_limits`, else `agentgrpo run`'s defaults: as the run that trained the model.
     """
     template = namespace.chat_template or (BUILTIN_TEMPLATE if namespace.model is None else None)
-    limits = {**RUN_DEFAULTS, **episode_limits(env_class)}
+    limits = {**RUN_DEFAULTS, **_episode_limits(source)}
     for name in EPISODE_LIMITS:
         if getattr(namespace, name) is not None:
             limits[name] = getattr(namespace, name)

@@ -20,11 +20,57 @@ DEFAULT_MODEL = "the embedded SmolLM2-135M-Instruct"
 _MODEL_FILES = ("config.json", "adapter_config.json")  # a model, or a PEFT adapter on one
 
 
+AGENT_PREFIX = "agent:"
+
+
 def environment_class(spec: str) -> type:
     """The environment class `spec` names, checked against the contract."""
     cls = resolve_environment(spec)
     check_environment(cls)
     return cls
+
+
+def task_source(spec: str) -> Any:
+    """What `run` and `eval` play: an `Agent` for `agent:...`, else an environment class."""
+    if spec.startswith(AGENT_PREFIX):
+        return agent(spec.removeprefix(AGENT_PREFIX))
+    return environment_class(spec)
+
+
+def agent(spec: str) -> Any:
+    """The agent function `path/to/file.py:function` or `package.module:function` names.
+
+    Raises:
+        UsageError: The spec names no function, one that cannot take `(client, row)`, or the
+            `openai` package is missing.
+    """
+    from rollout.agents import INSTALL, Agent
+
+    function = load_attribute(spec)
+    if not callable(function) or inspect.isclass(function):
+        raise UsageError(
+            f"agent:{spec} names a {type(function).__name__}; an agent is a function "
+            f"`async def solve(client, row) -> float | None`"
+        )
+    try:
+        inspect.signature(function).bind(None, {})
+    except TypeError as error:
+        raise UsageError(
+            f"agent:{spec} cannot be called as function(client, row) ({error}); an "
+            f"agent takes an OpenAI client and the task row"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): let the call tell
+        pass
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        raise UsageError(f"agent:{spec} needs the openai package: {INSTALL}") from None
+    return Agent(function)
+
+
+def source_name(source: Any) -> str:
+    """The name a run is filed under: the environment class's, or the agent's."""
+    return getattr(source, "__name__", None) or source.name
 
 
 def model_path(model: str | None) -> str:
@@ -69,8 +115,8 @@ def check_output_dir(output_dir: str) -> None:
             )
 
 
-def rows(env_class: type, dataset: str | None, split: str, size: int | None = None) -> Any:
-    """The task rows: `--dataset` if given, else the environment's own `dataset(split)`.
+def rows(env_class: Any, dataset: str | None, split: str, size: int | None = None) -> Any:
+    """The task rows: `--dataset` if given, else the environment's (or agent's) `dataset(split)`.
 
     `size` (`--dataset-size`) is passed to a `dataset()` that takes `size` (the rows are then
     generated, as for `rg:TASK`); other rows are cut to their first `size`.
@@ -84,6 +130,11 @@ def rows(env_class: type, dataset: str | None, split: str, size: int | None = No
     if dataset is not None:
         return _first(_load_dataset(dataset, split), size)
     method = getattr(env_class, "dataset", None)
+    if method is None and not isinstance(env_class, type):
+        raise UsageError(
+            f"agent {source_name(env_class)} has no task rows of its own; pass --dataset "
+            f"FILE.jsonl (or a datasets-loadable name): each row is passed to the agent"
+        )
     if method is None:
         raise UsageError(
             f"{env_class.__name__} has no dataset() classmethod, so there are no task rows; "

@@ -1,0 +1,190 @@
+"""Agent episodes: the user's own agent loop, played against the run's chat endpoint.
+
+An agent is an ordinary function written against the OpenAI client:
+
+    async def solve(client: openai.AsyncOpenAI, row: dict) -> float | None: ...
+    def solve(client: openai.OpenAI, row: dict) -> float | None: ...  # run in a thread
+
+It may call `client.chat.completions.create(model=..., messages=..., tools=...)` any number of
+times, run its own tools and keep its own loop. Each episode gets its own client, pointed at its
+own session of `rollout.endpoint.ChatEndpoint`, which records every request token-exactly
+(`rollout.agent_session`). What the function returns is the episode's reward: a number, or None
+to leave the scoring to reward functions (they see the recorded conversation), or, for an
+`Agent` declaring `reward_names`, a dict with one number per name (one reward column each).
+
+An agent that raises, or runs past its timeout, ends its episode with `Finish.ERROR` and the
+error as `Episode.error`: the run goes on. A request refused because the episode reached a limit
+ends it with `Finish.LENGTH` or `Finish.MAX_TURNS` instead. An agent that returns or raises
+without one request is a mistake in the agent, raised as `AgentError`; an error answering a
+request that is neither the request's fault nor a limit (a chat template that cannot show the
+agent's tools, say) is answered with status 500, and raised once the agent has returned.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from rollout.agent_session import AgentSession, SessionContext
+from rollout.endpoint import ChatEndpoint
+from rollout.types import Episode, EpisodeStats, Finish
+from tools import run_in_daemon_thread
+
+INSTALL = "pip install 'agentgrpo[agents]'"
+
+
+class AgentError(RuntimeError):
+    """An agent function used wrongly: it never called the endpoint, or returned a bad reward."""
+
+
+@dataclass(frozen=True)
+class Agent:
+    """An agent function and what a run needs to know about it.
+
+    Attributes:
+        function: `(client, row) -> reward` (see the module docstring); async functions get an
+            `openai.AsyncOpenAI`, plain ones an `openai.OpenAI` and run in a worker thread.
+        name: The reward column of a function returning a number (default: its `__name__`).
+        reward_names: For a function returning a dict: its keys, one reward column each.
+        dataset: `dataset(split)` giving the task rows, or None (rows come from elsewhere).
+        timeout_s: Seconds one episode may take (None: no limit).
+    """
+
+    function: Callable[..., Any]
+    name: str = ""
+    reward_names: tuple[str, ...] = ()
+    dataset: Callable[[str], Any] | None = None
+    timeout_s: float | None = 600.0
+
+    def __post_init__(self) -> None:
+        if not callable(self.function):
+            raise TypeError(f"an agent must be a function, not a {type(self.function).__name__}")
+        if not self.name:
+            object.__setattr__(self, "name", getattr(self.function, "__name__", "agent"))
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The reward columns the agent fills, in order."""
+        return self.reward_names or (self.name,)
+
+    @property
+    def is_async(self) -> bool:
+        """Whether the function is a coroutine function (it gets an `AsyncOpenAI`)."""
+        return inspect.iscoroutinefunction(self.function) or inspect.iscoroutinefunction(
+            getattr(self.function, "__call__", None)  # noqa: B004  (a callable object's method)
+        )
+
+
+async def run_agent_episode(
+    agent: Agent,
+    endpoint: ChatEndpoint,
+    context: SessionContext,
+    row: Mapping[str, Any],
+    seed: int,
+    group: int,
+    index: int,
+) -> Episode:
+    """Play one episode of `row` with `agent` through its own session of `endpoint`.
+
+    Raises:
+        AgentError: The agent made no request, or returned something that is not a reward.
+    """
+    session = AgentSession(context, sample_seed=hash((seed, index)))
+    base_url = endpoint.open(session)
+    try:
+        outcome, error = await _call_agent(agent, base_url, dict(row))
+    finally:
+        endpoint.close_session(base_url)
+    where = f"agent {agent.name} ({_where(agent.function)})"
+    if session.failure is not None:  # not the model's doing, nor the agent's: say it loudly
+        raise session.failure
+    if session.received == 0:
+        what = f"raised {error}" if error else "returned"
+        raise AgentError(
+            f"{where} {what} without calling the endpoint; it must ask the model through "
+            f"client.chat.completions.create(...) with the client it is given"
+        )
+    return Episode(
+        rows=session.rows(),
+        messages=session.messages,
+        finish=_finish(session, error),
+        stats=EpisodeStats(
+            session.requests,
+            session.tool_calls,
+            {"parse": session.parse_errors} if session.parse_errors else {},
+        ),
+        row=row,
+        group=group,
+        index=index,
+        error=None if session.refused else error,
+        tool_calls=session.tool_call_records(),
+        agent_rewards=None if error else agent_rewards(agent, outcome, where),
+    )
+
+
+async def _call_agent(agent: Agent, base_url: str, row: dict[str, Any]) -> tuple[Any, str | None]:
+    """The agent's return value and None, or None and why it failed (an error or a timeout)."""
+    import openai
+
+    limit = math.inf if agent.timeout_s is None else agent.timeout_s
+    try:
+        with anyio.fail_after(limit):
+            if agent.is_async:
+                async with openai.AsyncOpenAI(
+                    base_url=base_url, api_key="agentgrpo", max_retries=0
+                ) as client:
+                    return await agent.function(client, row), None
+            with openai.OpenAI(base_url=base_url, api_key="agentgrpo", max_retries=0) as client:
+                call = functools.partial(agent.function, client, row)
+                return await run_in_daemon_thread(call, label=f"agent {agent.name}"), None
+    except TimeoutError:
+        return None, f"TimeoutError: the agent ran past its {agent.timeout_s} s timeout"
+    except Exception as failure:
+        return None, f"{type(failure).__name__}: {failure}"
+
+
+def _finish(session: AgentSession, error: str | None) -> Finish:
+    if session.refused is not None:
+        return session.refused
+    if error is not None:
+        return Finish.ERROR
+    return Finish.LENGTH if session.cut_off else Finish.STOP
+
+
+def agent_rewards(agent: Agent, outcome: Any, where: str) -> dict[str, float | None]:
+    """The reward columns of what the agent returned (see `Agent`).
+
+    Raises:
+        AgentError: A dict from an agent without `reward_names`, keys other than them, or a
+            value that is not a number or None.
+    """
+    if not agent.reward_names:
+        return {agent.name: _number(outcome, where)}
+    if not isinstance(outcome, Mapping) or set(outcome) - set(agent.reward_names):
+        raise AgentError(
+            f"{where} returned {outcome!r}; it must return a dict with the keys "
+            f"{list(agent.reward_names)}"
+        )
+    return {name: _number(outcome.get(name), where) for name in agent.reward_names}
+
+
+def _number(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise AgentError(
+            f"{where} returned {value!r}; it must return the episode's reward (a number) or None"
+        )
+    return float(value)
+
+
+def _where(function: Callable[..., Any]) -> str:
+    code = getattr(function, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(function)
