@@ -183,8 +183,11 @@ EPISODE_LIMITS = ("max_completion_length", "max_turns")
 """The keys an environment's ``episode_limits`` may have."""
 
 
-def episode_limits(cls: type) -> dict[str, int]:
+def episode_limits(cls: Any) -> dict[str, int]:
     """The class's ``episode_limits`` (an empty dict without one), checked.
+
+    An agent's module (``agent:FILE:function``) may state them the same way, as a module-level
+    ``episode_limits``; `cls` is then the module.
 
     Raises:
         EnvironmentSpecError: It is not a dict, has a key other than `EPISODE_LIMITS`, or a
@@ -197,7 +200,7 @@ def episode_limits(cls: type) -> dict[str, int]:
 
     """
     limits = inspect.getattr_static(cls, "episode_limits", {})
-    name = cls.__qualname__
+    name = getattr(cls, "__qualname__", cls.__name__)
     if not isinstance(limits, dict):
         raise EnvironmentSpecError(
             f"{name}.episode_limits must be a dict such as "

@@ -27,7 +27,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -55,6 +55,9 @@ class Agent:
         reward_names: For a function returning a dict: its keys, one reward column each.
         dataset: `dataset(split)` giving the task rows, or None (rows come from elsewhere).
         timeout_s: Seconds one episode may take (None: no limit).
+        episode_limits: What an episode needs (`max_completion_length`, `max_turns`), as an
+            environment's `episode_limits` says it; the command line uses them unless told
+            otherwise.
     """
 
     function: Callable[..., Any]
@@ -62,6 +65,7 @@ class Agent:
     reward_names: tuple[str, ...] = ()
     dataset: Callable[[str], Any] | None = None
     timeout_s: float | None = 600.0
+    episode_limits: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not callable(self.function):

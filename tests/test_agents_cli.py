@@ -176,3 +176,35 @@ def test_an_agent_run_without_rows(user_error, tmp_path):  # noqa: F811
     (tmp_path / "a.py").write_text("async def solve(client, row):\n    return 1.0\n")
     message = user_error("run", "agent:a.py:solve")
     assert "agent solve has no task rows of its own; pass --dataset" in message
+
+
+def test_the_example_agent_brings_its_own_rows(tiny_model_dir):
+    """examples/calculator_agent.py: eval takes the held-out rows of its module's dataset()."""
+    root = Path(__file__).resolve().parents[1]
+    result = agentgrpo(
+        "eval", "agent:examples/calculator_agent.py:solve", "--model", str(tiny_model_dir),
+        "--chat-template", "chatml_tools", "--num-episodes", "2", "--max-completion-length", "32",
+        cwd=root,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "(2 rows, split 'eval'" in result.stderr + result.stdout
+    assert "episodes               2" in result.stdout
+
+
+def test_an_agent_module_states_its_rows_and_episode_limits(monkeypatch):
+    from agentgrpo.cli import sources
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    agent = sources.agent("examples/calculator_agent.py:solve")
+    assert dict(agent.episode_limits) == {"max_completion_length": 192, "max_turns": 3}
+    train, held_out = sources.rows(agent, None, "train"), sources.rows(agent, None, "eval")
+    assert (len(train), len(held_out)) == (64, 32)
+    assert not {r["question"] for r in held_out} <= {r["question"] for r in train}
+
+
+def test_an_agent_module_with_bad_episode_limits(user_error, tmp_path):  # noqa: F811
+    (tmp_path / "a.py").write_text(
+        "episode_limits = {'max_turns': 0}\n\nasync def solve(client, row):\n    return 1.0\n"
+    )
+    message = user_error("run", "agent:a.py:solve", "--dataset", "x.jsonl")
+    assert "episode_limits['max_turns'] must be a whole number >= 1, not 0" in message

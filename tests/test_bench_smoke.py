@@ -21,3 +21,16 @@ def test_the_rollout_benchmark_runs_end_to_end_in_quick_mode():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "engine/lock-step" in done.stdout
     assert "ms per turn" in done.stdout
+
+
+def test_the_endpoint_benchmark_runs_on_the_tiny_model():
+    bench = BENCH.parent / "endpoint.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--tiny", "--episodes", "2", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "endpoint overhead:" in done.stdout
+    assert "(8 requests)" in done.stdout  # 2 episodes x 3 tool calls and an answer

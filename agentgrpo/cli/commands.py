@@ -164,8 +164,8 @@ def _played_by(source: Any) -> dict[str, Any]:
 
 
 def _episode_limits(source: Any) -> dict[str, int]:
-    """An environment class's `episode_limits`; an agent has none (the run's defaults apply)."""
-    return episode_limits(source) if isinstance(source, type) else {}
+    """What an episode needs, as the environment class or the agent's module says."""
+    return episode_limits(source) if isinstance(source, type) else dict(source.episode_limits)
 
 
 def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from agentgrpo.cli.options import UsageError
 from environments import check_environment, resolve_environment
+from environments.contract import episode_limits
 from environments.resolve import load_attribute
 
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -40,6 +41,10 @@ def task_source(spec: str) -> Any:
 def agent(spec: str) -> Any:
     """The agent function `path/to/file.py:function` or `package.module:function` names.
 
+    A `dataset(split)` function beside it in its module gives the agent's task rows, as an
+    environment's `dataset` does (`--dataset` still takes precedence), and a module-level
+    `episode_limits` dict what its episodes need, as an environment's does.
+
     Raises:
         UsageError: The spec names no function, one that cannot take `(client, row)`, or the
             `openai` package is missing.
@@ -65,7 +70,10 @@ def agent(spec: str) -> Any:
         import openai  # noqa: F401
     except ImportError:
         raise UsageError(f"agent:{spec} needs the openai package: {INSTALL}") from None
-    return Agent(function)
+    module = inspect.getmodule(function)
+    rows_of = getattr(module, "dataset", None)
+    limits = episode_limits(module) if module is not None else {}
+    return Agent(function, dataset=rows_of if callable(rows_of) else None, episode_limits=limits)
 
 
 def source_name(source: Any) -> str:
@@ -133,7 +141,8 @@ def rows(env_class: Any, dataset: str | None, split: str, size: int | None = Non
     if method is None and not isinstance(env_class, type):
         raise UsageError(
             f"agent {source_name(env_class)} has no task rows of its own; pass --dataset "
-            f"FILE.jsonl (or a datasets-loadable name): each row is passed to the agent"
+            f"FILE.jsonl (or a datasets-loadable name), or define dataset(split) in its "
+            f"module: each row is passed to the agent"
         )
     if method is None:
         raise UsageError(
