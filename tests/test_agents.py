@@ -328,6 +328,26 @@ def test_an_agent_declaring_reward_names_fills_one_column_each(tokenizer):
     assert agent.columns == ("correct", "format")
 
 
+def test_an_agents_reward_weights_weigh_its_columns_one_each():
+    async def graded(client, row):
+        return {"correct": 1.0, "format": 0.5}
+
+    assert Agent(graded, reward_names=("correct", "format")).weights == (1.0, 1.0)
+    agent = Agent(graded, reward_names=("correct", "format"), reward_weights=(2.0, 0.5))
+    assert agent.weights == (2.0, 0.5)
+    with pytest.raises(ValueError, match=r"1 reward_weights for 2 reward columns"):
+        Agent(graded, reward_names=("correct", "format"), reward_weights=(2.0,))
+
+
+def test_an_agent_error_the_agent_raises_itself_stops_the_run(tokenizer):
+    async def misconfigured(client, row):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        raise AgentError("this agent's set-up is wrong")
+
+    with pytest.raises(AgentError, match="set-up is wrong"):
+        play(agent_engine(tokenizer, misconfigured, turns=["ok"]), rows=[{}])
+
+
 @pytest.mark.parametrize(
     ("returned", "names", "match"),
     [
