@@ -163,7 +163,7 @@ class _Episodes:
         task = self.task(row)
         async with self.serving():
             episode = await self.env.run_episode(task, context)
-        return self.rewards(episode)
+        return self.rewards(episode, context.client.base_url)
 
     def task(self, row: Mapping[str, Any]) -> Any:
         """The task a row names, rebuilt from its data as verifiers' own env server does.
@@ -181,19 +181,34 @@ class _Episodes:
             ) from None
         return self.task_type(data, self.env.config.taskset.task)
 
-    def rewards(self, episode: Any) -> dict[str, float | None]:
+    def rewards(self, episode: Any, policy_url: str) -> dict[str, float | None]:
         """Each reward column's score in a finished episode (None where it was not scored).
+
+        Args:
+            episode: The `vf.Episode` played.
+            policy_url: The endpoint session it played against (the policy's).
 
         Raises:
             RuntimeError: The episode failed: verifiers' errors, the last first.
-            AgentError: It holds other than one trainable agent run, or a reward not declared
-                up front (a reward returning a dict, or one recorded by `Env.finalize`), or one
-                weighted otherwise than declared.
+            AgentError: It holds other than one trainable agent run, or an untrainable seat
+                that asked the policy (its turns would be trained on), or a reward not
+                declared up front (one returning a dict, or recorded by `Env.finalize`), or
+                one weighted otherwise than declared.
         """
         if not episode.ok:
             errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
             detail = "; ".join(f"{e.type}: {e.message}" for e in reversed(errors))
             raise RuntimeError(f"the verifiers episode failed: {detail or 'no error recorded'}")
+        for trace in episode.traces:
+            seat = trace.agent
+            client = seat.config.client if seat is not None else None
+            asked_policy = client is not None and client.base_url == policy_url
+            if asked_policy and trace.num_turns and not seat.trainable:
+                raise AgentError(
+                    f"vf:{self.env_id}: seat {seat.name!r} is not trainable but asked "
+                    f"the policy, whose every turn is trained on; give it a model and client of "
+                    f"its own in --env-args"
+                )
         trained = [t for t in episode.traces if t.agent is None or t.agent.trainable]
         if len(trained) != 1:
             raise AgentError(

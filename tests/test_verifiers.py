@@ -188,6 +188,28 @@ __all__ = ["CountedEnv", "OneReply", "SumTaskset"]
 """
 )
 
+# The single-turn taskset played by two seats: a solver, and a judge that is not trained.
+JUDGED_ENV = (
+    SUM_ENV.replace('__all__ = ["OneReply", "SumTaskset"]', "")
+    + """
+class JudgedConfig(vf.EnvConfig):
+    solver: vf.AgentConfig = vf.AgentConfig()
+    judge: vf.AgentConfig = vf.AgentConfig()
+
+
+class JudgedEnv(vf.Env[JudgedConfig]):
+    async def setup(self, agents):
+        agents.judge.trainable = False
+
+    async def run(self, task, agents):
+        await agents.solver.run(task)
+        await agents.judge.run(task)
+
+
+__all__ = ["JudgedEnv", "OneReply", "SumTaskset"]
+"""
+)
+
 COUNTER_TOOLS = [tool.schema for tool in class_tools(Counter).values()]
 
 
@@ -199,6 +221,7 @@ def env_dir(tmp_path_factory):
     counter = COUNTER_ENV.format(tools=json.dumps(COUNTER_TOOLS))
     (folder / "counter_vf.py").write_text(textwrap.dedent(LOG + counter))
     (folder / "counted_vf.py").write_text(textwrap.dedent(LOG + COUNTED_ENV))
+    (folder / "judged_vf.py").write_text(textwrap.dedent(LOG + JUDGED_ENV))
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(folder))
         yield folder
@@ -274,6 +297,12 @@ def test_the_tool_environment_records_tool_results_as_mask_0(env_dir, tokenizer)
         ("increment", {"step": 3}, "3"),
         ("increment", {"step": 4}, "7"),
     ]
+
+
+def test_a_seat_that_is_not_trained_must_not_ask_the_policy(env_dir, tokenizer):
+    agent = verifiers_agent("judged_vf")  # both seats run locally, not on verifiers' default
+    with pytest.raises(AgentError, match="seat 'judge' is not trainable but asked the policy"):
+        play(tokenizer, agent, agent.dataset("train").select([0]), ["3"])
 
 
 def test_a_row_not_made_by_the_environment_is_a_setup_error(env_dir, tokenizer):
