@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import sys
 import textwrap
 from pathlib import Path
 
 import anyio
 import pytest
-from conftest import scripted_backend, scripted_episode
+from conftest import TOOL_TURN, scripted_backend, scripted_episode
 from test_agents_cli import assert_replies_were_trained_on
 from test_cli import agentgrpo, user_error  # noqa: F401  (a fixture)
 
@@ -305,6 +306,30 @@ def test_a_seat_that_is_not_trained_must_not_ask_the_policy(env_dir, tokenizer):
         play(tokenizer, agent, agent.dataset("train").select([0]), ["3"])
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("uv") is None, reason="verifiers' own harnesses run under uv")
+def test_verifiers_own_bash_harness_plays_through_the_endpoint(env_dir, tokenizer):
+    """Its chat program (run by uv, which fetches its packages from PyPI once) streams."""
+    agent = verifiers_agent("sum_vf", {"agent": {"harness": {"id": "bash"}}})
+    call = '<tool_call>{"name": "bash", "arguments": {"command": "echo $((0 + 3))"}}</tool_call>'
+    [episode] = play(tokenizer, agent, agent.dataset("train").select([0]), [call, "3"])
+    assert episode.finish is Finish.STOP and episode.agent_rewards["correct"] == 1.0
+    assert [(c.name, c.result) for c in episode.tool_calls] == [("bash", "3\n")]
+    [row] = episode.rows
+    spans = [(mask, tokenizer.decode(ids)) for mask, ids in mask_spans(row)]
+    assert spans == [(1, call + "<|im_end|>"), (0, TOOL_TURN.format("3\n")), (1, "3<|im_end|>")]
+
+
+def mask_spans(row) -> list[tuple[int, list[int]]]:
+    """A row's completion as runs of one loss mask: (mask, token ids)."""
+    spans: list[tuple[int, list[int]]] = []
+    for token, mask in zip(row.completion_ids, row.loss_mask, strict=True):
+        if not spans or spans[-1][0] != mask:
+            spans.append((mask, []))
+        spans[-1][1].append(token)
+    return spans
+
+
 def test_a_row_not_made_by_the_environment_is_a_setup_error(env_dir, tokenizer):
     agent = verifiers_agent("sum_vf")
     with pytest.raises(AgentError, match="'task' column holds a SumData as JSON"):
@@ -380,6 +405,8 @@ def test_run_and_eval_a_tool_environment_with_the_taught_tiny_model(
         cwd=env_dir,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+    again = """agentgrpo eval vf:counter_vf --env-args '{"agent": {"max_turns": 3}}' --model"""
+    assert f"evaluate it: {again} {out / 'model'}" in result.stdout
     [taught] = scripted_episode(tokenizer, COUNTER_SCRIPT).rows
     played = records(out / "episodes")
     assert len(played) == 4

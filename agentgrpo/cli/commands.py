@@ -7,6 +7,7 @@ rows, trainer) happens before anything slow, so user mistakes surface in seconds
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -53,7 +54,8 @@ def run(namespace: argparse.Namespace) -> int:
     from agentgrpo.doctor import startup_checks
     from agentgrpo.reporting.run_log import attach_run_callbacks, summary_table
 
-    source = sources.task_source(namespace.env, _env_args(namespace))
+    env_args = _env_args(namespace)
+    source = sources.task_source(namespace.env, env_args)
     settings = _run_settings(namespace, source)
     config = _grpo_config(settings["config"])
     sources.check_output_dir(config.output_dir)
@@ -91,7 +93,8 @@ def run(namespace: argparse.Namespace) -> int:
     if trainer.is_world_process_zero():
         print(summary_table(Path(config.output_dir) / "metrics.jsonl"))
         print(f"\ntrained in {time.monotonic() - started:.0f} s; final model: {final}")
-        print(f"evaluate it: agentgrpo eval {namespace.env} --model {final}")
+        again = f" --env-args {shlex.quote(json.dumps(env_args))}" if env_args is not None else ""
+        print(f"evaluate it: agentgrpo eval {namespace.env}{again} --model {final}")
     return 0
 
 
