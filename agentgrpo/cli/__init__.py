@@ -9,9 +9,9 @@
 
 ENV is `env:Name` (built-in), `gym:ENV_ID` (a gymnasium id), `rg:TASK` (reasoning-gym),
 `vf:ENV_ID` (a verifiers environment), `agent:file.py:function`, `package.module:Class` or
-`path/to/file.py:Class`. Mistakes a user can make (an unknown
-environment or option, a class that breaks the contract, a missing dataset) print one `error:`
-line and exit with status 2; `AGENTGRPO_DEBUG=1` shows the traceback instead.
+`path/to/file.py:Class`. Mistakes a user can make (an unknown environment or option, a class
+that breaks the contract, a missing dataset) print one `error:` line and exit with status 2;
+`AGENTGRPO_DEBUG=1` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from collections.abc import Callable, Sequence
 from agentgrpo.cli.options import UsageError, add_config_options, check_unknown_options
 
 _USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError)
+"""Errors that mean the user's input is wrong (each of agentgrpo's user-facing errors is one)."""
 ENV_ARGS_HELP = (
     "vf:ENV_ID only: the environment's config as a JSON object, as verifiers' --env.* options "
     """set it: taskset settings under "taskset", the agent's under "agent" """
     """(e.g. '{"agent": {"max_turns": 4}}')"""
 )
-"""Errors that mean the user's input is wrong (each of agentgrpo's user-facing errors is one)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
