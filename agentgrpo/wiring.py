@@ -89,7 +89,8 @@ def build_parts(
         trainer_state=trainer_state,
         agent_columns=agent.columns if agent is not None else (),
     )
-    weights = reward_weights_of(scorer.names, len(scorer.funcs), config.reward_weights)
+    own = [1.0] * len(scorer.env_reward_classes) + list(agent.weights if agent else ())
+    weights = reward_weights_of(scorer.names, len(scorer.funcs), config.reward_weights, own)
     return RunParts(episode_config, engine, scorer, loss_config_of(config), weights)
 
 
@@ -125,12 +126,16 @@ def loss_config_of(config: Any) -> LossConfig:
 
 
 def reward_weights_of(
-    names: Sequence[str], num_funcs: int, weights: Sequence[float] | None
+    names: Sequence[str],
+    num_funcs: int,
+    weights: Sequence[float] | None,
+    own: Sequence[float] = (),
 ) -> list[float]:
-    """One weight per reward column: `names` are the functions' columns, then the environments'.
+    """One weight per reward column (`names`: the functions', then the environments' and agent's).
 
     `weights` may cover every column, or only the `num_funcs` reward functions (TRL's form):
-    then each environment's own reward gets weight 1. None weighs every column 1.
+    then the columns after them get their `own` weights (an agent's `reward_weights`; empty:
+    1.0 each). None weighs each function 1 and the other columns by `own`.
 
     Raises:
         ValueError: There is no reward at all, or `weights` has another length.
@@ -138,16 +143,19 @@ def reward_weights_of(
     Example:
         >>> reward_weights_of(["correct", "Counter"], 1, [0.5])
         [0.5, 1.0]
+        >>> reward_weights_of(["short", "exact", "format"], 1, None, own=[2.0, 0.5])
+        [1.0, 2.0, 0.5]
     """
     if not names:
         raise ValueError(
             "No reward source provided: pass reward_funcs, or an environment with a reward() "
             "(or get_reward()) method"
         )
+    own = [float(w) for w in own] or [1.0] * (len(names) - num_funcs)
     if weights is None:
-        return [1.0] * len(names)
+        return [1.0] * num_funcs + own
     if len(weights) == num_funcs:
-        return [float(w) for w in weights] + [1.0] * (len(names) - num_funcs)
+        return [float(w) for w in weights] + own
     if len(weights) != len(names):
         raise ValueError(
             f"reward_weights has {len(weights)} values but there are {len(names)} rewards "

@@ -14,10 +14,12 @@ to leave the scoring to reward functions (they see the recorded conversation), o
 
 An agent that raises, or runs past its timeout, ends its episode with `Finish.ERROR` and the
 error as `Episode.error`: the run goes on. A request refused because the episode reached a limit
-ends it with `Finish.LENGTH` or `Finish.MAX_TURNS` instead. An agent that returns or raises
-without one request is a mistake in the agent, raised as `AgentError`; an error answering a
-request that is neither the request's fault nor a limit (a chat template that cannot show the
-agent's tools, say) is answered with status 500, and raised once the agent has returned.
+ends it with `Finish.LENGTH` or `Finish.MAX_TURNS` instead. An `AgentError` the agent raises is
+the exception: it found a mistake in its own set-up, and the run stops with it. An agent that
+returns or raises without one request is a mistake in the agent, raised as `AgentError`; an
+error answering a request that is neither the request's fault nor a limit (a chat template that
+cannot show the agent's tools, say) is answered with status 500, and raised once the agent has
+returned.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class Agent:
             `openai.AsyncOpenAI`, plain ones an `openai.OpenAI` and run in a worker thread.
         name: The reward column of a function returning a number (default: its `__name__`).
         reward_names: For a function returning a dict: its keys, one reward column each.
+        reward_weights: One weight per column of `columns`, the episode's reward being their
+            weighted sum (a run's `reward_weights` that covers the columns overrides them);
+            empty: 1.0 each.
         dataset: `dataset(split)` giving the task rows, or None (rows come from elsewhere).
         timeout_s: Seconds one episode may take (None: no limit).
         episode_limits: What an episode needs (`max_completion_length`, `max_turns`), as an
@@ -63,6 +68,7 @@ class Agent:
     function: Callable[..., Any]
     name: str = ""
     reward_names: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] = ()
     dataset: Callable[[str], Any] | None = None
     timeout_s: float | None = 600.0
     episode_limits: Mapping[str, int] = field(default_factory=dict)
@@ -72,11 +78,21 @@ class Agent:
             raise TypeError(f"an agent must be a function, not a {type(self.function).__name__}")
         if not self.name:
             object.__setattr__(self, "name", getattr(self.function, "__name__", "agent"))
+        if self.reward_weights and len(self.reward_weights) != len(self.columns):
+            raise ValueError(
+                f"agent {self.name} has {len(self.reward_weights)} reward_weights for "
+                f"{len(self.columns)} reward columns {list(self.columns)}: give one per column"
+            )
 
     @property
     def columns(self) -> tuple[str, ...]:
         """The reward columns the agent fills, in order."""
         return self.reward_names or (self.name,)
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """One weight per column of `columns` (`reward_weights`, else 1.0 each)."""
+        return self.reward_weights or (1.0,) * len(self.columns)
 
     @property
     def is_async(self) -> bool:
@@ -98,7 +114,8 @@ async def run_agent_episode(
     """Play one episode of `row` with `agent` through its own session of `endpoint`.
 
     Raises:
-        AgentError: The agent made no request, or returned something that is not a reward.
+        AgentError: The agent made no request, returned something that is not a reward, or
+            raised `AgentError` itself.
     """
     session = AgentSession(context, sample_seed=hash((seed, index)))
     base_url = endpoint.open(session)
@@ -150,6 +167,8 @@ async def _call_agent(agent: Agent, base_url: str, row: dict[str, Any]) -> tuple
                 return await run_in_daemon_thread(call, label=f"agent {agent.name}"), None
     except TimeoutError:
         return None, f"TimeoutError: the agent ran past its {agent.timeout_s} s timeout"
+    except AgentError:
+        raise
     except Exception as failure:
         return None, f"{type(failure).__name__}: {failure}"
 

@@ -9,13 +9,14 @@ URL of its own (`http://127.0.0.1:PORT/sessions/ID/v1`), so an ordinary `openai.
   (`rollout.agent_session.AgentSession.complete`), in OpenAI's `chat.completion` form with the
   parsed `tool_calls`. `"logprobs": true` adds each token's sampler logprob;
   `"return_token_ids": true` (pass it in `extra_body`) adds `prompt_token_ids` and each
-  choice's `token_ids`.
+  choice's `token_ids`. `"stream": true` gets the same reply as server-sent events once it is
+  whole (`stream_events`): agent loops that always stream (verifiers' harnesses) work unchanged.
 - `GET .../v1/models`: the one model served.
 
 Sampling is the run's (`EpisodeConfig`), whatever the request asks, so the sampler logprobs are
 those the learner recomputes; `max_tokens` / `max_completion_tokens` still cap a reply. `n`
-other than 1, `stream` and `stop` are refused, as is a request that reaches one of the episode's
-limits (the status and message say which). Unknown fields are ignored.
+other than 1 and `stop` are refused, as is a request that reaches one of the episode's limits
+(the status and message say which). Unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -118,7 +119,14 @@ class ChatEndpoint:
         except Exception as error:  # a bug or a setup mistake: the episode raises it afterwards
             session.failure = session.failure or error
             return _error(500, f"{type(error).__name__}: {error}")
-        return web.json_response(self.completion_json(reply, chat))
+        completion = self.completion_json(reply, chat)
+        if not body.get("stream"):
+            return web.json_response(completion)
+        options = body.get("stream_options")
+        usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        return web.Response(
+            body=b"".join(stream_events(completion, usage)), content_type="text/event-stream"
+        )
 
     def completion_json(self, reply: ChatReply, request: ChatRequest) -> dict[str, Any]:
         """The `chat.completion` object of a reply."""
@@ -161,8 +169,6 @@ def chat_request(body: Any) -> ChatRequest:
     """
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported; ask for the whole reply")
     if body.get("n", 1) != 1:
         raise RequestError(f"n={body['n']} is not supported: one choice per request")
     if body.get("stop"):
@@ -182,6 +188,35 @@ def chat_request(body: Any) -> ChatRequest:
         logprobs=bool(body.get("logprobs")),
         token_ids=bool(body.get("return_token_ids")),
     )
+
+
+def stream_events(completion: dict[str, Any], usage: bool = False) -> list[bytes]:
+    """A `chat.completion` as the server-sent events of a streamed reply, the reply in one chunk.
+
+    The events are a `chat.completion.chunk` holding the whole message as its delta (with the
+    choice's `logprobs` and `token_ids`, and `prompt_token_ids`, where the completion has them),
+    one with the `finish_reason`, one with the `usage` when `usage` is asked for
+    (`stream_options.include_usage`), then `data: [DONE]`.
+    """
+    [choice] = completion["choices"]
+    head = {key: completion[key] for key in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    delta = {key: value for key, value in choice["message"].items() if value is not None}
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(delta["tool_calls"])]
+    first: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": choice["logprobs"]}
+    first["finish_reason"] = None
+    if "token_ids" in choice:
+        first["token_ids"] = choice["token_ids"]
+    chunks = [{**head, "choices": [first]}]
+    if "prompt_token_ids" in completion:
+        chunks[0]["prompt_token_ids"] = completion["prompt_token_ids"]
+    last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+    chunks.append({**head, "choices": [last]})
+    if usage:
+        chunks.append({**head, "choices": [], "usage": completion["usage"]})
+    events = [f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode() for chunk in chunks]
+    return [*events, b"data: [DONE]\n\n"]
 
 
 def _is_tool(tool: Any) -> bool:

@@ -230,7 +230,7 @@ def test_requests_the_endpoint_cannot_honour_get_a_clear_400(tokenizer):
 
     async def picky(client, row):
         ok = [{"role": "user", "content": "x"}]
-        for extra in ({"stream": True}, {"n": 2}, {"stop": ["\n"]}):
+        for extra in ({"n": 2}, {"stop": ["\n"]}):
             try:
                 await client.chat.completions.create(model="m", messages=ok, **extra)
             except openai.BadRequestError as error:
@@ -248,10 +248,50 @@ def test_requests_the_endpoint_cannot_honour_get_a_clear_400(tokenizer):
     [episode] = play(agent_engine(tokenizer, picky, turns=["ok"]), rows=[{}])
     assert episode.finish is Finish.STOP and episode.stats.turns == 1
     assert [e.split(" ")[0] for e in errors] == [
-        "stream=true",
         "n=2",
         "stop",
         "messages[0].content",
+    ]
+
+
+def test_a_streamed_request_gets_the_whole_reply_as_events_and_records_the_same(tokenizer):
+    chunks = []
+
+    async def streaming_counter(client: openai.AsyncOpenAI, row: dict) -> float:
+        value = 0
+        messages = [{"role": "user", "content": f"{row['prompt']}\nThe counter is at 0."}]
+        while True:
+            stream = await client.chat.completions.create(
+                model="any", messages=messages, tools=COUNTER_TOOLS, stream=True,
+                stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+            )  # fmt: skip
+            reply = [chunk async for chunk in stream]
+            chunks.append(reply)
+            calls = reply[0].choices[0].delta.tool_calls or []
+            content = reply[0].choices[0].delta.content or ""
+            messages.append(
+                {"role": "assistant", "content": content, "tool_calls": [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                    for c in calls]} if calls else {"role": "assistant", "content": content}
+            )  # fmt: skip
+            if not calls:
+                return 1.0 if value == row["target"] else 0.0
+            for call in calls:
+                value += json.loads(call.function.arguments)["step"]
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": str(value)})
+
+    [episode] = play(agent_engine(tokenizer, streaming_counter))
+    assert episode.rows == scripted_episode(tokenizer, COUNTER_TURNS).rows
+    assert episode.agent_rewards == {"streaming_counter": 1.0}
+    [row] = episode.rows
+    sampled = [i for i, mask in zip(row.completion_ids, row.loss_mask, strict=True) if mask]
+    first, finish, usage = zip(*[reply for reply in chunks], strict=True)
+    assert [f.choices[0].finish_reason for f in finish] == ["tool_calls", "tool_calls", "stop"]
+    assert [i for f in first for i in f.choices[0].model_extra["token_ids"]] == sampled
+    assert first[0].model_extra["prompt_token_ids"] == row.prompt_ids
+    assert [u.usage.completion_tokens for u in usage] == [
+        len(f.choices[0].model_extra["token_ids"]) for f in first
     ]
 
 
@@ -286,6 +326,26 @@ def test_an_agent_declaring_reward_names_fills_one_column_each(tokenizer):
     [episode] = play(agent_engine(tokenizer, agent, turns=["ok"]), rows=[{}])
     assert episode.agent_rewards == {"correct": 1.0, "format": 0.5}
     assert agent.columns == ("correct", "format")
+
+
+def test_an_agents_reward_weights_weigh_its_columns_one_each():
+    async def graded(client, row):
+        return {"correct": 1.0, "format": 0.5}
+
+    assert Agent(graded, reward_names=("correct", "format")).weights == (1.0, 1.0)
+    agent = Agent(graded, reward_names=("correct", "format"), reward_weights=(2.0, 0.5))
+    assert agent.weights == (2.0, 0.5)
+    with pytest.raises(ValueError, match=r"1 reward_weights for 2 reward columns"):
+        Agent(graded, reward_names=("correct", "format"), reward_weights=(2.0,))
+
+
+def test_an_agent_error_the_agent_raises_itself_stops_the_run(tokenizer):
+    async def misconfigured(client, row):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        raise AgentError("this agent's set-up is wrong")
+
+    with pytest.raises(AgentError, match="set-up is wrong"):
+        play(agent_engine(tokenizer, misconfigured, turns=["ok"]), rows=[{}])
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,10 @@
     agentgrpo vllm-serve --model M ...   start a vLLM server the trainer can push weights to
 
 ENV is `env:Name` (built-in), `gym:ENV_ID` (a gymnasium id), `rg:TASK` (reasoning-gym),
-`package.module:Class` or `path/to/file.py:Class`. Mistakes a user can make (an unknown
-environment or option, a class that breaks the contract, a missing dataset) print one `error:`
-line and exit with status 2; `AGENTGRPO_DEBUG=1` shows the traceback instead.
+`vf:ENV_ID` (a verifiers environment), `agent:file.py:function`, `package.module:Class` or
+`path/to/file.py:Class`. Mistakes a user can make (an unknown environment or option, a class
+that breaks the contract, a missing dataset) print one `error:` line and exit with status 2;
+`AGENTGRPO_DEBUG=1` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from agentgrpo.cli.options import UsageError, add_config_options, check_unknown_
 
 _USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError)
 """Errors that mean the user's input is wrong (each of agentgrpo's user-facing errors is one)."""
+ENV_ARGS_HELP = (
+    "vf:ENV_ID only: the environment's config as a JSON object, as verifiers' --env.* options "
+    """set it: taskset settings under "taskset", the agent's under "agent" """
+    """(e.g. '{"agent": {"max_turns": 4}}')"""
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -147,6 +153,12 @@ def _run_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.
         help="a reward function, added to the environment's reward(); repeatable",
     )
     own.add_argument(
+        "--env-args",
+        default=argparse.SUPPRESS,
+        metavar="JSON",
+        help=ENV_ARGS_HELP,
+    )
+    own.add_argument(
         "--resume",
         action="store_true",
         default=argparse.SUPPRESS,
@@ -180,6 +192,7 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
         help="play only the first N rows (default: all)",
     )
     add("--reward", action="append", default=[], metavar="MODULE:FUNCTION", help="repeatable")
+    add("--env-args", metavar="JSON", help=ENV_ARGS_HELP)
     add(
         "--temperature",
         type=value_parser("temperature", float),
@@ -239,7 +252,8 @@ def _add_env(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "env",
         metavar="ENV",
-        help="env:Name, gym:ENV_ID, rg:TASK, package.module:Class or path/to/file.py:Class",
+        help="env:Name, gym:ENV_ID, rg:TASK, vf:ENV_ID, agent:file.py:function, "
+        "package.module:Class or path/to/file.py:Class",
     )
 
 
@@ -261,6 +275,7 @@ def _runtime_user_errors() -> tuple[type[BaseException], ...]:
         EnvironmentRewardError,
     )
     from rollout import TemplateDriftError
+    from rollout.agents import AgentError
     from tools import StuckCallsError
 
     return (
@@ -274,4 +289,5 @@ def _runtime_user_errors() -> tuple[type[BaseException], ...]:
         StuckCallsError,  # the user's tools ignore their timeout
         TemplateDriftError,
         SetupCheckError,  # a start-up check of the template, parser or stop tokens failed
+        AgentError,  # an agent used wrongly (it never asked the model, or returned no reward)
     )

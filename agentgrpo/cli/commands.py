@@ -7,6 +7,7 @@ rows, trainer) happens before anything slow, so user mistakes surface in seconds
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -30,11 +31,12 @@ from agentgrpo.cli.values import FieldType
 from environments.contract import EPISODE_LIMITS, episode_limits
 
 # Keys a --config file may hold besides GRPOConfig's fields: the command's own options.
-RUN_KEYS = ("model", "dataset", "dataset_split", "dataset_size", "reward", "resume")
+RUN_KEYS = ("model", "dataset", "dataset_split", "dataset_size", "reward", "resume", "env_args")
 _RUN_KEY_TYPES = {key: FieldType.of(str | None) for key in RUN_KEYS} | {
     "dataset_size": FieldType.of(int | None),
     "reward": FieldType.of(str | list[str] | None),
     "resume": FieldType.of(bool | None),
+    "env_args": FieldType.of(dict | str | None),
 }
 INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
 BUILTIN_TEMPLATE = "chatml_tools"  # the default model's own template cannot show tools
@@ -52,7 +54,8 @@ def run(namespace: argparse.Namespace) -> int:
     from agentgrpo.doctor import startup_checks
     from agentgrpo.reporting.run_log import attach_run_callbacks, summary_table
 
-    source = sources.task_source(namespace.env)
+    env_args = _env_args(namespace)
+    source = sources.task_source(namespace.env, env_args)
     settings = _run_settings(namespace, source)
     config = _grpo_config(settings["config"])
     sources.check_output_dir(config.output_dir)
@@ -90,7 +93,8 @@ def run(namespace: argparse.Namespace) -> int:
     if trainer.is_world_process_zero():
         print(summary_table(Path(config.output_dir) / "metrics.jsonl"))
         print(f"\ntrained in {time.monotonic() - started:.0f} s; final model: {final}")
-        print(f"evaluate it: agentgrpo eval {namespace.env} --model {final}")
+        again = f" --env-args {shlex.quote(json.dumps(env_args))}" if env_args is not None else ""
+        print(f"evaluate it: agentgrpo eval {namespace.env}{again} --model {final}")
     return 0
 
 
@@ -98,11 +102,11 @@ def evaluate(namespace: argparse.Namespace) -> int:
     """Play one episode per held-out row without training and print the figures."""
     from agentgrpo.reporting.evaluate import evaluate as play_and_report
 
-    source = sources.task_source(namespace.env)
+    source = sources.task_source(namespace.env, sources.env_args(namespace.env_args))
     rows = sources.rows(source, namespace.dataset, namespace.split, namespace.dataset_size)
     if namespace.num_episodes is not None:
         rows = rows.select(range(min(namespace.num_episodes, len(rows))))
-    engine, scorer = _eval_engine(namespace, source)
+    engine, scorer, weights = _eval_engine(namespace, source)
     print(
         f"evaluating {namespace.model or sources.DEFAULT_MODEL} on {namespace.env} "
         f"({len(rows)} rows, split {namespace.split!r}, temperature {namespace.temperature})",
@@ -111,7 +115,7 @@ def evaluate(namespace: argparse.Namespace) -> int:
     started = time.monotonic()
     report, episodes, rewards = anyio.run(
         lambda: play_and_report(
-            engine, scorer, list(rows), None, namespace.success_threshold, namespace.seed
+            engine, scorer, list(rows), weights, namespace.success_threshold, namespace.seed
         )
     )
     print(report.table())
@@ -131,6 +135,8 @@ ENVIRONMENT_SOURCES = (
     ("", "arguments for gymnasium.make follow the id: gym:FrozenLake-v1,is_slippery=false"),
     ("agent:file.py:function", "an agent function driving an OpenAI client (also"),
     ("", "agent:package.module:function); rows from --dataset"),
+    ("vf:ENV_ID", "an installed verifiers environment (its taskset's id): its tasks, harness"),
+    ("", "and rewards; its env config as --env-args JSON ('agentgrpo[verifiers]')"),
     ("rg:TASK", "a reasoning-gym task, generated rows scored by the task (the tasks follow)"),
 )
 
@@ -156,6 +162,14 @@ def envs(namespace: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- run
+
+
+def _env_args(namespace: argparse.Namespace) -> dict[str, Any] | None:
+    """`--env-args`, else the config file's `env_args` (parsed; None when neither is given)."""
+    value = getattr(namespace, "env_args", None)
+    if value is None and namespace.config:
+        value = read_config_file(namespace.config).get("env_args")
+    return sources.env_args(value)
 
 
 def _played_by(source: Any) -> dict[str, Any]:
@@ -359,8 +373,8 @@ def _episode_line(tokens: int, turns: int | None, settings: dict[str, Any]) -> s
 # ---------------------------------------------------------------------- eval
 
 
-def _eval_engine(namespace: argparse.Namespace, source: Any) -> tuple[Any, Any]:
-    """The engine and scorer `wiring.build_parts` builds for training, from eval's options."""
+def _eval_engine(namespace: argparse.Namespace, source: Any) -> tuple[Any, Any, list[float]]:
+    """The engine, scorer and reward weights `wiring.build_parts` builds, from eval's options."""
     from transformers import AutoTokenizer
 
     from agentgrpo.doctor import startup_checks
@@ -387,7 +401,7 @@ def _eval_engine(namespace: argparse.Namespace, source: Any) -> tuple[Any, Any]:
         agent=played_by.get("agent"),
     )
     startup_checks(parts.engine)
-    return parts.engine, parts.scorer
+    return parts.engine, parts.scorer, parts.reward_weights
 
 
 def eval_config(namespace: argparse.Namespace, source: Any) -> Any:

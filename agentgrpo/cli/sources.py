@@ -7,6 +7,7 @@ environment layer's `EnvironmentSpecError`) with a message that says what to fix
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ _MODEL_FILES = ("config.json", "adapter_config.json")  # a model, or a PEFT adap
 
 
 AGENT_PREFIX = "agent:"
+VERIFIERS_PREFIX = "vf:"
 
 
 def environment_class(spec: str) -> type:
@@ -31,11 +33,58 @@ def environment_class(spec: str) -> type:
     return cls
 
 
-def task_source(spec: str) -> Any:
-    """What `run` and `eval` play: an `Agent` for `agent:...`, else an environment class."""
+def task_source(spec: str, env_args: dict[str, Any] | None = None) -> Any:
+    """What `run` and `eval` play: an `Agent` for `agent:...` and `vf:...`, else a class.
+
+    Raises:
+        UsageError: `env_args` (`--env-args`) for a source other than `vf:`.
+    """
+    if env_args is not None and not spec.startswith(VERIFIERS_PREFIX):
+        raise UsageError(
+            f"--env-args configures a verifiers environment (vf:ENV_ID), not {spec}; leave it "
+            f"out (a gymnasium id takes its arguments as gym:ENV_ID,key=value)"
+        )
     if spec.startswith(AGENT_PREFIX):
         return agent(spec.removeprefix(AGENT_PREFIX))
+    if spec.startswith(VERIFIERS_PREFIX):
+        return verifiers_environment(spec.removeprefix(VERIFIERS_PREFIX), env_args)
     return environment_class(spec)
+
+
+def verifiers_environment(env_id: str, env_args: dict[str, Any] | None) -> Any:
+    """The `Agent` playing installed verifiers environment `env_id` (`rollout.verifiers_env`).
+
+    Raises:
+        UsageError: No id after `vf:`.
+        VerifiersEnvError: verifiers is missing, or the environment cannot be loaded as asked.
+    """
+    from rollout.verifiers_env import verifiers_agent
+
+    if not env_id:
+        raise UsageError("vf: needs the environment's id: vf:ENV_ID (its taskset's id)")
+    return verifiers_agent(env_id, env_args)
+
+
+def env_args(value: Any) -> dict[str, Any] | None:
+    """`--env-args` (JSON text, or a config file's mapping) as a dict; None stays None.
+
+    Raises:
+        UsageError: Text that is not JSON, or JSON that is not an object.
+    """
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise UsageError(
+            f"--env-args takes a JSON object (verifiers' env config), not {value!r}: {error}"
+        ) from None
+    if not isinstance(parsed, dict):
+        raise UsageError(
+            f"--env-args takes a JSON object such as '{{\"taskset\": {{...}}}}', not a "
+            f"{type(parsed).__name__} ({value!r})"
+        )
+    return parsed
 
 
 def agent(spec: str) -> Any:
