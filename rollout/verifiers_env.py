@@ -17,6 +17,8 @@ of its taskset, an installed module exporting a `vf.Taskset` subclass in `__all_
 - rewards: one reward column per reward function (and judge) of the taskset, holding its score,
   weighted by its verifiers weight (`Agent.reward_weights`): the reward GRPO trains on is their
   weighted sum, verifiers' own `trace.reward`, and each function is logged on its own.
+- limits: the agent seat's `max_turns` is the run's (`Agent.episode_limits`), unless the
+  command line says otherwise.
 - a failed episode (verifiers' `episode.ok` is false: the harness, a task hook or the scoring
   raised) ends with `Finish.ERROR` and verifiers' error message; the run goes on.
 
@@ -103,7 +105,23 @@ def verifiers_agent(env_id: str, env_args: Mapping[str, Any] | None = None) -> A
         reward_names=tuple(episodes.weights),
         reward_weights=tuple(episodes.weights.values()),
         dataset=episodes.rows,
+        episode_limits=_episode_limits(config),
     )
+
+
+def _episode_limits(config: Any) -> dict[str, int]:
+    """The agent seat's own turn cap (its `max_turns`) as the run's `max_turns`.
+
+    Only with one agent seat, whose cap is then the trained agent's; verifiers' token caps
+    count differently from `max_completion_length` (outputs only, not tool results) and stay
+    verifiers' own.
+    """
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    seats = list(agent_config_fields(config).values())
+    if len(seats) != 1 or not seats[0].max_turns:
+        return {}
+    return {"max_turns": seats[0].max_turns}
 
 
 class _Episodes:

@@ -182,6 +182,26 @@ def test_settings_merge_command_line_over_file_over_defaults(tmp_path):
     assert default["config"]["warm_start_steps"] > 0  # Counter has demonstrations()
 
 
+def test_long_episodes_turn_gradient_checkpointing_on_unless_told_otherwise():
+    from agentgrpo.cli import build_parser
+    from environments import resolve_environment
+
+    parser, _ = build_parser()
+    frozen_lake = resolve_environment("gym:FrozenLake-v1")  # 1,420 tokens an episode
+    settings = [
+        _run_settings(parser.parse_args(argv), source)["config"]["gradient_checkpointing"]
+        for argv, source in [
+            (["run", "env:Counter"], Counter),  # 8 x 64 tokens
+            (["run", "x", "--max-completion-length", "513"], Counter),  # 8 x 513 > 4096
+            (["run", "x", "--max-completion-length", "512"], Counter),
+            (["run", "gym:FrozenLake-v1"], frozen_lake),
+            (["run", "x", "--gradient-checkpointing", "false"], frozen_lake),
+            (["run", "x", "--gradient-checkpointing", "true"], Counter),
+        ]
+    ]
+    assert settings == [False, True, False, True, False, True]
+
+
 # ---------------------------------------------------------------------- end to end
 
 

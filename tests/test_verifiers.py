@@ -256,6 +256,12 @@ def test_the_taskset_gives_the_rows_and_the_rubric_the_weighted_columns(env_dir)
     assert json.loads(held_out[0]["task"])["answer"] == "12"
 
 
+def test_the_agent_seats_turn_cap_is_the_runs(env_dir):
+    assert verifiers_agent("sum_vf").episode_limits == {}
+    capped = verifiers_agent("sum_vf", {"agent": {"max_turns": 5}})
+    assert capped.episode_limits == {"max_turns": 5}
+
+
 def test_an_episode_is_scored_by_the_rubric_one_column_per_function(env_dir, tokenizer):
     agent = verifiers_agent("sum_vf")
     right, wrong = play(tokenizer, agent, agent.dataset("train").select([0, 1]), ["3"])

@@ -19,6 +19,7 @@ import anyio
 from agentgrpo import checkpoints
 from agentgrpo.cli import sources
 from agentgrpo.cli.options import (
+    CHECKPOINT_ABOVE_TOKENS,
     RUN_DEFAULTS,
     UsageError,
     check_keys,
@@ -202,6 +203,8 @@ def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:
     user = {k: v for k, v in from_file.items() if k in config_fields()}
     user.update(config_overrides(namespace))
     config.update(user)
+    if "gradient_checkpointing" not in user:
+        config["gradient_checkpointing"] = _long_steps(config)
     if "output_dir" not in config:
         config["output_dir"] = _default_output_dir(source, config, bool(own["resume"]))
     # The trackers' names for the run (transformers' defaults: project "huggingface", a random
@@ -209,6 +212,12 @@ def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:
     config.setdefault("project", sources.source_name(source))
     config.setdefault("run_name", config["output_dir"])
     return {**own, "config": config, "from_environment": sorted(set(limits) - set(user))}
+
+
+def _long_steps(config: dict[str, Any]) -> bool:
+    """Whether a step's completions may pass `CHECKPOINT_ABOVE_TOKENS` (checkpointing pays)."""
+    tokens = config["per_device_train_batch_size"] * config["max_completion_length"]
+    return tokens > CHECKPOINT_ABOVE_TOKENS
 
 
 def _default_output_dir(source: Any, config: dict[str, Any], resume: bool) -> str:
@@ -354,6 +363,8 @@ def _print_start(
         "warm start": f"{args.warm_start_steps} steps" if args.warm_start_steps else "none",
         "output": args.output_dir,
     }
+    if args.gradient_checkpointing:
+        lines["memory"] = "gradient checkpointing (activations recomputed in the backward pass)"
     if checkpoint:
         lines["warm start"] = "skipped (resuming)"
         lines["resume from"] = checkpoint

@@ -50,10 +50,18 @@ RUN_DEFAULTS: dict[str, Any] = {
     "report_to": "none",
     "seed": 0,
 }
+# Above this many completion tokens a step (batch size x max_completion_length), `agentgrpo run`
+# turns gradient checkpointing on unless told otherwise: the activations the backward pass keeps
+# take about 1.4 MB a token for SmolLM2-135M, so gym:FrozenLake-v1's 8 x 1,420 tokens needed
+# more than the 24 GiB of this machine without it (killed for memory), and about 6 GiB with it.
+CHECKPOINT_ABOVE_TOKENS = 4096
 # Defaults `agentgrpo run` works out for each run (commands._run_settings), as `--help` says them.
 RUN_DEFAULTS_PER_RUN: dict[str, str] = {
     "project": "the environment's class name",
     "run_name": "the output folder",
+    "gradient_checkpointing": (
+        f"on where batch size x max_completion_length > {CHECKPOINT_ABOVE_TOKENS}"
+    ),
 }
 
 
