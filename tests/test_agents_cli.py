@@ -216,3 +216,8 @@ def test_an_agent_module_with_bad_episode_limits(user_error, tmp_path):  # noqa:
     )
     message = user_error("run", "agent:a.py:solve", "--dataset", "x.jsonl")
     assert "episode_limits['max_turns'] must be a whole number >= 1, not 0" in message
+
+
+def test_doctor_sends_an_agent_to_eval(user_error):  # noqa: F811
+    message = user_error("doctor", "agent:examples/calculator_agent.py:solve")
+    assert "is an agent" in message and "agentgrpo eval agent:" in message

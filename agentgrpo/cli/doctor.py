@@ -55,6 +55,12 @@ def doctor(namespace: argparse.Namespace) -> int:
 
     if namespace.generate and not namespace.env:
         raise UsageError("--generate plays episodes of ENV; name one, e.g. env:Counter")
+    if namespace.env and namespace.env.startswith((sources.AGENT_PREFIX, sources.VERIFIERS_PREFIX)):
+        raise UsageError(
+            f"doctor checks environment classes, and {namespace.env} is an agent (its tools come "
+            f"with its requests): check the model alone with `agentgrpo doctor`, then play a "
+            f"few episodes with `agentgrpo eval {namespace.env} --num-episodes 2`"
+        )
     env_class = resolve_environment(namespace.env) if namespace.env else None
     path = sources.model_path(namespace.model)
     tokenizer = load_tokenizer(None, AutoTokenizer.from_pretrained(path))
