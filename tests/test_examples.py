@@ -111,7 +111,8 @@ def test_the_plain_tools_reward_reads_the_number_in_the_final_assistant_message(
 def test_the_examples_readme_gives_the_command_of_every_example():
     readme = (EXAMPLES / "README.md").read_text()
     for script in sorted(EXAMPLES.glob("*.py")):
-        assert f"python examples/{script.name}" in readme, script.name
+        commands = (f"python examples/{script.name}", f"agent:examples/{script.name}:")
+        assert any(command in readme for command in commands), script.name
     assert "accelerate launch --config_file examples/accelerate/ddp.yaml" in readme
 
 
