@@ -654,7 +654,8 @@ class GRPOTrainer(AtomicCheckpoints):
             weights_F=shaping.weights_F or [1.0] * len(names),
             num_generations=plan.num_generations,
             batch_scaled=shaping.scale == "batch" or shaping.aggregation == "normalize_then_sum",
-            with_tools=self.engine.context.has_tools,
+            # an agent offers tools with its requests: its calls, turns and forks count too
+            with_tools=self.engine.context.has_tools or self.engine.agent is not None,
         )
 
     @property

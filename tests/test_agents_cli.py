@@ -156,6 +156,8 @@ def test_a_short_run_trains_on_exactly_what_the_endpoint_sampled(
     assert "environment  agent:my_agent.py:solve (8 rows)" in result.stdout
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "rewards/solve/mean" in s] == [1, 2]
+    trained = [s for s in steps if "reward" in s]
+    assert all("tools/call_frequency" in s and "turns/fork_frequency" in s for s in trained)
     assert assert_replies_were_trained_on(replies, out / "episodes") >= 8
 
     replies.unlink()
@@ -208,6 +210,16 @@ def test_an_agent_module_states_its_rows_and_episode_limits(monkeypatch):
     train, held_out = sources.rows(agent, None, "train"), sources.rows(agent, None, "eval")
     assert (len(train), len(held_out)) == (64, 32)
     assert not {r["question"] for r in held_out} <= {r["question"] for r in train}
+
+    from agentgrpo.cli import build_parser
+    from agentgrpo.cli.commands import _episode_line, _run_settings
+
+    parser, _ = build_parser()
+    settings = _run_settings(parser.parse_args(["run", "agent:x", "--max-turns", "2"]), agent)
+    assert settings["config"]["max_completion_length"] == 192
+    assert _episode_line(192, 2, settings) == (
+        "up to 192 tokens, 2 turns (the agent's max_completion_length)"
+    )
 
 
 def test_an_agent_module_with_bad_episode_limits(user_error, tmp_path):  # noqa: F811

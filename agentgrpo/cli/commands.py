@@ -211,7 +211,12 @@ def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:
     # run name): a run resumed in its output folder then continues its own trackio run.
     config.setdefault("project", sources.source_name(source))
     config.setdefault("run_name", config["output_dir"])
-    return {**own, "config": config, "from_environment": sorted(set(limits) - set(user))}
+    return {
+        **own,
+        "config": config,
+        "from_environment": sorted(set(limits) - set(user)),
+        "limits_of": "environment" if isinstance(source, type) else "agent",
+    }
 
 
 def _long_steps(config: dict[str, Any]) -> bool:
@@ -375,10 +380,11 @@ def _print_start(
 
 
 def _episode_line(tokens: int, turns: int | None, settings: dict[str, Any]) -> str:
-    """`tokens` and `turns` per episode, and which of them the environment's limits chose."""
+    """`tokens` and `turns` per episode, and which of them the source's own limits chose."""
     line = f"up to {tokens} tokens, {turns if turns is not None else 'any number of'} turns"
     chosen = settings.get("from_environment")
-    return f"{line} (the environment's {', '.join(chosen)})" if chosen else line
+    whose = settings.get("limits_of", "environment")
+    return f"{line} (the {whose}'s {', '.join(chosen)})" if chosen else line
 
 
 # ---------------------------------------------------------------------- eval
