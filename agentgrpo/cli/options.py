@@ -52,8 +52,9 @@ RUN_DEFAULTS: dict[str, Any] = {
 }
 # Above this many completion tokens a step (batch size x max_completion_length), `agentgrpo run`
 # turns gradient checkpointing on unless told otherwise: the activations the backward pass keeps
-# take about 1.4 MB a token for SmolLM2-135M, so gym:FrozenLake-v1's 8 x 1,420 tokens needed
-# more than the 24 GiB of this machine without it (killed for memory), and about 6 GiB with it.
+# grow with every token, and gym:FrozenLake-v1's 8 x 1,420 tokens on SmolLM2-135M were killed
+# for memory at 23 GB RSS without it; with it the step peaked at 16 GB (the rest is mostly the
+# full-vocabulary logits of every row).
 CHECKPOINT_ABOVE_TOKENS = 4096
 # Defaults `agentgrpo run` works out for each run (commands._run_settings), as `--help` says them.
 RUN_DEFAULTS_PER_RUN: dict[str, str] = {
