@@ -615,6 +615,14 @@ class GRPOConfig(TrainingArguments):
     warm_start_learning_rate: float = field(
         default=5e-5, metadata={"help": "AdamW learning rate of the warm start."}
     )
+    save_warm_start: bool = field(
+        default=False,
+        metadata={
+            "help": "Save the warm-started model (and its tokenizer) to <output_dir>/warm_start "
+            "before GRPO starts, so the warm start alone can be evaluated beside the trained "
+            "model. Needs warm_start_steps > 0."
+        },
+    )
 
     def __post_init__(self) -> None:
         # bf16 must be a bool before TrainingArguments sees it: it rejects bf16 without a GPU.
@@ -726,6 +734,11 @@ class GRPOConfig(TrainingArguments):
             self.warm_start_steps >= 0 and self.warm_start_learning_rate > 0,
             f"warm_start_steps={self.warm_start_steps} must be >= 0 and "
             f"warm_start_learning_rate={self.warm_start_learning_rate} positive.",
+        )
+        _require(
+            self.warm_start_steps > 0 or not self.save_warm_start,
+            "save_warm_start=True saves the warm-started model, but warm_start_steps=0 runs no "
+            "warm start; set warm_start_steps > 0 or save_warm_start=False.",
         )
         if self.tool_call_parser is not None:
             get_parser(self.tool_call_parser)

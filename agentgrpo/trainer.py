@@ -82,6 +82,8 @@ from agentgrpo.wiring import build_parts
 from rollout import Episode, EpisodeRecord
 from rollout.agents import Agent
 
+# Where `save_warm_start` puts the warm-started model, in the output folder.
+WARM_START_DIR = "warm_start"
 # Where a checkpoint keeps the adaptive entropy controller (the name TRL 1.16 uses).
 ENTROPY_STATE_FILE = "entropy_ctrl_state.json"
 
@@ -269,12 +271,14 @@ class GRPOTrainer(AtomicCheckpoints):
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after the warm start when `warm_start_steps` > 0.
 
-        `resume_from_checkpoint` is a checkpoint folder, or True for the latest intact one in
-        `output_dir` (incomplete ones are skipped with a warning); anything else that is not a
-        checkpoint is a ValueError before training starts. A resumed run skips the warm start:
-        its checkpoint already holds warm-started weights. Temporary folders that a killed
-        checkpoint save left are removed first. A Ctrl-C stops training at once (the
-        KeyboardInterrupt propagates); the checkpoints already saved stay intact.
+        With `save_warm_start`, the warm-started model is saved to `output_dir/warm_start`
+        before GRPO's first step. `resume_from_checkpoint` is a checkpoint folder, or True for
+        the latest intact one in `output_dir` (incomplete ones are skipped with a warning);
+        anything else that is not a checkpoint is a ValueError before training starts. A
+        resumed run skips the warm start: its checkpoint already holds warm-started weights.
+        Temporary folders that a killed checkpoint save left are removed first. A Ctrl-C stops
+        training at once (the KeyboardInterrupt propagates); the checkpoints already saved stay
+        intact.
         """
         output_dir = str(self.args.output_dir)  # TrainingArguments always sets one
         checkpoint = checkpoints.resume_point(resume_from_checkpoint, output_dir)
@@ -282,6 +286,8 @@ class GRPOTrainer(AtomicCheckpoints):
             checkpoints.remove_temporary(output_dir)
         if self.args.warm_start_steps and checkpoint is None:
             self._warm_start()
+            if self.args.save_warm_start:
+                self.save_model(os.path.join(output_dir, WARM_START_DIR))
         return super().train(checkpoint, *args, **kwargs)
 
     # ------------------------------------------------------------------ warm start

@@ -107,6 +107,7 @@ AGENTGRPO_DEFAULTS = [
     ("log_episodes", True),
     ("warm_start_steps", 0),
     ("warm_start_learning_rate", 5e-5),
+    ("save_warm_start", False),
 ]
 
 DECLARED = {f.name: f for f in dataclasses.fields(GRPOConfig)}
@@ -301,6 +302,7 @@ def test_every_trl_loss_type_is_accepted(make):
         (dict(max_turns=0), "max_turns=0 must be at least 1"),
         (dict(tool_timeout_s=0.0), "tool_timeout_s=0.0 must be positive"),
         (dict(max_concurrent_episodes=0), "max_concurrent_episodes=0 must be at least 1"),
+        (dict(save_warm_start=True), "warm_start_steps=0 runs no warm start"),
         (dict(sync_ref_model=True), "set beta > 0 or sync_ref_model=False"),
         (dict(log_completions_hub_repo="me/completions"), "set log_completions=True"),
         (dict(auto_find_batch_size=True), "auto_find_batch_size=True is not supported"),

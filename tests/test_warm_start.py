@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_model import tiny_llama
+from transformers import AutoModelForCausalLM
 
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.warm_start import environment_demonstrations, warm_start
@@ -91,6 +92,7 @@ def test_trainer_warm_starts_before_grpo_and_not_on_resume(tokenizer, tmp_path, 
         chat_template="chatml_tools",
         warm_start_steps=3,
         warm_start_learning_rate=1e-3,
+        save_warm_start=True,
         learning_rate=0.0,  # GRPO changes nothing: every change below is the warm start's
         save_strategy="no",
         report_to="none",
@@ -100,6 +102,10 @@ def test_trainer_warm_starts_before_grpo_and_not_on_resume(tokenizer, tmp_path, 
     trainer.train()
     assert "warm start 3/3" in capsys.readouterr().out
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "warm_start")  # as GRPO began
+    pairs = zip(saved.parameters(), model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert (tmp_path / "warm_start" / "tokenizer_config.json").exists()
 
     trainer._warm_start = lambda: pytest.fail("a resumed run must not warm-start again")
     with pytest.raises(Exception, match="checkpoint"):  # nothing saved: resume fails, later
