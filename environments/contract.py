@@ -34,6 +34,7 @@ RESERVED_NAMES: frozenset[str] = frozenset(
         "demonstrations",
         "done",
         "episode_limits",
+        "run_defaults",
     }
 )
 """Names with a meaning in the contract; never exposed to the model as tools."""
@@ -68,6 +69,10 @@ class Environment(Protocol):
       episode, tool turns included) and/or ``max_turns`` (model turns): what an episode needs
       to reach its reward. ``agentgrpo run`` and ``agentgrpo eval`` use them unless the command
       line or the config file sets those options (see `episode_limits`).
+    - ``run_defaults``: a class attribute, a dict of training options (`RUN_DEFAULT_KEYS`)
+      with which this environment's default run learns, e.g. a longer warm start; ``agentgrpo
+      run`` uses them unless the command line or the config file sets them (see
+      `run_defaults`).
 
     Example:
         >>> from environments import Counter
@@ -176,6 +181,7 @@ def check_environment(cls: type) -> None:
             "always true; make it an attribute (set self.done = True) or a @property"
         )
     episode_limits(cls)
+    run_defaults(cls)
     class_tools(cls)
 
 
@@ -217,6 +223,56 @@ def episode_limits(cls: Any) -> dict[str, int]:
                 f"{name}.episode_limits[{key!r}] must be a whole number >= 1, not {value!r}"
             )
     return dict(limits)
+
+
+RUN_DEFAULT_KEYS = {
+    "max_steps": int,
+    "learning_rate": float,
+    "warm_start_steps": int,
+    "num_generations": int,
+    "per_device_train_batch_size": int,
+}
+"""The keys an environment's ``run_defaults`` may have, and the type of each value."""
+_KIND_WORDS = {int: "whole number", float: "number"}
+
+
+def run_defaults(cls: Any) -> dict[str, float]:
+    """The class's ``run_defaults`` (an empty dict without one), checked.
+
+    They are the training options this environment's default run learns with where the
+    command line's defaults do not (``warm_start_steps`` applies only when the run warm-starts,
+    that is on the embedded default model).
+
+    Raises:
+        EnvironmentSpecError: It is not a dict, has a key other than `RUN_DEFAULT_KEYS`, or a
+            value that is not a positive number of the key's type.
+
+    Example:
+        >>> from environments import Chain, Counter
+        >>> sorted(run_defaults(Chain)), run_defaults(Counter)
+        (['learning_rate', 'warm_start_steps'], {})
+
+    """
+    defaults = inspect.getattr_static(cls, "run_defaults", {})
+    name = getattr(cls, "__qualname__", cls.__name__)
+    if not isinstance(defaults, dict):
+        raise EnvironmentSpecError(
+            f"{name}.run_defaults must be a dict such as {{'warm_start_steps': 64}}, not "
+            f"{type(defaults).__name__}"
+        )
+    unknown = sorted(set(defaults) - set(RUN_DEFAULT_KEYS))
+    if unknown:
+        raise EnvironmentSpecError(
+            f"{name}.run_defaults has {unknown}; its keys are {list(RUN_DEFAULT_KEYS)}"
+        )
+    for key, value in defaults.items():
+        kind = RUN_DEFAULT_KEYS[key]
+        fits = isinstance(value, int if kind is int else (int, float))
+        if isinstance(value, bool) or not fits or not value > 0:
+            raise EnvironmentSpecError(
+                f"{name}.run_defaults[{key!r}] must be a {_KIND_WORDS[kind]} > 0, not {value!r}"
+            )
+    return dict(defaults)
 
 
 def _check_reset(cls: type) -> None:

@@ -180,6 +180,8 @@ def test_settings_merge_command_line_over_file_over_defaults(tmp_path):
     default = _run_settings(parser.parse_args(["run", "env:Counter"]), Counter)
     assert default["config"]["chat_template"] == "chatml_tools"
     assert default["config"]["warm_start_steps"] > 0  # Counter has demonstrations()
+    assert default["config"]["save_warm_start"] is True  # to evaluate it beside the result
+    assert config_fields["save_warm_start"] is False  # no warm start, nothing to save
 
 
 def test_long_episodes_turn_gradient_checkpointing_on_unless_told_otherwise():
@@ -223,6 +225,11 @@ def test_run_then_eval_on_the_tiny_model(tiny_model_dir, tmp_path):
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (out / "episodes").iterdir())
     assert (out / "checkpoint-2").is_dir() and (out / "model" / "config.json").is_file()
+    assert f"warm start   2 steps, saved to {out / 'warm_start'}" in result.stdout
+    assert (out / "warm_start" / "config.json").is_file()
+    assert f"the warm start alone: agentgrpo eval env:Counter --model {out / 'warm_start'}" in (
+        result.stdout
+    )
     saved_template = json.loads((out / "model" / "tokenizer_config.json").read_text())
     assert (
         "tool_call" in str(saved_template.get("chat_template", ""))
@@ -239,6 +246,7 @@ def test_run_then_eval_on_the_tiny_model(tiny_model_dir, tmp_path):
     assert figures["episodes"] == "4"
     for name in ("success_rate", "mean_reward", "tool_call_rate", "tool_error_rate", "mean_turns"):
         assert 0.0 <= float(figures[name]) <= 2.0
+    assert float(figures["tool_calls"]) >= float(figures["tool_call_rate"])  # >= 1 where any
     assert episodes_file.read_text().count("reward") >= 4
 
 

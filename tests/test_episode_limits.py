@@ -13,7 +13,7 @@ from agentgrpo.cli import build_parser
 from agentgrpo.cli.commands import _run_settings, eval_config
 from agentgrpo.cli.options import RUN_DEFAULTS
 from environments import BUILTIN_ENVIRONMENTS, Arithmetic, Chain, Counter, GuessNumber
-from environments.contract import check_environment, episode_limits
+from environments.contract import check_environment, episode_limits, run_defaults
 from environments.errors import EnvironmentSpecError
 from rollout import EpisodeConfig, RolloutEngine
 from rollout.scripted import ScriptedBackend
@@ -115,6 +115,45 @@ def test_wrong_episode_limits_are_refused_naming_the_fix(limits, message):
         check_environment(Game)
 
 
+@pytest.mark.parametrize(
+    ("defaults", "message"),
+    [
+        ((96,), r"run_defaults must be a dict such as"),
+        ({"epochs": 3}, r"has \['epochs'\]; its keys are \['max_steps'"),
+        ({"warm_start_steps": 0}, r"\['warm_start_steps'\] must be a whole number > 0, not 0"),
+        ({"warm_start_steps": 9.5}, r"must be a whole number > 0, not 9.5"),
+        ({"learning_rate": -1e-5}, r"\['learning_rate'\] must be a number > 0, not -1e-05"),
+        ({"learning_rate": "3e-5"}, r"must be a number > 0, not '3e-5'"),
+        ({"max_steps": True}, r"must be a whole number > 0, not True"),
+    ],
+)
+def test_wrong_run_defaults_are_refused_naming_the_fix(defaults, message):
+    class Game:
+        run_defaults = defaults
+
+        def reset(self) -> None:
+            pass
+
+    with pytest.raises(EnvironmentSpecError, match=message):
+        check_environment(Game)
+
+
+def test_a_run_uses_the_environments_run_defaults_unless_told_otherwise(tmp_path):
+    parser, _ = build_parser()
+    chain = _run_settings(parser.parse_args(["run", "env:Chain"]), Chain)["config"]
+    assert chain["warm_start_steps"] == run_defaults(Chain)["warm_start_steps"]
+    assert chain["learning_rate"] == run_defaults(Chain)["learning_rate"]
+    argv = ["run", "env:Chain", "--learning-rate", "1e-6", "--warm-start-steps", "4"]
+    told = _run_settings(parser.parse_args(argv), Chain)
+    assert told["config"]["learning_rate"] == 1e-6 and told["config"]["warm_start_steps"] == 4
+    assert told["recipe"] == {}
+    own_model = _run_settings(parser.parse_args(["run", "env:Chain", "--model", "m"]), Chain)
+    assert "warm_start_steps" not in own_model["config"]  # no warm start for a model of one's own
+    assert own_model["recipe"] == {"learning_rate": run_defaults(Chain)["learning_rate"]}
+    counter = _run_settings(parser.parse_args(["run", "env:Counter"]), Counter)
+    assert counter["recipe"] == {} and counter["config"]["learning_rate"] == 1e-5
+
+
 def test_run_and_eval_use_the_environments_limits_unless_told_otherwise(tmp_path):
     parser, _ = build_parser()
     run = _run_settings(parser.parse_args(["run", "env:Arithmetic"]), Arithmetic)
@@ -151,3 +190,17 @@ def test_the_start_up_summary_shows_the_limits_and_where_they_came_from(tiny_mod
     assert line in result.stdout
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("reward" in entry for entry in logged)
+
+
+def test_the_start_up_summary_names_the_environments_run_defaults(tiny_model_dir, tmp_path):
+    from test_cli import agentgrpo
+
+    result = agentgrpo(
+        "run", "env:Chain", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "o"),
+        "--max-steps", "1", "--per-device-train-batch-size", "2", "--num-generations", "2",
+        "--max-turns", "1", "--max-completion-length", "16", "--chat-template", "chatml_tools",
+        "--save-strategy", "no",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "lr 3e-05" in result.stdout  # no warm start for a model of one's own: only the lr
+    assert "defaults     learning_rate 3e-05 (the environment's run_defaults)" in result.stdout

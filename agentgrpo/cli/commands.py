@@ -29,7 +29,7 @@ from agentgrpo.cli.options import (
     read_config_file,
 )
 from agentgrpo.cli.values import FieldType
-from environments.contract import EPISODE_LIMITS, episode_limits
+from environments.contract import EPISODE_LIMITS, episode_limits, run_defaults
 
 # Keys a --config file may hold besides GRPOConfig's fields: the command's own options.
 RUN_KEYS = ("model", "dataset", "dataset_split", "dataset_size", "reward", "resume", "env_args")
@@ -94,9 +94,19 @@ def run(namespace: argparse.Namespace) -> int:
     if trainer.is_world_process_zero():
         print(summary_table(Path(config.output_dir) / "metrics.jsonl"))
         print(f"\ntrained in {time.monotonic() - started:.0f} s; final model: {final}")
-        again = f" --env-args {shlex.quote(json.dumps(env_args))}" if env_args is not None else ""
-        print(f"evaluate it: agentgrpo eval {namespace.env}{again} --model {final}")
+        _print_eval_commands(namespace.env, env_args, config, warm_started=checkpoint is None)
     return 0
+
+
+def _print_eval_commands(env: str, env_args: Any, config: Any, warm_started: bool) -> None:
+    """The `agentgrpo eval` lines for the final model and, when saved, the warm start alone."""
+    from agentgrpo.trainer import WARM_START_DIR
+
+    again = f" --env-args {shlex.quote(json.dumps(env_args))}" if env_args is not None else ""
+    print(f"evaluate it: agentgrpo eval {env}{again} --model {Path(config.output_dir) / 'model'}")
+    if config.save_warm_start and warm_started:
+        warm = Path(config.output_dir) / WARM_START_DIR
+        print(f"and the warm start alone: agentgrpo eval {env}{again} --model {warm}")
 
 
 def evaluate(namespace: argparse.Namespace) -> int:
@@ -198,13 +208,15 @@ def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:
         config["chat_template"] = BUILTIN_TEMPLATE
         if hasattr(source, "demonstrations"):
             config["warm_start_steps"] = DEFAULT_WARM_START_STEPS
-    limits = _episode_limits(source)
-    config.update(limits)
+    limits, recipe = _episode_limits(source), _recipe(source, "warm_start_steps" in config)
+    config.update(limits | recipe)
     user = {k: v for k, v in from_file.items() if k in config_fields()}
     user.update(config_overrides(namespace))
     config.update(user)
     if "gradient_checkpointing" not in user:
         config["gradient_checkpointing"] = _long_steps(config)
+    if "save_warm_start" not in user:  # the warm start alone, to evaluate beside the result
+        config["save_warm_start"] = config.get("warm_start_steps", 0) > 0
     if "output_dir" not in config:
         config["output_dir"] = _default_output_dir(source, config, bool(own["resume"]))
     # The trackers' names for the run (transformers' defaults: project "huggingface", a random
@@ -215,8 +227,17 @@ def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:
         **own,
         "config": config,
         "from_environment": sorted(set(limits) - set(user)),
+        "recipe": {key: config[key] for key in recipe if key not in user},
         "limits_of": "environment" if isinstance(source, type) else "agent",
     }
+
+
+def _recipe(source: Any, warm_starts: bool) -> dict[str, float]:
+    """The environment's `run_defaults`; its `warm_start_steps` only for a run that warm-starts."""
+    recipe = run_defaults(source) if isinstance(source, type) else {}
+    if not warm_starts:
+        recipe.pop("warm_start_steps", None)
+    return recipe
 
 
 def _long_steps(config: dict[str, Any]) -> bool:
@@ -365,9 +386,12 @@ def _print_start(
         "steps": f"{args.max_steps} x {args.per_device_train_batch_size} episodes "
         f"({args.num_generations} per prompt), lr {args.learning_rate:g}",
         "episodes": _episode_line(args.max_completion_length, args.max_turns, settings),
-        "warm start": f"{args.warm_start_steps} steps" if args.warm_start_steps else "none",
+        "warm start": _warm_start_line(args),
         "output": args.output_dir,
     }
+    if settings.get("recipe"):
+        chosen = ", ".join(f"{key} {value:g}" for key, value in settings["recipe"].items())
+        lines["defaults"] = f"{chosen} (the environment's run_defaults)"
     if args.gradient_checkpointing:
         lines["memory"] = "gradient checkpointing (activations recomputed in the backward pass)"
     if checkpoint:
@@ -377,6 +401,18 @@ def _print_start(
     for name, value in lines.items():
         print(f"  {name:<12} {value}")
     print(flush=True)
+
+
+def _warm_start_line(args: Any) -> str:
+    """How many warm-start steps, and where the warm-started model is saved."""
+    from agentgrpo.trainer import WARM_START_DIR
+
+    if not args.warm_start_steps:
+        return "none"
+    saved = Path(args.output_dir) / WARM_START_DIR
+    return f"{args.warm_start_steps} steps" + (
+        f", saved to {saved}" if args.save_warm_start else ""
+    )
 
 
 def _episode_line(tokens: int, turns: int | None, settings: dict[str, Any]) -> str:

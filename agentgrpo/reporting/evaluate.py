@@ -28,6 +28,7 @@ class EvalReport:
         success_rate: Share of episodes whose reward reached the success threshold.
         mean_reward: Mean total reward per episode.
         tool_call_rate: Share of episodes with at least one tool call.
+        tool_calls: Mean number of tool calls per episode, failed ones included.
         tool_error_rate: Failed tool calls (bad JSON, unknown tool, wrong arguments, raised,
             timed out) over all tool calls; 0 when there were none.
         mean_turns: Mean number of model turns per episode.
@@ -39,6 +40,7 @@ class EvalReport:
     success_rate: float
     mean_reward: float
     tool_call_rate: float
+    tool_calls: float
     tool_error_rate: float
     mean_turns: float
     finished_rate: float
@@ -63,8 +65,8 @@ def report(
         ...     rows = (EpisodeRow([1], [2], [1], [0.0]),)
         ...     return Episode(rows, [], Finish.STOP, stats, {}, 0, 0)
         >>> r = report([episode(1, 0), episode(2, 1), episode(0, 0)], [1.0, 0.5, 0.0])
-        >>> r.success_rate, r.tool_call_rate, r.tool_error_rate, r.mean_turns
-        (0.3333333333333333, 0.6666666666666666, 0.3333333333333333, 2.0)
+        >>> r.success_rate, r.tool_call_rate, r.tool_calls, r.tool_error_rate, r.mean_turns
+        (0.3333333333333333, 0.6666666666666666, 1.0, 0.3333333333333333, 2.0)
 
     """
     if not episodes or len(episodes) != len(rewards_N):
@@ -77,6 +79,7 @@ def report(
         success_rate=sum(r >= success_threshold for r in rewards_N) / n,
         mean_reward=sum(rewards_N) / n,
         tool_call_rate=sum(e.stats.tool_calls > 0 for e in episodes) / n,
+        tool_calls=calls / n,
         tool_error_rate=failures / calls if calls else 0.0,
         mean_turns=sum(e.stats.turns for e in episodes) / n,
         finished_rate=sum(not e.finish.truncated for e in episodes) / n,
