@@ -11,11 +11,20 @@ from environments.submission import NumberAnswer
 if TYPE_CHECKING:
     import datasets
 
-_PHRASINGS = {  # eval phrasings are held out: a policy must not just memorise the train wording
+# Eval phrasings are held out: a policy must not just memorise the train wording. Eight train
+# phrasings, not three: with three, the warm-started model solved almost every train row, GRPO's
+# groups mostly scored alike and held-out success rose less (48% to 62% in 8 steps); with eight it
+# meets wordings it still fumbles, and 4 GRPO steps took held-out success to 88% (seed 0).
+_PHRASINGS = {
     "train": (
         "Start with {start}. Then {steps}. Use a tool for each step, then submit the result.",
         "Begin at {start}, then {steps}. Do each step with a tool and submit the final number.",
         "Take {start}. Then {steps}. Submit what you get, working out each step with a tool.",
+        "Your number is {start}. Now {steps}, and submit the final value.",
+        "Starting from {start}, {steps}. Call one tool per step and submit the answer.",
+        "The starting value is {start}. In order: {steps}. Submit the result.",
+        "Compute with the tools: {start}, then {steps}. Submit the last number.",
+        "Let x be {start}. Then {steps}. Give the final x with submit.",
     ),
     "eval": (
         "From {start}: {steps}. Submit the number you end with.",
@@ -55,6 +64,9 @@ class Chain(NumberAnswer):
 
     # Four tool turns (3 steps, submit) of about 45 tokens each, tool results included.
     episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 224, "max_turns": 4}
+    # What the 135M default model needs to learn it (README, "What the default run does"):
+    # a longer warm start than the run's 24 steps, and a higher GRPO learning rate.
+    run_defaults: ClassVar[dict[str, float]] = {"warm_start_steps": 96, "learning_rate": 3e-5}
 
     def add(self, a: float, b: float) -> str:
         """Add two numbers and return the sum.

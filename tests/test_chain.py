@@ -89,7 +89,7 @@ def test_eval_rows_are_held_out_by_numbers_and_phrasing():
     assert (len(train), len(evaluation)) == (320, 64)
     keys = {(r["start"], r["steps"]) for r in train}
     assert not keys & {(r["start"], r["steps"]) for r in evaluation}
-    assert len(phrasings("train")) == 3 and len(phrasings("eval")) == 2
+    assert len(phrasings("train")) == 8 and len(phrasings("eval")) == 2
     assert not phrasings("train") & phrasings("eval")
     assert train.to_list() == Chain.dataset("train").to_list()
     with pytest.raises(ValueError, match="splits"):
