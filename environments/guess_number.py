@@ -34,6 +34,8 @@ _PHRASINGS = {  # eval phrasings are held out: a policy must not just memorise t
         "A number has been picked for you. Use the guess tool until you get it right.",
     ),
 }
+LOST_SHARE = 0.5
+"""A lost game's reward per share of the range its answers ruled out (all of it: 0.5)."""
 _DEMO_PHRASING = "Example game: find the number I picked, using guess."
 _ROWS = {"train": 256, "eval": 64}
 _FIRST_SEED = {"train": 0, "eval": 1_000_000}
@@ -50,7 +52,8 @@ class GuessNumberGame(gymnasium.Env):
     Observations are text: the rules after `reset`, then ``"Too low."``, ``"Too high."`` or
     ``"Correct!"`` after each guess. The secret is drawn from the reset seed. The episode is
     terminated by a correct guess (reward 1.0; every other step 0.0) and truncated after
-    ``max_guesses`` guesses, by default just enough for a binary search.
+    ``max_guesses`` guesses, by default just enough for a binary search. ``open_low`` and
+    ``open_high`` are the range the answers so far leave open.
 
     Example:
         >>> game = GuessNumberGame(low=1, high=3)
@@ -70,6 +73,7 @@ class GuessNumberGame(gymnasium.Env):
         self.observation_space = Text(max_length=200, charset=string.printable)
         self.secret = low
         self.guesses = 0
+        self.open_low, self.open_high = low, high
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -78,6 +82,7 @@ class GuessNumberGame(gymnasium.Env):
         super().reset(seed=seed)
         self.secret = int(self.np_random.integers(self.low, self.high + 1))
         self.guesses = 0
+        self.open_low, self.open_high = self.low, self.high
         rules = (
             f"I'm thinking of a whole number from {self.low} to {self.high}. "
             f"You have {self.max_guesses} guesses."
@@ -90,7 +95,10 @@ class GuessNumberGame(gymnasium.Env):
         self.guesses += 1
         if guess == self.secret:
             return "Correct!", 1.0, True, False, {}
-        answer = "Too low." if guess < self.secret else "Too high."
+        if guess < self.secret:
+            answer, self.open_low = "Too low.", max(self.open_low, guess + 1)
+        else:
+            answer, self.open_high = "Too high.", min(self.open_high, guess - 1)
         return answer, 0.0, False, self.guesses >= self.max_guesses, {}
 
 
@@ -100,11 +108,35 @@ class GuessNumber(gym_environment(GuessNumberGame, name="GuessNumberGym", **_TOO
 
     A `GuessNumberGame` through `gym_environment`: the group's seed picks the secret, so the
     members of a group play the same game. Rows have a ``prompt`` column and a ``seed`` column
-    used only when the engine gives no seed of its own.
+    used only when the engine gives no seed of its own. A game lost still earns a little: half
+    the share of the range its answers ruled out (below 0.5), so GRPO can prefer the searches
+    that use the answers while none of a group finds the number; success is reward 1.0.
     """
 
     # A binary search takes up to 7 guesses, 47 tokens each with the tool's answer.
     episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 352, "max_turns": 8}
+    # The lr of the measured run (README): with it GRPO raises the shaped reward, not yet success.
+    run_defaults: ClassVar[dict[str, float]] = {"learning_rate": 3e-5}
+
+    def reward(self) -> float:
+        """1.0 when the number was found, else `LOST_SHARE` times the share of the range ruled out.
+
+        Example:
+            >>> env = GuessNumber()
+            >>> _ = env.reset(seed=0)  # the secret is 86
+            >>> env.guess(50), env.reward()  # 1 to 50 ruled out: half the range
+            ('Too low.', 0.25)
+            >>> env.guess(25), env.reward()  # rules out nothing new
+            ('Too low.', 0.25)
+            >>> env.guess(86), env.reward()
+            ('Correct! (episode over)', 1.0)
+
+        """
+        if self.terminated:  # only a right guess ends the game early
+            return 1.0
+        game = self.env.unwrapped
+        ruled_out = 1 - (game.open_high - game.open_low + 1) / (game.high - game.low + 1)
+        return LOST_SHARE * ruled_out
 
     @classmethod
     def dataset(cls, split: str = "train") -> datasets.Dataset:

@@ -384,7 +384,22 @@ def test_guess_number_is_cut_off_after_seven_wrong_guesses():
     wrong = 1 if env.env.unwrapped.secret != 1 else 2
     answers = [env.guess(wrong) for _ in range(7)]
     assert answers[-1].endswith("(out of steps: episode over)")
-    assert env.done and env.truncated and env.reward() == 0.0
+    assert env.done and env.truncated and env.reward() < 0.5  # lost: only what it ruled out
+
+
+def test_a_lost_game_earns_half_the_share_of_the_range_its_answers_ruled_out():
+    def lost(guesses: list[int], seed: int = 0) -> float:  # seed 0's secret is 86
+        env = started(GuessNumber, seed=seed)
+        assert env.env.unwrapped.secret == 86
+        for guess in guesses:
+            env.guess(guess)
+        return env.reward()
+
+    assert lost([]) == 0.0
+    assert lost([100, 100, 100]) == pytest.approx(0.5 * 1 / 100)  # only 100 is ruled out
+    assert lost([10, 5, 1]) == pytest.approx(0.5 * 10 / 100)  # 5 and 1 say nothing new
+    assert lost([50, 75, 88, 81, 84, 85, 87]) == pytest.approx(0.5 * 99 / 100)  # 86 is left
+    assert lost([50, 75, 88, 81, 84, 86]) == 1.0
 
 
 def test_a_binary_search_always_wins_the_game():
