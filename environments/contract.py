@@ -19,6 +19,7 @@ tool's becomes an error message for the model, and ``__init__``, ``reset``, ``re
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from environments.errors import EnvironmentSpecError
@@ -205,24 +206,14 @@ def episode_limits(cls: Any) -> dict[str, int]:
         ({'max_completion_length': 192, 'max_turns': 3}, {})
 
     """
-    limits = inspect.getattr_static(cls, "episode_limits", {})
-    name = getattr(cls, "__qualname__", cls.__name__)
-    if not isinstance(limits, dict):
-        raise EnvironmentSpecError(
-            f"{name}.episode_limits must be a dict such as "
-            f"{{'max_completion_length': 256, 'max_turns': 4}}, not {type(limits).__name__}"
-        )
-    unknown = sorted(set(limits) - set(EPISODE_LIMITS))
-    if unknown:
-        raise EnvironmentSpecError(
-            f"{name}.episode_limits has {unknown}; its keys are {list(EPISODE_LIMITS)}"
-        )
+    example = "{'max_completion_length': 256, 'max_turns': 4}"
+    name, limits = _declared_dict(cls, "episode_limits", EPISODE_LIMITS, example)
     for key, value in limits.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise EnvironmentSpecError(
                 f"{name}.episode_limits[{key!r}] must be a whole number >= 1, not {value!r}"
             )
-    return dict(limits)
+    return limits
 
 
 RUN_DEFAULT_KEYS = {
@@ -253,18 +244,7 @@ def run_defaults(cls: Any) -> dict[str, float]:
         (['learning_rate', 'warm_start_steps'], {})
 
     """
-    defaults = inspect.getattr_static(cls, "run_defaults", {})
-    name = getattr(cls, "__qualname__", cls.__name__)
-    if not isinstance(defaults, dict):
-        raise EnvironmentSpecError(
-            f"{name}.run_defaults must be a dict such as {{'warm_start_steps': 64}}, not "
-            f"{type(defaults).__name__}"
-        )
-    unknown = sorted(set(defaults) - set(RUN_DEFAULT_KEYS))
-    if unknown:
-        raise EnvironmentSpecError(
-            f"{name}.run_defaults has {unknown}; its keys are {list(RUN_DEFAULT_KEYS)}"
-        )
+    name, defaults = _declared_dict(cls, "run_defaults", RUN_DEFAULT_KEYS, "{'max_steps': 32}")
     for key, value in defaults.items():
         kind = RUN_DEFAULT_KEYS[key]
         fits = isinstance(value, int if kind is int else (int, float))
@@ -272,7 +252,28 @@ def run_defaults(cls: Any) -> dict[str, float]:
             raise EnvironmentSpecError(
                 f"{name}.run_defaults[{key!r}] must be a {_KIND_WORDS[kind]} > 0, not {value!r}"
             )
-    return dict(defaults)
+    return defaults
+
+
+def _declared_dict(
+    cls: Any, attribute: str, keys: Iterable[str], example: str
+) -> tuple[str, dict[str, Any]]:
+    """The class's name and its dict `attribute` (empty without one), its keys among `keys`.
+
+    Raises:
+        EnvironmentSpecError: The attribute is not a dict, or has a key not in `keys`.
+
+    """
+    declared = inspect.getattr_static(cls, attribute, {})
+    name = getattr(cls, "__qualname__", cls.__name__)
+    if not isinstance(declared, dict):
+        raise EnvironmentSpecError(
+            f"{name}.{attribute} must be a dict such as {example}, not {type(declared).__name__}"
+        )
+    unknown = sorted(set(declared) - set(keys))
+    if unknown:
+        raise EnvironmentSpecError(f"{name}.{attribute} has {unknown}; its keys are {list(keys)}")
+    return name, dict(declared)
 
 
 def _check_reset(cls: type) -> None:
