@@ -49,8 +49,9 @@ _TOOL: dict[str, Any] = {
 class GuessNumberGame(gymnasium.Env):
     """Guess a secret whole number from ``low`` to ``high``; reward 1.0 for finding it.
 
-    Observations are text: the rules after `reset`, then ``"Too low."``, ``"Too high."`` or
-    ``"Correct!"`` after each guess. The secret is drawn from the reset seed. The episode is
+    Observations are text: the rules after `reset`, then ``"Correct!"`` or ``"Too low."`` or
+    ``"Too high."`` after each guess, followed by the range the answers so far leave open (e.g.
+    ``"Too low. It is from 51 to 100."``). The secret is drawn from the reset seed. The episode is
     terminated by a correct guess (reward 1.0; every other step 0.0) and truncated after
     ``max_guesses`` guesses, by default just enough for a binary search. ``open_low`` and
     ``open_high`` are the range the answers so far leave open.
@@ -61,6 +62,9 @@ class GuessNumberGame(gymnasium.Env):
         "I'm thinking of a whole number from 1 to 3. You have 2 guesses."
         >>> [game.step(guess)[:3] for guess in (1, 2, 3)][game.secret - 1]
         ('Correct!', 1.0, True)
+        >>> _ = game.reset(seed=0)  # the secret is 3
+        >>> game.step(1)[0]
+        'Too low. It is from 2 to 3.'
 
     """
 
@@ -99,6 +103,7 @@ class GuessNumberGame(gymnasium.Env):
             answer, self.open_low = "Too low.", max(self.open_low, guess + 1)
         else:
             answer, self.open_high = "Too high.", min(self.open_high, guess - 1)
+        answer += f" It is from {self.open_low} to {self.open_high}."
         return answer, 0.0, False, self.guesses >= self.max_guesses, {}
 
 
@@ -108,15 +113,16 @@ class GuessNumber(gym_environment(GuessNumberGame, name="GuessNumberGym", **_TOO
 
     A `GuessNumberGame` through `gym_environment`: the group's seed picks the secret, so the
     members of a group play the same game. Rows have a ``prompt`` column and a ``seed`` column
-    used only when the engine gives no seed of its own. A game lost still earns a little: half
-    the share of the range its answers ruled out (below 0.5), so GRPO can prefer the searches
-    that use the answers while none of a group finds the number; success is reward 1.0.
+    used only when the engine gives no seed of its own. Each answer names the range still open.
+    A game lost still earns a little: half the share of the range its answers ruled out (below
+    0.5), so GRPO can prefer the searches that use the answers while none of a group finds the
+    number; success is reward 1.0.
     """
 
-    # A binary search takes up to 7 guesses, 47 tokens each with the tool's answer.
-    episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 352, "max_turns": 8}
-    # The lr of the measured run (README): with it GRPO raises the shaped reward, not yet success.
-    run_defaults: ClassVar[dict[str, float]] = {"learning_rate": 3e-5}
+    # A binary search takes up to 7 guesses, about 57 tokens each with the tool's answer.
+    episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 416, "max_turns": 8}
+    # More warm-start steps than the run's 24: the demonstrations are games of seven sizes.
+    run_defaults: ClassVar[dict[str, float]] = {"warm_start_steps": 64, "learning_rate": 3e-5}
 
     def reward(self) -> float:
         """1.0 when the number was found, else `LOST_SHARE` times the share of the range ruled out.
@@ -125,9 +131,9 @@ class GuessNumber(gym_environment(GuessNumberGame, name="GuessNumberGym", **_TOO
             >>> env = GuessNumber()
             >>> _ = env.reset(seed=0)  # the secret is 86
             >>> env.guess(50), env.reward()  # 1 to 50 ruled out: half the range
-            ('Too low.', 0.25)
+            ('Too low. It is from 51 to 100.', 0.25)
             >>> env.guess(25), env.reward()  # rules out nothing new
-            ('Too low.', 0.25)
+            ('Too low. It is from 51 to 100.', 0.25)
             >>> env.guess(86), env.reward()
             ('Correct! (episode over)', 1.0)
 
@@ -158,14 +164,16 @@ class GuessNumber(gym_environment(GuessNumberGame, name="GuessNumberGym", **_TOO
 
     @classmethod
     def demonstrations(cls, n: int, seed: int = 0) -> list[list[dict[str, Any]]]:
-        """Conversations that show the tool-call format: binary searches on games from 1 to 20.
+        """Conversations that show the tool-call format: binary searches on games of other sizes.
 
-        The games are smaller than the task's (1 to 100), so no demonstration is a task row;
-        every tool result is what ``guess`` answers for that guess and secret.
+        Each game runs from 1 to one of `DEMO_HIGHS` (never 100, the task's), so no
+        demonstration is a task row; they show the strategy, guessing the middle of the range
+        the last answer leaves open. Every tool result is what ``guess`` answers for that guess
+        and secret.
 
         Args:
             n: How many conversations.
-            seed: Picks the secrets; equal seeds give equal conversations.
+            seed: Picks the games; equal seeds give equal conversations.
 
         Returns:
             Chat messages per conversation: the user's prompt with the rules, then
@@ -173,20 +181,26 @@ class GuessNumber(gym_environment(GuessNumberGame, name="GuessNumberGym", **_TOO
 
         """
         rng = random.Random(f"guess-number-demonstrations-{seed}")
-        return [_play_demo(rng.randrange(2**31)) for _ in range(n)]
+        return [_play_demo(rng.choice(DEMO_HIGHS), rng.randrange(2**31)) for _ in range(n)]
 
 
-_DemoGame = gym_environment(
-    functools.partial(GuessNumberGame, low=1, high=20), name="GuessNumberDemo", **_TOOL
-)
+DEMO_HIGHS = (20, 30, 50, 64, 80, 120, 200)
+"""The tops of the demonstration games, all from 1: sizes around the task's 100, never it."""
 
 
-def _play_demo(seed: int) -> list[dict[str, Any]]:
-    """One binary search on a game from 1 to 20, as chat messages."""
-    env = _DemoGame()
+@functools.cache
+def _demo_game(high: int) -> type:
+    """The game from 1 to `high` as an environment class."""
+    game = functools.partial(GuessNumberGame, low=1, high=high)
+    return gym_environment(game, name=f"GuessNumberDemo{high}", **_TOOL)
+
+
+def _play_demo(high: int, seed: int) -> list[dict[str, Any]]:
+    """One binary search on a game from 1 to `high`, as chat messages."""
+    env = _demo_game(high)()
     rules = env.reset(seed=seed)
     messages: list[dict[str, Any]] = [{"role": "user", "content": f"{_DEMO_PHRASING}\n{rules}"}]
-    low, high = 1, 20
+    low = 1
     try:
         while not env.done:
             guess = (low + high) // 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import string
 
 import anyio
@@ -26,6 +27,8 @@ from environments import (
     resolve_environment,
     tool_names,
 )
+from environments import guess_number as guess_number_module
+from environments.guess_number import DEMO_HIGHS
 from rollout import ChatRenderer, EpisodeConfig, Finish, RolloutEngine
 from rollout.demonstrations import demonstration_ids
 from rollout.template import load_template
@@ -372,9 +375,9 @@ def test_guess_number_answers_too_low_too_high_and_correct():
     secret = env.env.unwrapped.secret
     assert env.reset(seed=11) == "I'm thinking of a whole number from 1 to 100. You have 7 guesses."
     if secret > 1:
-        assert env.guess(secret - 1) == "Too low."
+        assert env.guess(secret - 1) == f"Too low. It is from {secret} to 100."
     if secret < 100:
-        assert env.guess(secret + 1) == "Too high."
+        assert env.guess(secret + 1) == f"Too high. It is from {secret} to {secret}."
     assert env.guess(secret) == "Correct! (episode over)"
     assert env.done and env.terminated and env.reward() == 1.0
 
@@ -408,7 +411,7 @@ def test_a_binary_search_always_wins_the_game():
         while not env.done:
             guess = (low + high) // 2
             answer = env.guess(guess)
-            low, high = (guess + 1, high) if answer == "Too low." else (low, guess - 1)
+            low, high = (guess + 1, high) if answer.startswith("Too low.") else (low, guess - 1)
         assert env.reward() == 1.0
 
 
@@ -439,11 +442,16 @@ def test_guess_number_dataset_is_deterministic_and_its_eval_split_held_out():
         GuessNumber.dataset("test")
 
 
-def seed_with_secret(secret: int) -> int:
-    """A seed whose GuessNumber game hides `secret`."""
+def seed_with_secret(env_class: type, secret: int) -> int:
+    """A seed whose game of `env_class` hides `secret`."""
     return next(
-        s for s in range(100_000) if started(GuessNumber, seed=s).env.unwrapped.secret == secret
+        s for s in range(100_000) if started(env_class, seed=s).env.unwrapped.secret == secret
     )
+
+
+def demo_size(conversation: list[dict]) -> int:
+    """The top of a demonstration's game, read from its rules: "... from 1 to 64. ..."."""
+    return int(re.search(r"from 1 to (\d+)\.", conversation[0]["content"]).group(1))
 
 
 def test_guess_number_demonstrations_replay_exactly_against_the_real_game():
@@ -457,17 +465,23 @@ def test_guess_number_demonstrations_replay_exactly_against_the_real_game():
         assert all(len(c) == 1 and c[0]["function"]["name"] == "guess" for c in calls)
         assert all(m["name"] == "guess" for m in tool_messages)
         guesses = [c[0]["function"]["arguments"]["number"] for c in calls]
-        env = GuessNumber()
-        env.reset(seed=seed_with_secret(guesses[-1]))
+        game = guess_number_module._demo_game(demo_size(conversation))
+        env = game()
+        env.reset(seed=seed_with_secret(game, guesses[-1]))
         results = [call(env, "guess", number=g) for g in guesses]
         assert [r.error for r in results] == [None] * len(guesses)
         assert [r.content for r in results] == [m["content"] for m in tool_messages]
         assert env.done and env.reward() == 1.0
 
 
-def test_guess_number_demonstrations_use_a_smaller_game_than_the_task():
+def test_guess_number_demonstrations_search_games_of_other_sizes_than_the_task():
+    sizes = [demo_size(conversation) for conversation in GuessNumber.demonstrations(32)]
+    assert 100 not in sizes and set(sizes) <= set(DEMO_HIGHS)
+    assert len(set(sizes)) >= 5  # the strategy on several sizes, not one game's guesses
     for conversation in GuessNumber.demonstrations(8):
-        assert "from 1 to 20" in conversation[0]["content"]
+        guesses = [m["tool_calls"][0]["function"]["arguments"]["number"]
+                   for m in conversation if m.get("tool_calls")]  # fmt: skip
+        assert guesses[0] == (1 + demo_size(conversation)) // 2  # the middle first
         assert "from 1 to 100" not in conversation[0]["content"]
     assert GuessNumber.demonstrations(3, seed=1) == GuessNumber.demonstrations(3, seed=1)
     assert GuessNumber.demonstrations(8, seed=1) != GuessNumber.demonstrations(8, seed=2)
@@ -493,7 +507,9 @@ def test_a_group_plays_the_same_game_through_the_engine_and_every_env_is_closed(
         assert episode.finish is Finish.ENV_DONE
         assert episode.env_reward == 1.0
         assert [m["content"] for m in episode.messages if m["role"] == "tool"] == [
-            "Too low.",
+            f"Too low. It is from {wrong + 1} to 100."
+            if wrong < secret
+            else f"Too high. It is from 1 to {wrong - 1}.",
             "Correct! (episode over)",
         ]
         assert episode.messages[0] == {
