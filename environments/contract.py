@@ -241,7 +241,7 @@ def run_defaults(cls: Any) -> dict[str, float]:
     Example:
         >>> from environments import Chain, Counter
         >>> sorted(run_defaults(Chain)), run_defaults(Counter)
-        (['learning_rate', 'warm_start_steps'], {})
+        (['learning_rate', 'max_steps', 'per_device_train_batch_size', 'warm_start_steps'], {})
 
     """
     name, defaults = _declared_dict(cls, "run_defaults", RUN_DEFAULT_KEYS, "{'max_steps': 32}")
