@@ -6,8 +6,9 @@ SmolLM2-135M, with both of its models scored by `agentgrpo eval` on all 64 held-
 seed is fixed, so on one machine it plays the same episodes on every run; on seed 1 the 8-step
 model measured 45.3% -> 67.2%.
 
-It takes about 25 minutes (7 of warm start, 8 of GRPO, two evals), past what CI's budget has
-room for, so it runs only when asked: ``AGENTGRPO_LEARNING=1 python -m pytest -m learning``.
+It takes about 21 minutes alone on 2 cores (7 of warm start, 10 of GRPO, 4 of eval), past what
+CI's budget has room for, so it runs only when asked:
+``AGENTGRPO_LEARNING=1 python -m pytest -m learning``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ pytestmark = [
     pytest.mark.learning,
     pytest.mark.skipif(
         os.environ.get("AGENTGRPO_LEARNING") != "1",
-        reason="about 25 minutes of training and eval: AGENTGRPO_LEARNING=1 pytest -m learning",
+        reason="about 21 minutes of training and eval: AGENTGRPO_LEARNING=1 pytest -m learning",
     ),
 ]
 
