@@ -43,6 +43,11 @@ def counter_segments(tokenizer) -> list[tuple[list[int], int]]:
     ]
 
 
+def eval_figures(stdout: str) -> dict[str, str]:
+    """`agentgrpo eval`'s printed figures, `episodes` and `success_rate` among them, by name."""
+    return dict(line.split() for line in stdout.splitlines() if len(line.split()) == 2)
+
+
 def single_row(episode: Episode) -> EpisodeRow:
     """The one training row of an episode that did not fork."""
     [row] = episode.rows

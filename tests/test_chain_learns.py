@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import eval_figures
 from test_cli import agentgrpo
 
 pytestmark = [
@@ -32,8 +33,7 @@ def success_rate(model: str) -> float:
     """`agentgrpo eval env:Chain --model MODEL`'s success on the 64 held-out rows, sampled."""
     result = agentgrpo("eval", "env:Chain", "--model", model, timeout=1200)
     assert result.returncode == 0, result.stdout + result.stderr
-    figures = dict(line.split() for line in result.stdout.splitlines() if len(line.split()) == 2)
-    return float(figures["success_rate"])
+    return float(eval_figures(result.stdout)["success_rate"])
 
 
 def test_a_shortened_default_chain_run_rises_over_its_warm_start(tmp_path, smollm2_path):

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import eval_figures
 
 from agentgrpo.cli import main
 from agentgrpo.cli.commands import _run_settings
@@ -242,7 +243,7 @@ def test_run_then_eval_on_the_tiny_model(tiny_model_dir, tmp_path):
         "--max-completion-length", "24", "--episodes-file", str(episodes_file),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    figures = dict(line.split() for line in result.stdout.splitlines() if len(line.split()) == 2)
+    figures = eval_figures(result.stdout)
     assert figures["episodes"] == "4"
     for name in ("success_rate", "mean_reward", "tool_call_rate", "tool_error_rate", "mean_turns"):
         assert 0.0 <= float(figures[name]) <= 2.0

@@ -8,7 +8,7 @@ import sys
 import anyio
 import gymnasium
 import pytest
-from conftest import scripted_backend, tool_call
+from conftest import eval_figures, scripted_backend, tool_call
 
 from agentgrpo.cli import main
 from environments import (
@@ -224,5 +224,5 @@ def test_run_and_eval_take_a_gym_id(tiny_model_dir, tmp_path):
         "--num-episodes", "2", "--max-completion-length", "24", "--max-turns", "2",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    figures = dict(line.split() for line in result.stdout.splitlines() if len(line.split()) == 2)
+    figures = eval_figures(result.stdout)
     assert figures["episodes"] == "2"
