@@ -113,7 +113,7 @@ class BatchRecordingBackend(TransformersBackend):
         self.batches: list[tuple[int, float]] = []  # (rows, seconds) per step
 
     def _step(self, admitted: list) -> None:
-        started, rows = time.perf_counter(), len(self._rows) + len(admitted)
+        started, rows = time.perf_counter(), self.running_rows + len(admitted)
         super()._step(admitted)
         self.batches.append((rows, time.perf_counter() - started))
 

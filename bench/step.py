@@ -847,7 +847,7 @@ def _make_step_timer():
             step = backend._step
 
             def recorded(admitted):
-                rows = len(backend._rows) + len(admitted)
+                rows = backend.running_rows + len(admitted)
                 started = time.perf_counter()
                 step(admitted)
                 seconds = time.perf_counter() - started

@@ -6,7 +6,10 @@ query head it serves before calling `scaled_dot_product_attention`; for SmolLM2 
 3 key-value heads) that copy is most of the attention time of a decoding step. PyTorch's CPU
 kernels take grouped heads as they are (`enable_gqa=True`), with the same results.
 `use_grouped_query_sdpa(model)` switches a model from "sdpa" to "sdpa_gqa", this module's
-attention, which does exactly what "sdpa" does except that copy, and only on a CPU.
+attention, which does exactly what "sdpa" does except that copy: on a CPU through
+`scaled_dot_product_attention(enable_gqa=True)`; on a GPU for a decoding step (one query per
+row, over a masked cache such as `rollout.slot_batch`'s), where it would copy the whole cache
+every token, through two grouped matrix products that read each key and value head once.
 """
 
 from __future__ import annotations
@@ -33,20 +36,23 @@ def grouped_query_sdpa(
 ) -> tuple[torch.Tensor, None]:
     """`sdpa_attention_forward` of transformers, with grouped key-value heads read in place.
 
-    Only the case that copies heads changes: a boolean attention mask, grouped heads, a CPU,
-    no position bias and no paged cache. Then, as transformers does with a mask, attention is
-    not causal by flag (the mask holds causality). Everything else goes to transformers.
+    Only the case that copies heads changes: a boolean attention mask, grouped heads, no
+    position bias, no paged cache, and a CPU or a one-token query (without dropout). Then, as
+    transformers does with a mask, attention is not causal by flag (the mask holds
+    causality). Everything else goes to transformers.
     """
-    plain = (
+    grouped = (
         attention_mask is not None
         and attention_mask.dtype == torch.bool
-        and query.device.type == "cpu"
         and getattr(module, "num_key_value_groups", 1) > 1
         and kwargs.get("position_bias") is None
         and kwargs.get("cache") is None
         and not kwargs.get("output_attentions", False)
     )
-    if not plain:
+    if grouped and query.device.type != "cpu" and query.shape[2] == 1 and not dropout:
+        assert attention_mask is not None  # grouped says so
+        return grouped_decode_attention(query, key, value, attention_mask, scaling), None
+    if not (grouped and query.device.type == "cpu"):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -60,6 +66,32 @@ def grouped_query_sdpa(
         enable_gqa=True,
     )
     return output_B_H_Q_D.transpose(1, 2).contiguous(), None
+
+
+def grouped_decode_attention(
+    query_B_Hq_1_D: torch.Tensor,
+    key_B_Hk_T_D: torch.Tensor,
+    value_B_Hk_T_D: torch.Tensor,
+    mask_B_1_1_T: torch.Tensor,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Attention of one query per row over grouped key-value heads, without copying them.
+
+    Query head h reads key-value head h // G (G = Hq / Hk), as transformers' `repeat_kv`
+    pairs them. Scores and softmax in float32; every row's mask must allow some position.
+
+    Returns:
+        The output as transformers' attention functions return it: B x 1 x Hq x D.
+    """
+    rows, query_heads, _, dim = query_B_Hq_1_D.shape
+    kv_heads = key_B_Hk_T_D.shape[1]
+    scale = dim**-0.5 if scaling is None else scaling
+    query_B_Hk_G_D = query_B_Hq_1_D.view(rows, kv_heads, query_heads // kv_heads, dim)
+    scores_B_Hk_G_T = torch.matmul(query_B_Hk_G_D, key_B_Hk_T_D.transpose(-1, -2)).float()
+    scores_B_Hk_G_T = (scores_B_Hk_G_T * scale).masked_fill(~mask_B_1_1_T, float("-inf"))
+    weights_B_Hk_G_T = torch.softmax(scores_B_Hk_G_T, dim=-1).to(value_B_Hk_T_D.dtype)
+    output_B_Hk_G_D = torch.matmul(weights_B_Hk_G_T, value_B_Hk_T_D)
+    return output_B_Hk_G_D.reshape(rows, 1, query_heads, dim)
 
 
 AttentionInterface.register(NAME, grouped_query_sdpa)

@@ -16,8 +16,9 @@ layers) generate one request at a time, without prefix reuse.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -25,31 +26,20 @@ import torch
 from transformers import DynamicCache
 
 from rollout import kv_cache
+from rollout.dynamic_batch import DynamicBatch, left_padded_ones
+from rollout.generation_rows import Request, Row, draw_rows
 from rollout.kv_cache import KV, PrefixCache
-from rollout.sampling import sample_tokens
+from rollout.slot_batch import SlotBatch
 from rollout.types import Completion, SamplingParams
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    result: Completion | None = None
-    error: BaseException | None = None
-    abandoned: bool = False
-
-    @property
-    def done(self) -> bool:
-        return self.result is not None or self.error is not None
-
-
-@dataclass
 class _Plan:
     """How a request prefills: the first `reused` positions of `cached` serve its prompt."""
 
-    request: _Request
+    request: Request
     reused: int
     cached: KV | None
 
@@ -61,19 +51,6 @@ class _Plan:
     def reads(self) -> int:
         """Tokens the request must read."""
         return len(self.prompt) - self.reused
-
-
-@dataclass
-class _Row:
-    """A request being generated: `fed` tokens are in the cache; `tokens[-1]` is not yet."""
-
-    request: _Request
-    sampling: dict[str, float]
-    generator: torch.Generator
-    fed: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finished: bool = False
 
 
 class TransformersBackend:
@@ -91,6 +68,13 @@ class TransformersBackend:
         sampling_overrides: `min_p`, `repetition_penalty`, `temperature`, `top_p` or `top_k`
             for every request (TRL's `generation_kwargs`); they win over the request's own.
             The sampler logprobs stay those of softmax(logits / T), before any of them.
+        static_cache: Decode in a `SlotBatch` (True) or a `DynamicBatch` (False); None: a
+            `SlotBatch` when the model is on a CUDA device. Only models whose every layer is
+            full attention decode in slots.
+        autocast_dtype: Generate under `torch.autocast` in this dtype (e.g. bfloat16), as the
+            trainer's mixed-precision forward computes; None: in the weights' own dtype.
+        chunk_steps: A `SlotBatch`'s decoding steps per host round trip.
+        cuda_graphs: Let a `SlotBatch` on CUDA replay its decoding step as CUDA graphs.
 
     """
 
@@ -103,6 +87,10 @@ class TransformersBackend:
         seed: int = 0,
         prefix_cache_tokens: int = 16384,
         sampling_overrides: Mapping[str, Any] | None = None,
+        static_cache: bool | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        chunk_steps: int = 8,
+        cuda_graphs: bool = True,
     ):
         if not stop_token_ids:
             raise ValueError("stop_token_ids is empty: generation would never end a turn")
@@ -115,11 +103,13 @@ class TransformersBackend:
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.reuses_keys_and_values = _has_plain_attention_cache(model)
         self.batches_prefills = _layer_types(model) == {"full_attention"}
+        self.static_cache = static_cache
+        self.autocast_dtype = autocast_dtype
+        self.chunk_steps = chunk_steps
+        self.cuda_graphs = cuda_graphs
         self._seeds = torch.Generator().manual_seed(seed)
-        self._arriving: list[_Request] = []
-        self._rows: list[_Row] = []
-        self._cache: DynamicCache | None = None
-        self._mask_B_T: torch.Tensor | None = None
+        self._arriving: list[Request] = []
+        self._batch: DynamicBatch | SlotBatch | None = None
         self._lock = anyio.Lock()
 
     @classmethod
@@ -136,6 +126,30 @@ class TransformersBackend:
         """Forget the cached keys and values: call it whenever the model's weights change."""
         self.prefixes.clear()
 
+    @property
+    def running_rows(self) -> int:
+        """How many rows are decoding now."""
+        return len(self._running().rows)
+
+    @property
+    def decoding(self) -> str:
+        """Which batch decodes: "slots" (static cache, sampled on the device) or "dynamic"."""
+        return "slots" if isinstance(self._running(), SlotBatch) else "dynamic"
+
+    def _running(self) -> DynamicBatch | SlotBatch:
+        """The decoding batch, made on first use for the model's device then."""
+        if self._batch is None:
+            static = self.static_cache
+            if static is None:
+                static = self._device().type == "cuda"
+            if static and self.batches_prefills and self.reuses_keys_and_values:
+                self._batch = SlotBatch(
+                    self.model, self.max_batch_size, self.chunk_steps, self.cuda_graphs
+                )
+            else:
+                self._batch = DynamicBatch(self.model)
+        return self._batch
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         """Queue a request and return its completion once the steps have generated it."""
         if self.context_limit and len(prompt_ids) + params.max_tokens > self.context_limit:
@@ -145,7 +159,7 @@ class TransformersBackend:
             )
         if not prompt_ids:
             raise ValueError("the prompt is empty: there is nothing to continue")
-        request = _Request(list(prompt_ids), params)
+        request = Request(list(prompt_ids), params)
         self._arriving.append(request)
         try:
             while not request.done:
@@ -160,31 +174,43 @@ class TransformersBackend:
         assert request.result is not None  # the loop ends on a result or an error
         return request.result
 
-    def _admissions(self) -> list[_Request]:
+    def _admissions(self) -> list[Request]:
         """The arrived requests there is room for, taken off the queue (on the event loop)."""
-        room = self.max_batch_size - len(self._rows) if self.reuses_keys_and_values else 1
+        room = self.max_batch_size - self.running_rows if self.reuses_keys_and_values else 1
         admitted = [r for r in self._arriving[: max(room, 0)] if not r.abandoned]
         del self._arriving[: max(room, 0)]
         return admitted
 
-    def _step(self, admitted: list[_Request]) -> None:
-        """Admit `admitted`, then decode one token for every running row; fail them on error."""
+    def _step(self, admitted: list[Request]) -> None:
+        """Admit `admitted`, then decode every running row (a token, or a chunk of tokens)."""
+        batch = self._running()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._autocast():
                 if not self.reuses_keys_and_values:
                     for request in admitted:
                         self._generate_alone(request)
                     return
                 prefilled = self._prefill_all(admitted)
-                self._join([(row, kv) for row, kv in prefilled if not row.finished])
-                if self._rows:
-                    self._decode()
+                batch.join([(row, kv) for row, kv in prefilled if not row.finished])
+                if batch.rows:
+                    for row, kv in batch.decode(self.stop_token_ids):
+                        self.prefixes.add(row.fed, kv)
         except Exception as error:  # every request in the step must learn about it
-            for request in [*admitted, *(row.request for row in self._rows)]:
+            for request in [*admitted, *(row.request for row in batch.rows)]:
                 request.error = error
-            self._rows, self._cache, self._mask_B_T = [], None, None
+            batch.clear()
 
-    def _prefill_all(self, admitted: list[_Request]) -> list[tuple[_Row, KV]]:
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision as the trainer computes it, when `autocast_dtype` is set.
+
+        The cast cache stays off: a CUDA graph must capture the casts, not a cached result.
+        """
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        device_type = self._device().type
+        return torch.autocast(device_type, dtype=self.autocast_dtype, cache_enabled=False)
+
+    def _prefill_all(self, admitted: list[Request]) -> list[tuple[Row, KV]]:
         """Prefill the admitted requests in as few forward passes as their lengths allow.
 
         A request that shares more of its prompt with an earlier admitted one than the prefix
@@ -192,7 +218,7 @@ class TransformersBackend:
         reads that prompt from the cache. Within a wave, requests of similar lengths read in one
         pass (`_similar_lengths`).
         """
-        prefilled: list[tuple[_Row, KV]] = []
+        prefilled: list[tuple[Row, KV]] = []
         waiting = admitted
         while waiting:
             wave, waiting = self._wave(waiting)
@@ -200,10 +226,10 @@ class TransformersBackend:
                 prefilled.extend(self._prefill(plans))
         return prefilled
 
-    def _wave(self, requests: list[_Request]) -> tuple[list[_Plan], list[_Request]]:
+    def _wave(self, requests: list[Request]) -> tuple[list[_Plan], list[Request]]:
         """Plan the requests that prefill now; return their plans and the requests that wait."""
         wave: list[_Plan] = []
-        waiting: list[_Request] = []
+        waiting: list[Request] = []
         for request in requests:
             prompt = request.prompt_ids
             reused, cached = self.prefixes.longest_prefix(prompt)
@@ -216,7 +242,7 @@ class TransformersBackend:
                 wave.append(_Plan(request, min(reused, len(prompt) - 1), cached))
         return wave, waiting
 
-    def _prefill(self, plans: list[_Plan]) -> list[tuple[_Row, KV]]:
+    def _prefill(self, plans: list[_Plan]) -> list[tuple[Row, KV]]:
         """Read the plans' prompts in one pass and draw their first tokens.
 
         Every row reads the same number of tokens, the most any plan needs: a row that needs
@@ -231,7 +257,7 @@ class TransformersBackend:
         for plan, n in zip(plans, kept, strict=True):
             token_ids.append(_left_padded(plan.prompt[n:], reads, self.pad_token_id))
             positions.append(_left_padded(list(range(n, len(plan.prompt))), reads, 0))
-        mask_B_T = torch.cat([_left_padded_ones(len(plan.prompt), width) for plan in plans])
+        mask_B_T = torch.cat([left_padded_ones(len(plan.prompt), width) for plan in plans])
         device = self._device()
         out = self.model(
             input_ids=torch.tensor(token_ids, device=device),
@@ -262,61 +288,7 @@ class TransformersBackend:
             logits_to_keep=1,
         )
 
-    def _join(self, prefilled: list[tuple[_Row, KV]]) -> None:
-        """Put freshly prefilled rows into the decoding batch, everything left-padded."""
-        if not prefilled:
-            return
-        running = kv_cache.kv_of(self._cache) if self._cache is not None else None
-        widths = [len(row.fed) for row, _ in prefilled]
-        width = max([*widths, kv_cache.width(running) if running else 0])
-        parts = [kv_cache.left_pad(kv, width) for _, kv in prefilled]
-        masks = [_left_padded_ones(w, width) for w in widths]
-        if running is not None and self._mask_B_T is not None:
-            parts.insert(0, kv_cache.left_pad(running, width))
-            masks.insert(0, _pad_mask(self._mask_B_T.cpu(), width))
-        self._cache = kv_cache.cache_of(kv_cache.stack_rows(parts))
-        self._mask_B_T = torch.cat(masks).to(self._device())
-        self._rows.extend(row for row, _ in prefilled)
-
-    def _decode(self) -> None:
-        """Feed every running row its last token, draw the next, and let finished rows go."""
-        device = self._device()
-        assert self._mask_B_T is not None
-        self._mask_B_T = torch.cat([self._mask_B_T, self._mask_B_T.new_ones(len(self._rows), 1)], 1)
-        out = self.model(
-            input_ids=torch.tensor([[row.tokens[-1]] for row in self._rows], device=device),
-            attention_mask=self._mask_B_T,
-            position_ids=torch.tensor([[len(row.fed)] for row in self._rows], device=device),
-            past_key_values=self._cache,
-            use_cache=True,
-        )
-        self._cache = out.past_key_values
-        for row in self._rows:
-            row.fed.append(row.tokens[-1])
-        self._draw(self._rows, out.logits[:, -1, :])
-        self._release([b for b, row in enumerate(self._rows) if row.finished])
-
-    def _release(self, finished: list[int]) -> None:
-        """Cache what the finished rows read, then drop them from the batch."""
-        if not finished:
-            return
-        assert self._cache is not None and self._mask_B_T is not None
-        running = kv_cache.kv_of(self._cache)
-        total = kv_cache.width(running)
-        for b in finished:
-            fed = self._rows[b].fed
-            read = kv_cache.take_columns(running, slice(b, b + 1), total - len(fed))
-            self.prefixes.add(fed, read)
-        kept = [b for b in range(len(self._rows)) if b not in set(finished)]
-        self._rows = [self._rows[b] for b in kept]
-        if not kept:
-            self._cache, self._mask_B_T = None, None
-            return
-        start = total - max(len(row.fed) for row in self._rows)  # drop all-padding columns
-        self._cache = kv_cache.cache_of(kv_cache.take_columns(running, kept, start))
-        self._mask_B_T = self._mask_B_T[kept, start:]
-
-    def _generate_alone(self, request: _Request) -> None:
+    def _generate_alone(self, request: Request) -> None:
         """Generate one request with the model's own cache (models without plain KV)."""
         row = self._new_row(request)
         out = self._forward(request.prompt_ids, range(len(request.prompt_ids)), None)
@@ -327,7 +299,7 @@ class TransformersBackend:
             out = self._forward([row.tokens[-1]], range(last, last + 1), out.past_key_values)
             self._draw([row], out.logits[:, -1, :])
 
-    def _new_row(self, request: _Request) -> _Row:
+    def _new_row(self, request: Request) -> Row:
         params = request.params
         sampling = {
             "temperature": params.temperature,
@@ -340,35 +312,12 @@ class TransformersBackend:
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self._seeds))
-        generator = torch.Generator(device=self._device()).manual_seed(seed)
-        return _Row(request, sampling, generator, fed=list(request.prompt_ids))
+        return Row(request, sampling, seed, fed=list(request.prompt_ids))
 
-    def _draw(self, rows: list[_Row], logits_B_V: torch.Tensor) -> None:
-        """Sample each row's next token; a row that stops or runs out of tokens finishes."""
-        device = logits_B_V.device
-
-        def column(name: str, dtype=torch.float32) -> torch.Tensor:
-            return torch.tensor([row.sampling[name] for row in rows], dtype=dtype, device=device)
-
-        penalty_B = column("repetition_penalty")
-        penalized = bool((penalty_B != 1).any())
-        tokens_B, logprobs_B = sample_tokens(
-            logits_B_V.float(),
-            column("temperature"),
-            column("top_k", torch.long),
-            column("top_p"),
-            [row.generator for row in rows],
-            min_p_B=column("min_p"),
-            penalty_B=penalty_B if penalized else None,
-            seen_B_V=_seen(rows, logits_B_V.shape[-1], device) if penalized else None,
-        )
-        for row, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
-            row.tokens.append(token)
-            row.logprobs.append(logprob)
-            stopped = token in self.stop_token_ids
-            if stopped or len(row.tokens) >= row.request.params.max_tokens or row.request.abandoned:
-                row.finished = True
-                row.request.result = Completion(row.tokens, row.logprobs, stopped)
+    def _draw(self, rows: list[Row], logits_B_V: torch.Tensor) -> None:
+        """Sample each row's first token, as the decoding batch samples the others."""
+        counter_based = isinstance(self._running(), SlotBatch)
+        draw_rows(rows, logits_B_V, self.stop_token_ids, counter_based)
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device  # what transformers' `model.device` reads
@@ -436,22 +385,3 @@ def _similar_lengths(plans: list[_Plan], batched: bool) -> list[list[_Plan]]:
 
 def _left_padded(values: list[int], width: int, pad: int) -> list[int]:
     return [pad] * (width - len(values)) + values
-
-
-def _left_padded_ones(ones: int, width: int) -> torch.Tensor:
-    """A one-row attention mask: `width - ones` padding positions, then `ones` real ones."""
-    mask_1_W = torch.zeros(1, width, dtype=torch.long)
-    mask_1_W[:, width - ones :] = 1
-    return mask_1_W
-
-
-def _pad_mask(mask_B_T: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(mask_B_T, (width - mask_B_T.shape[1], 0))
-
-
-def _seen(rows: list[_Row], vocab: int, device: torch.device) -> torch.Tensor:
-    """True at the tokens each row has read or drawn (what the repetition penalty hits)."""
-    seen_B_V = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
-    for b, row in enumerate(rows):
-        seen_B_V[b, torch.tensor(row.fed + row.tokens, device=device)] = True
-    return seen_B_V
