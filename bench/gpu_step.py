@@ -15,7 +15,8 @@ order reversed on every other repeat; the first step of each run is a warm-up an
   `max_turns=4`, TRL `max_tool_calling_iterations=3`, lr 0 (every step runs the whole update,
   but the weights stay those of the warm start, so both keep playing three tool rounds). A
   random model writes no tool call, so the model first learns the call format: supervised
-  steps on the workload's demonstrations (16 a step, lr 3e-4) until the loss is under 0.02,
+  steps on the workload's demonstrations (16 a step, lr 3e-4) until the loss is under 0.05
+  (the digits of the calls are random: about 0.013 nats a token cannot be learned),
   cached per config. Targets: the same.
 
 Per runner it prints the median seconds per optimizer step, the part with a generation call in
@@ -49,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 SEED = 0
 TIME_TARGET, MEMORY_TARGET = 0.6, 0.8
-WARM_START_LOSS, WARM_START_MAX_STEPS = 0.02, 600
+WARM_START_LOSS, WARM_START_MAX_STEPS = 0.05, 500
 
 
 def _load(name: str) -> Any:

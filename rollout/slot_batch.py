@@ -46,8 +46,8 @@ class SlotCache:
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Write one new position per row at its column; return the layer's whole cache."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self.rows_S, :, self.positions_S] = key_states[:, :, 0]
-        values[self.rows_S, :, self.positions_S] = value_states[:, :, 0]
+        keys[self.rows_S, :, self.positions_S] = key_states[:, :, 0].to(keys.dtype)
+        values[self.rows_S, :, self.positions_S] = value_states[:, :, 0].to(values.dtype)
         return keys, values
 
 
@@ -323,8 +323,8 @@ def _forward(model, buffers: _Buffers, slots: int, width: int) -> torch.Tensor:
     """Feed every slot its input token at its column; the next-token logits, float32 (S x V)."""
     positions_S = buffers.positions_S[:slots]
     mask_S_1_1_W = buffers.mask_S_1_1_W[:slots, :, :, :width]
-    rows_S = torch.arange(slots, device=positions_S.device)
-    mask_S_1_1_W[rows_S, 0, 0, positions_S] = True
+    # scatter_ takes the value as a kernel argument: no host copy (which a graph cannot hold)
+    mask_S_1_1_W[:, 0, 0].scatter_(1, positions_S.unsqueeze(1), True)
     cache = SlotCache(
         [keys[:slots, :, :width] for keys in buffers.keys],
         [values[:slots, :, :width] for values in buffers.values],

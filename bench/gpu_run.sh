@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU checks on a CUDA machine, from the repository root, after bench/gpu_prepare.sh:
+#   OUT=<folder> bash bench/gpu_run.sh [tests] [generation] [step]    (all three by default)
+# tests: the `gpu` tests and the slot decoder's tests; generation: bench/gpu_generation.py;
+# step: bench/gpu_step.py (agentgrpo against TRL 1.16). Logs and JSON results land in $OUT.
+set -u -o pipefail
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+parts=" ${*:-tests generation step} "
+here=$(pwd)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-bench/whl/*.whl 2>&1 | grep -vi warning | tail -3
+export PYTHONPATH="$here:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRL_EXPERIMENTAL_SILENCE=1 MPLBACKEND=Agg
+# The tests' `smollm2_path` fixture reads the tokenizer from agentgrpo's model cache.
+export AGENTGRPO_CACHE=/tmp/agcache
+mkdir -p "$AGENTGRPO_CACHE/models" && cp -r .gpu-bench/tokenizer "$AGENTGRPO_CACHE/models/SmolLM2-135M-Instruct"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/gpu.txt"
+status=0
+if [[ $parts == *" tests "* ]]; then
+  python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts="" -m "gpu or not slow" \
+    tests/test_gpu*.py tests/test_slot_batch.py 2>&1 | tee "$OUT/tests.txt" | tail -15 || status=1
+fi
+if [[ $parts == *" generation "* ]]; then
+  python3 bench/gpu_generation.py --tokenizer .gpu-bench/tokenizer --json "$OUT/generation.json" \
+    2>&1 | tee "$OUT/generation.txt" | tail -12 || status=1
+fi
+if [[ $parts == *" step "* ]]; then
+  python3 bench/gpu_step.py --tokenizer .gpu-bench/tokenizer ${GPU_STEP_ARGS:-} --json "$OUT/step.json" \
+    2>&1 | tee "$OUT/step.txt" | grep -v -i warn | tail -30 || status=1
+fi
+exit $status
