@@ -15,6 +15,7 @@ few launches. Rows whose sampling needs filters or a penalty take one eager step
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Collection
 from dataclasses import dataclass, fields
@@ -106,6 +107,7 @@ class SlotBatch:
         self._buffers: _Buffers | None = None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None  # the graphs' shared memory pool
+        self._weights: tuple[int, ...] = ()  # the addresses of the weights the graphs read
         self._stops: tuple[frozenset[int], torch.Tensor] | None = None
 
     @property
@@ -272,6 +274,9 @@ class SlotBatch:
 
         if not (self.cuda_graphs and buffers.done_S.is_cuda):
             return step
+        weights = _addresses(self.model)
+        if weights != self._weights:  # e.g. ZeRO-3 gathered them anew: the graphs read old ones
+            self._graphs, self._pool, self._weights = {}, None, weights
         graph = self._graphs.get((slots, width))
         if graph is None:
             try:
@@ -301,7 +306,8 @@ class SlotBatch:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: CUDA work of other threads (a reward model, say) may go on meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             step()
         return graph
 
@@ -392,6 +398,11 @@ def _copy_into(old: _Buffers, new: _Buffers) -> None:
             target[..., width:] = False
         elif name not in ("tokens_S_K", "logprobs_S_K", "step_1"):
             target.copy_(source)
+
+
+def _addresses(model: torch.nn.Module) -> tuple[int, ...]:
+    """Where the model's weights and buffers live: a graph reads them at these addresses."""
+    return tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def _bucket(n: int, minimum: int) -> int:

@@ -91,3 +91,23 @@ async def test_on_cuda_generation_under_autocast_matches_the_trainers_mixed_prec
         expected = forward_logprobs(model, prompt, completion.token_ids, torch.bfloat16)
         gap = (expected - torch.tensor(completion.logprobs)).abs()
         assert gap.mean() < 0.02 and gap.max() < 0.15
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("in_place", [True, False], ids=["updated-in-place", "new-tensors"])
+async def test_on_cuda_the_graphs_read_the_weights_as_they_are_now(in_place):
+    model = qwen(torch.float32)
+    backend = TransformersBackend(model, [STOP], 0)
+    params = SamplingParams(max_tokens=20, seed=0)
+    before = await backend.generate(PROMPTS[0], params)  # captures the step's graphs
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if in_place:
+                parameter.mul_(1.5)  # what an optimizer step does
+            else:
+                parameter.data = parameter.data * 1.5  # new storage (e.g. weights gathered anew)
+    backend.reset_prefix_cache()
+    after = await backend.generate(PROMPTS[0], params)
+    assert after.logprobs != before.logprobs
+    expected = forward_logprobs(model, PROMPTS[0], after.token_ids)
+    assert torch.allclose(expected, torch.tensor(after.logprobs), atol=1e-3)
