@@ -20,13 +20,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from agentgrpo.learner.batch import TrainingBatch
 from agentgrpo.learner.output_head import Readout
 from agentgrpo.learner.prefix_cache import PrefixCache, RecordingCache
 
-# transformers (from 5.17) keeps a checkpointed layer's cache when this layer attribute is True.
+# transformers' GradientCheckpointingLayer (from transformers 5.17) keeps a checkpointed layer's
+# cache when this attribute is True; a layer class without it never keeps one.
 _KEEPS_CACHE = "_can_checkpoint_with_cache"
 
 
@@ -70,23 +70,24 @@ def _checkpoints_keep_caches(model: torch.nn.Module) -> bool:
     """Whether every layer that checkpoints can keep a cache and pass gradients to it.
 
     True when no layer checkpoints (not training, or checkpointing off). Otherwise the layers
-    that checkpoint must be `GradientCheckpointingLayer`s of a transformers that honours
-    `_can_checkpoint_with_cache`, with non-reentrant checkpointing: a reentrant checkpoint
+    that checkpoint must be transformers' `GradientCheckpointingLayer`s of a version that
+    honours `_can_checkpoint_with_cache`, checkpointing non-reentrantly: a reentrant checkpoint
     differentiates only with respect to its positional inputs, never the cached prompt keys.
     """
     if not getattr(model, "is_gradient_checkpointing", False) or not model.training:
         return True
     layers = _checkpointing_layers(model)
-    if not layers or not hasattr(GradientCheckpointingLayer, _KEEPS_CACHE):
+    if not layers:
         return False  # checkpointing of another kind (remote code), or transformers < 5.17
     return all(_non_reentrant(layer._gradient_checkpointing_func) for layer in layers)
 
 
-def _checkpointing_layers(model: torch.nn.Module) -> list[GradientCheckpointingLayer]:
+def _checkpointing_layers(model: torch.nn.Module) -> list[Any]:
+    """The layers that checkpoint through transformers' `GradientCheckpointingLayer.__call__`."""
     return [
         module
         for module in model.modules()
-        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing
+        if getattr(module, "gradient_checkpointing", False) and hasattr(type(module), _KEEPS_CACHE)
     ]
 
 
