@@ -104,7 +104,11 @@ class GRPOConfig(TrainingArguments):
     )
     gradient_checkpointing: bool = field(
         default=True,
-        metadata={"help": "Recompute activations in the backward pass to save memory."},
+        metadata={
+            "help": "Recompute activations in the backward pass to save memory. Non-reentrant "
+            "unless gradient_checkpointing_kwargs says use_reentrant=True, which also turns off "
+            "the learner's shared-prompt forward (one pass over whole rows instead)."
+        },
     )
     remove_unused_columns: bool = field(
         default=False,
@@ -656,6 +660,9 @@ class GRPOConfig(TrainingArguments):
         )
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if self.gradient_checkpointing:  # as TRL and transformers 5 default to
+            kwargs = dict(self.gradient_checkpointing_kwargs or {})  # type: ignore[arg-type]
+            self.gradient_checkpointing_kwargs = {"use_reentrant": False, **kwargs}
         if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
             # The command line delivers every value as text.
             text = self.pad_to_multiple_of.lower()

@@ -41,7 +41,6 @@ from agentgrpo.learner.logprobs import batched_logprobs, completion_logprobs
 from agentgrpo.learner.losses import normalises_by_num_items, policy_loss
 from agentgrpo.learner.token_weights import (
     TokenWeighting,
-    entropy_from_logits,
     high_entropy_mask,
     off_policy_sequence_mask,
 )
@@ -484,17 +483,15 @@ class GRPOTrainer(AtomicCheckpoints):
     ) -> torch.Tensor:
         """The GRPO loss of one micro-batch, over its mask-1 tokens only."""
         batch, args = inputs, self.args
-        forward = completion_logprobs(
-            model, batch, args.temperature, with_logits=True, with_aux_loss=self.aux_loss_enabled
-        )
-        logprobs_B_C, logits_B_C_V, aux_loss = forward
-        del forward
-        assert logits_B_C_V is not None  # asked for with_logits=True
         # The entropy bonus needs the entropy's gradient; everything else reads it detached.
-        entropy_B_C = entropy_from_logits(
-            logits_B_C_V if self._entropy_bonus else logits_B_C_V.detach()
+        logprobs_B_C, entropy_B_C, aux_loss = completion_logprobs(
+            model,
+            batch,
+            args.temperature,
+            entropy="differentiable" if self._entropy_bonus else "detached",
+            with_aux_loss=self.aux_loss_enabled,
         )
-        del logits_B_C_V
+        assert entropy_B_C is not None  # asked for
         old_B_C = batch.old_logprobs_B_C
         if old_B_C is None:  # one update per round: the generating policy is the current one
             old_B_C = logprobs_B_C.detach()

@@ -1,13 +1,17 @@
 """The learner's loss forward and backward: one pass over whole rows vs each prompt run once.
 
 Times what `GRPOTrainer.compute_loss` does with the policy, one micro-batch: the completion
-logprobs and logits (`completion_logprobs(..., with_logits=True)`), the entropy of the detached
-logits, a token-mean loss, and its backward. Two ways to get the logits:
+logprobs and the entropy (detached), a token-mean loss, and its backward. Three ways:
 
-- one pass: `one_pass_logits`, the model over all B x (P + C) columns (what
-  `completion_logprobs` did before prompts were shared);
-- shared prompt: `shared_prompt_logits`, each distinct prompt once, then the completions over
-  its cache (what `completion_logprobs` does now when rows share prompts).
+- one pass: the model's logits over all B x (P + C) columns, B x C x V at once (what the
+  learner did before prompts were shared);
+- shared prompt: each distinct prompt once, then the completions over its keys and values
+  (`shared_prompt_states`), still reading B x C x V logits;
+- learner: `completion_logprobs`, what the learner does now: the shared prompt, and the output
+  layer over the final hidden states a chunk of tokens at a time (`output_head`).
+
+`--gradient-checkpointing` turns on transformers' (non-reentrant) gradient checkpointing in every
+way, as a ported TRL script has it.
 
 Workload: SmolLM2-135M-Instruct in float32 on CPU, `--threads` torch threads (default 1), B=8
 rows = 2 prompts x G=4 (prompts of 133 and 127 tokens of real text, so the second is
@@ -32,7 +36,7 @@ import torch
 # This folder holds a rollout.py, which would shadow the rollout package.
 sys.path.remove(os.path.dirname(os.path.realpath(__file__)))
 
-WAYS = ("one pass", "shared prompt")
+WAYS = ("one pass", "shared prompt", "learner")
 TEXT = (
     "You are a helpful assistant that can call tools to change a counter. The counter starts "
     "at zero and every call to increment adds the given step to it. Reach the target number "
@@ -69,17 +73,21 @@ def build_batch(tokenizer, completion_width: int, group_size: int = 4):
 
 
 def loss_step(model, batch, way: str) -> None:
-    """Forward and backward of a token-mean logprob loss, with the entropy of the logits."""
-    from agentgrpo.learner.logprobs import logprobs_from_logits, one_pass_logits
-    from agentgrpo.learner.shared_prompt import prompt_groups, shared_prompt_logits
-    from agentgrpo.learner.token_weights import entropy_from_logits
+    """Forward and backward of a token-mean logprob loss, with the entropy (detached)."""
+    from agentgrpo.learner.logprobs import completion_logprobs, logits_logprobs, one_pass_states
+    from agentgrpo.learner.output_head import read_logits
+    from agentgrpo.learner.shared_prompt import prompt_groups, shared_prompt_states
 
-    if way == "one pass":
-        logits_B_C_V = one_pass_logits(model, batch)[0]
+    real_B_C = batch.attention_mask_B_L[:, -batch.completion_width :].bool()
+    if way == "learner":
+        logprobs_B_C = completion_logprobs(model, batch, 1.0, entropy="detached").logprobs_B_C
     else:
-        logits_B_C_V = shared_prompt_logits(model, batch, prompt_groups(batch))
-    logprobs_B_C = logprobs_from_logits(logits_B_C_V, batch.completion_ids_B_C)
-    entropy_from_logits(logits_B_C_V.detach())
+        if way == "one pass":
+            logits_B_C_V = one_pass_states(model, batch, read_logits)[0]
+        else:
+            logits_B_C_V = shared_prompt_states(model, batch, prompt_groups(batch), read_logits)
+        targets_B_C = batch.completion_ids_B_C
+        logprobs_B_C = logits_logprobs(logits_B_C_V, targets_B_C, real_B_C, 1.0, "detached")[0]
     mask_B_C = batch.loss_mask_B_C
     loss = -(logprobs_B_C * mask_B_C).sum() / mask_B_C.sum()
     loss.backward()
@@ -92,7 +100,7 @@ def vm_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in status if line.startswith(field))
 
 
-def child(way: str, completion_width: int, repeats: int, threads: int) -> dict:
+def child(way: str, completion_width: int, repeats: int, threads: int, checkpointing: bool) -> dict:
     """Run one (way, C) measurement in this process; its numbers as a dict."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -102,6 +110,8 @@ def child(way: str, completion_width: int, repeats: int, threads: int) -> dict:
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()  # non-reentrant: transformers' default
     batch = build_batch(tokenizer, completion_width)
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # reset VmHWM to the current RSS
@@ -121,18 +131,23 @@ def main() -> None:
     parser.add_argument("--completion-lengths", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--child", nargs=2, metavar=("WAY", "C"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         way, width = args.child
-        print(json.dumps(child(way, int(width), args.repeats, args.threads)))
+        result = child(way, int(width), args.repeats, args.threads, args.gradient_checkpointing)
+        print(json.dumps(result))
         return
+    mode = "on" if args.gradient_checkpointing else "off"
+    print(f"load average {os.getloadavg()}; gradient checkpointing {mode}", flush=True)
     print("| C | way | s per step (median) | steps (s) | peak RSS above start |")
     print("|---|---|---|---|---|")
     for width in args.completion_lengths:
         for way in WAYS:
             command = [sys.executable, __file__, "--child", way, str(width)]
             command += ["--repeats", str(args.repeats), "--threads", str(args.threads)]
+            command += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
             result = json.loads(subprocess.run(command, check=True, capture_output=True).stdout)
             steps = ", ".join(f"{t:.2f}" for t in result["times_s"])
             print(
@@ -140,6 +155,7 @@ def main() -> None:
                 f" {result['peak_mib']:.0f} MiB |",
                 flush=True,
             )
+    print(f"load average {os.getloadavg()}")
 
 
 if __name__ == "__main__":

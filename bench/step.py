@@ -18,7 +18,9 @@ every other repeat.
 
 Common to both: SmolLM2-135M-Instruct (`agentgrpo.default_model.default_model_path()`) in
 float32 on CPU (`use_cpu=True`, `bf16=False`: TRL would otherwise default to bf16), gradient
-checkpointing OFF for both (both default to ON; at this size recomputation only adds time), rows
+checkpointing OFF for both (both default to ON; at this size recomputation only adds time;
+`--gradient-checkpointing` turns it ON for both, non-reentrant, as a TRL script ported by
+changing its import runs), rows
 not shuffled (step k plays rows 2k and 2k+1 in every runner; the script checks that the prompt
 token ids are identical), G=4, batch 8 (2 prompts a step, one optimizer step per generation),
 tool-result tokens counted in the budget, temperature 1.0, beta 0, loss `dapo`, constant
@@ -53,7 +55,7 @@ threads per process made step times swing by 2x; one is stable.
 TRL is needed only here, never by agentgrpo: `pip install --no-deps trl==1.16.0` (or unpack it
 and put it on PYTHONPATH). Run: `python bench/step.py`; `--workload`, `--steps`, `--repeats`,
 `--variant`, `--label`, `--no-trl`, `--threads`, `--max-completion-length`, `--model`,
-`--no-warm-start`, `--profile`.
+`--no-warm-start`, `--gradient-checkpointing`, `--profile`.
 """
 
 from __future__ import annotations
@@ -312,7 +314,8 @@ def main() -> None:
     print(
         f"load average {_load(load_start)}; {os.cpu_count()} cores; torch threads "
         f"{args.threads} in each child; {args.steps} steps a run, first dropped; "
-        f"{args.repeats} repeat(s); workloads: {', '.join(_workloads(args))}"
+        f"{args.repeats} repeat(s); workloads: {', '.join(_workloads(args))}; gradient "
+        f"checkpointing {'ON' if args.gradient_checkpointing else 'OFF'} in both"
     )
     for runner in runners:
         print(f"{runner.label}: {runner.framework} {_revision(runner)} ({runner.tree})")
@@ -339,6 +342,11 @@ def _parse_args() -> argparse.Namespace:
     add("--max-completion-length", type=int, help="override the workload's token budget")
     add("--no-warm-start", dest="warm_start", action="store_false", help="use the raw model")
     add("--model", help="a model folder to use instead (skips the warm start)")
+    add(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="checkpoint activations in both frameworks (their default; a ported script's)",
+    )
     add("--profile", action="store_true", help="cProfile each child's training (adds overhead)")
     add("--child", choices=("agentgrpo", "trl", "warm-start"), help=argparse.SUPPRESS)
     add("--tree", help=argparse.SUPPRESS)
@@ -480,6 +488,7 @@ def _spawn(runner: Runner, workload: Workload, model_dir: str, args: argparse.Na
         if args.max_completion_length:
             command += ["--max-completion-length", str(args.max_completion_length)]
         command += ["--profile"] if args.profile else []
+        command += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
         _call_child(command, runner.tree, args.threads, tmp)
         return json.loads(result.read_text())
 
@@ -699,7 +708,7 @@ def _common_config(args: argparse.Namespace, workload: Workload, output_dir: str
         "learning_rate": workload.learning_rate,
         "lr_scheduler_type": "constant",
         "max_steps": args.steps,
-        "gradient_checkpointing": False,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "bf16": False,
         "use_cpu": True,
         "seed": SEED,

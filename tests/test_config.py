@@ -160,6 +160,13 @@ def test_a_default_config_resolves_what_trl_leaves_open(make):
     assert config.pad_to_multiple_of is None
 
 
+def test_gradient_checkpointing_is_non_reentrant_unless_asked_otherwise(make):
+    assert make().gradient_checkpointing_kwargs == {"use_reentrant": False}
+    reentrant = {"use_reentrant": True, "every_n_layers": 2}
+    assert make(gradient_checkpointing_kwargs=reentrant).gradient_checkpointing_kwargs == reentrant
+    assert make(gradient_checkpointing=False).gradient_checkpointing_kwargs is None
+
+
 # --- bf16 ------------------------------------------------------------------------------------
 
 

@@ -45,7 +45,9 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-LEARNER_MAY_IMPORT = ("torch", "rollout.types", "agentgrpo.learner")
+# transformers' cache types: the shared-prompt forward hands the model caches of its own kind
+# (`agentgrpo/learner/prefix_cache.py`); nothing else of transformers.
+LEARNER_MAY_IMPORT = ("torch", "rollout.types", "agentgrpo.learner", "transformers.cache_utils")
 
 
 def test_the_learner_imports_only_torch_the_episode_types_and_the_standard_library():

@@ -1,9 +1,12 @@
 """Rows that share a prompt run it through the model once, with the one-pass numbers.
 
-The reference is `one_pass_logits`: the model over whole rows, as `completion_logprobs` ran
-before. Measured on the tiny Llama in float32, the two ways differ by at most about 1e-6 in
-logprobs and logits and 1e-5 of the largest gradient entry of a parameter (float32 rounding:
-the same sums in another order); the tolerances below leave a margin of 10.
+The reference is the model's own logits over whole rows (`one_pass_states` with `read_logits`),
+as the learner read them before it chunked the output layer and shared prompts. Measured on the
+tiny Llama in float32, the learner's ways differ from it by at most about 1e-6 in logprobs, 1e-6
+of their value in entropies and 1e-5 of the largest gradient entry of a parameter (float32
+rounding: the same sums in another order); the tolerances below leave a margin of 10. Gradient
+checkpointing keeps the shared prompt pass when it is non-reentrant (transformers' and TRL's
+default).
 """
 
 from __future__ import annotations
@@ -19,14 +22,16 @@ from agentgrpo.learner.batch import TrainingBatch, collate_episodes
 from agentgrpo.learner.logprobs import (
     batched_logprobs,
     completion_logprobs,
-    logprobs_from_logits,
-    one_pass_logits,
+    logits_logprobs,
+    one_pass_states,
 )
+from agentgrpo.learner.output_head import read_logits
+from agentgrpo.learner.prefix_cache import PrefixCache, RecordingCache
 from agentgrpo.learner.shared_prompt import can_share_prompts, prompt_groups
-from agentgrpo.learner.token_weights import entropy_from_logits
 from rollout import Episode, EpisodeRow, EpisodeStats, Finish
 
 LOGPROB_TOLERANCE = 1e-5
+ENTROPY_TOLERANCE = 1e-5  # relative: an entropy sums V terms (near log V = 10.8 here)
 GRADIENT_TOLERANCE = 1e-4  # of the parameter's largest gradient entry
 
 
@@ -58,39 +63,42 @@ def two_groups() -> TrainingBatch:
     )
 
 
-def one_pass(model, batch: TrainingBatch, temperature: float, with_logits: bool = False):
-    """The reference: logprobs (and logits) from one pass over whole rows."""
-    logits_B_C_V = one_pass_logits(model, batch)[0].float() / temperature
-    logprobs_B_C = logprobs_from_logits(logits_B_C_V, batch.completion_ids_B_C)
-    return logprobs_B_C, logits_B_C_V if with_logits else None
+def real_columns(batch: TrainingBatch) -> torch.Tensor:
+    return batch.attention_mask_B_L[:, -batch.completion_width :].bool()
 
 
-def shared(model, batch: TrainingBatch, temperature: float, with_logits: bool = False, **flags):
+def one_pass(model, batch: TrainingBatch, temperature: float, **flags):
+    """The reference: logprobs and entropies from the model's logits over whole rows."""
+    logits_B_C_V = one_pass_states(model, batch, read_logits)[0]
+    targets_B_C = batch.completion_ids_B_C
+    return logits_logprobs(
+        logits_B_C_V, targets_B_C, real_columns(batch), temperature, "differentiable"
+    )
+
+
+def learner(model, batch: TrainingBatch, temperature: float, **flags):
     """What the learner computes: `completion_logprobs`."""
-    forward = completion_logprobs(model, batch, temperature, with_logits=with_logits, **flags)
-    return forward.logprobs_B_C, forward.logits_B_C_V
+    forward = completion_logprobs(model, batch, temperature, entropy="differentiable", **flags)
+    return forward.logprobs_B_C, forward.entropy_B_C
 
 
 def numbers(model, batch: TrainingBatch, scoring, *args, **kwargs):
-    """Logprobs, logits (or None) and the gradient of a loss that reads both, per parameter."""
+    """Logprobs, entropies and the gradient of a loss that reads both, per parameter."""
     model.zero_grad(set_to_none=True)
-    logprobs_B_C, logits_B_C_V = scoring(model, batch, *args, **kwargs)
+    logprobs_B_C, entropy_B_C = scoring(model, batch, *args, **kwargs)
     weights_B_C = torch.linspace(-1, 2, logprobs_B_C.numel()).view_as(logprobs_B_C)
-    loss = (logprobs_B_C * weights_B_C * batch.loss_mask_B_C).sum()
-    if logits_B_C_V is not None:
-        loss = loss + entropy_from_logits(logits_B_C_V).sum()
+    loss = (logprobs_B_C * weights_B_C * batch.loss_mask_B_C).sum() + entropy_B_C.sum()
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-    return logprobs_B_C.detach(), logits_B_C_V, grads
+    return logprobs_B_C.detach(), entropy_B_C.detach(), grads
 
 
 def assert_same_numbers(model, batch: TrainingBatch, *args, **kwargs) -> None:
-    logprobs, logits, grads = numbers(model, batch, shared, *args, **kwargs)
-    kwargs.pop("with_aux_loss", None)
-    want_logprobs, want_logits, want_grads = numbers(model, batch, one_pass, *args, **kwargs)
+    """The learner's logprobs, entropies and gradients are the reference's."""
+    logprobs, entropy, grads = numbers(model, batch, learner, *args, **kwargs)
+    want_logprobs, want_entropy, want_grads = numbers(model, batch, one_pass, *args, **kwargs)
     torch.testing.assert_close(logprobs, want_logprobs, atol=LOGPROB_TOLERANCE, rtol=0)
-    if want_logits is not None:
-        torch.testing.assert_close(logits, want_logits, atol=LOGPROB_TOLERANCE, rtol=0)
+    torch.testing.assert_close(entropy, want_entropy, atol=0, rtol=ENTROPY_TOLERANCE)
     assert len(grads) == len(want_grads)
     for grad, want in zip(grads, want_grads, strict=True):
         scale = float(want.abs().max())
@@ -131,10 +139,6 @@ def test_groups_with_differently_padded_prompts_score_as_in_one_pass(model, temp
     assert_same_numbers(model, two_groups(), temperature)
 
 
-def test_the_logits_and_their_gradients_equal_the_one_pass_ones(model):
-    assert_same_numbers(model, two_groups(), 0.7, with_logits=True)
-
-
 def test_rows_with_distinct_prompts_take_one_pass(model):
     batch = batch_of([episode(n, token_ids(n, 5 + n), token_ids(10 + n, 4)) for n in range(3)])
     assert model_inputs(model, batch) == [(3, 7 + 4)]
@@ -148,14 +152,14 @@ def test_forked_rows_share_only_the_prompts_they_have_in_common(model):
         + [episode(2, prompt, token_ids(30, 5))]
     )
     assert prompt_groups(batch)[1].tolist() == [0, 1, 0, 2, 0]  # forks: new prompts
-    assert_same_numbers(model, batch, 0.7, with_logits=True)
+    assert_same_numbers(model, batch, 0.7)
 
 
 def test_a_lora_models_adapter_gradients_equal_the_one_pass_ones(model):
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     peft_model = get_peft_model(model, lora)
     assert can_share_prompts(peft_model)
-    assert_same_numbers(peft_model, two_groups(), 1.0, with_logits=True)
+    assert_same_numbers(peft_model, two_groups(), 1.0)
 
 
 def test_a_load_balancing_loss_needs_whole_rows_so_takes_one_pass(tokenizer):
@@ -167,13 +171,85 @@ def test_a_load_balancing_loss_needs_whole_rows_so_takes_one_pass(tokenizer):
     assert_same_numbers(moe, batch, 1.0)  # without it, the shared prompt pass
 
 
-def test_a_gradient_checkpointing_model_takes_one_pass(model):
-    model.gradient_checkpointing_enable()
-    model.train()
+def test_a_recording_cache_keeps_each_layers_first_keys_and_values_only():
+    cache = RecordingCache()
+    keys, values = torch.ones(2, 1, 3, 4), torch.zeros(2, 1, 3, 4)
+    assert cache.update(keys, values, 0) == (keys, values)
+    replayed = cache.update(keys + 1, values + 1, 0)  # a checkpoint's replay
+    assert torch.equal(replayed[0], keys + 1)
+    assert cache.layers[0].keys is keys and cache.get_seq_length() == 3
+
+
+def test_a_prefix_cache_reads_each_rows_prompt_and_stores_nothing():
+    recorded = RecordingCache()
+    recorded.update(torch.arange(2.0).view(2, 1, 1, 1), torch.zeros(2, 1, 1, 1), 0)
+    cache = PrefixCache(recorded, torch.tensor([1, 1, 0]))
+    new = torch.full((3, 1, 2, 1), 7.0)
+    for _ in range(2):  # the forward, then the replay: the same result
+        keys, _ = cache.update(new, new, 0)
+        assert keys[:, 0, :, 0].tolist() == [[1, 7, 7], [1, 7, 7], [0, 7, 7]]
+    assert cache.get_seq_length() == 1
+    with pytest.raises(ValueError, match="recorded no keys"):
+        PrefixCache(RecordingCache(), torch.tensor([0]))
+
+
+def checkpointing(model, **kwargs):
+    """`model` in training mode with transformers' gradient checkpointing (non-reentrant)."""
+    model.gradient_checkpointing_enable(**kwargs)
+    return model.train()
+
+
+def test_a_gradient_checkpointing_model_shares_prompts_with_the_one_pass_numbers(model):
+    checkpointing(model)
+    batch = two_groups()
+    assert can_share_prompts(model)
+    assert model_inputs(model, batch) == [(2, 9), (6, 7)]
+    assert_same_numbers(model, batch, 0.7)
+
+
+def test_checkpointing_replays_neither_write_nor_keep_the_caches_flag(model):
+    checkpointing(model)
+    layers = model.model.layers
+    assert_same_numbers(model, two_groups(), 1.0)  # forward and backward (the replays)
+    assert all("_can_checkpoint_with_cache" not in vars(layer) for layer in layers)
+    assert not any(layer._can_checkpoint_with_cache for layer in layers)
+
+
+def test_checkpointing_only_some_layers_shares_prompts_too(model):
+    checkpointing(model, every_n_layers=2)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
+    assert model_inputs(model, two_groups()) == [(2, 9), (6, 7)]
+    assert_same_numbers(model, two_groups(), 0.7)
+
+
+def test_reentrant_checkpointing_takes_one_pass(model):
+    checkpointing(model, gradient_checkpointing_kwargs={"use_reentrant": True})
     batch = two_groups()
     assert not can_share_prompts(model)
     assert model_inputs(model, batch) == [(6, 16)]
     assert_same_numbers(model, batch, 1.0)
+
+
+def test_a_checkpointing_model_in_eval_mode_shares_prompts_whatever_its_checkpoints(model):
+    checkpointing(model, gradient_checkpointing_kwargs={"use_reentrant": True}).eval()
+    assert can_share_prompts(model)
+
+
+def test_a_checkpointing_lora_model_shares_prompts_with_the_one_pass_gradients(model):
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(model, lora)
+    peft_model.gradient_checkpointing_enable()
+    peft_model.enable_input_require_grads()  # as models.load_policy does for checkpointing
+    peft_model.train()
+    assert can_share_prompts(peft_model)
+    assert model_inputs(peft_model, two_groups()) == [(2, 9), (6, 7)]
+    assert_same_numbers(peft_model, two_groups(), 1.0)
+
+
+def test_a_checkpointing_mixture_of_experts_model_shares_prompts(tokenizer):
+    moe = checkpointing(tiny_qwen2_moe(tokenizer))
+    assert model_inputs(moe, two_groups()) == [(2, 9), (6, 7)]
+    assert_same_numbers(moe, two_groups(), 1.0)
 
 
 def test_a_sliding_window_model_takes_one_pass(tokenizer):

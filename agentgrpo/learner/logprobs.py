@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from agentgrpo.learner.batch import TrainingBatch
-from agentgrpo.learner.shared_prompt import can_share_prompts, prompt_groups, shared_prompt_logits
+from agentgrpo.learner.output_head import (
+    Readout,
+    head_logprobs,
+    output_head,
+    read_hidden,
+    read_logits,
+)
+from agentgrpo.learner.shared_prompt import can_share_prompts, prompt_groups, shared_prompt_states
+from agentgrpo.learner.token_weights import entropy_from_logits
 
 
 class PolicyForward(NamedTuple):
     """What `completion_logprobs` computes.
 
     Attributes:
-        logprobs_B_C: Logprob of each completion token (with grad when the model requires it).
-        logits_B_C_V: The temperature-scaled logits, when asked for (for entropy), else None.
+        logprobs_B_C: Logprob of each completion token (with grad when the model requires it);
+            0 at padding.
+        entropy_B_C: Entropy (nats) of each completion position's distribution, when asked
+            for, else None; 0 at padding.
         aux_loss: A mixture-of-experts model's load-balancing loss, when asked for, else None.
     """
 
     logprobs_B_C: torch.Tensor
-    logits_B_C_V: torch.Tensor | None = None
+    entropy_B_C: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
 
 
@@ -28,48 +38,81 @@ def completion_logprobs(
     model: torch.nn.Module,
     batch: TrainingBatch,
     temperature: float,
-    with_logits: bool = False,
+    entropy: str | None = None,
     with_aux_loss: bool = False,
 ) -> PolicyForward:
-    """Logprob of each completion token under `model`.
+    """Logprob (and entropy) of each completion token under `model`.
 
     Logits are divided by the sampling `temperature` first, so the values are comparable with
-    the sampler's (see `rollout.sampling`). Only the completion positions' logits are computed.
+    the sampler's (see `rollout.sampling`). The model returns its final hidden states and
+    `output_head.head_logprobs` turns them into logprobs a chunk of tokens at a time, so the
+    B x C x V logits never exist at once; for a model whose logits are not plain
+    `lm_head(hidden)` (`output_head` is None) the completion positions' logits are read whole.
     When rows share a prompt (a GRPO group), each distinct prompt runs through the model once
-    (`shared_prompt_logits`); otherwise, and whenever that could change the results, one pass
-    runs over prompts and completions (`one_pass_logits`). Both give the same logprobs, logits
-    and gradients up to float rounding. `with_aux_loss` asks a mixture-of-experts model for
-    its load-balancing loss, over the whole sequences, prompts included (so always one pass).
+    (`shared_prompt_states`); otherwise, and whenever that could change the results, one pass
+    runs over prompts and completions (`one_pass_states`). Every way gives the same numbers
+    and gradients up to float rounding.
+
+    Args:
+        model: A causal LM, possibly wrapped (DDP, DeepSpeed, PEFT).
+        batch: The rows to score.
+        temperature: Divides the logits; 0 means 1 (greedy sampling's logprobs).
+        entropy: None, "detached" or "differentiable" (see `output_head.head_logprobs`).
+        with_aux_loss: Ask a mixture-of-experts model for its load-balancing loss, over the
+            whole sequences, prompts included (so always one pass).
     """
+    temperature = temperature or 1.0
+    head = output_head(model)
+    readout: Readout = read_logits if head is None else read_hidden
     prompts = None if with_aux_loss else _shared_prompts(model, batch)
     if prompts is not None:
-        logits_B_C_V, aux_loss = shared_prompt_logits(model, batch, prompts), None
+        states_B_C_D, aux_loss = shared_prompt_states(model, batch, prompts, readout), None
     else:
-        logits_B_C_V, aux_loss = one_pass_logits(model, batch, with_aux_loss)
-    logits_B_C_V = logits_B_C_V.float()
-    if temperature and temperature != 1.0:
-        logits_B_C_V = logits_B_C_V / temperature
-    logprobs_B_C = logprobs_from_logits(logits_B_C_V, batch.completion_ids_B_C)
-    return PolicyForward(logprobs_B_C, logits_B_C_V if with_logits else None, aux_loss)
+        states_B_C_D, aux_loss = one_pass_states(model, batch, readout, with_aux_loss)
+    targets_B_C = batch.completion_ids_B_C
+    real_B_C = batch.attention_mask_B_L[:, -batch.completion_width :].bool()
+    if head is not None:
+        numbers = head_logprobs(head, states_B_C_D, targets_B_C, real_B_C, temperature, entropy)
+    else:
+        numbers = logits_logprobs(states_B_C_D, targets_B_C, real_B_C, temperature, entropy)
+    return PolicyForward(*numbers, aux_loss)
 
 
-def one_pass_logits(
-    model: torch.nn.Module, batch: TrainingBatch, with_aux_loss: bool = False
+def one_pass_states(
+    model: torch.nn.Module, batch: TrainingBatch, readout: Readout, with_aux_loss: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits predicting each completion token (B x C x V) from one pass over whole rows.
+    """`readout`'s states (B x C x D) predicting each completion token, one pass over whole rows.
 
-    Returns the logits and, with `with_aux_loss`, the model's load-balancing loss (else None).
+    Returns the states and, with `with_aux_loss`, the model's load-balancing loss (else None).
     """
-    router = {"output_router_logits": True} if with_aux_loss else {}
-    out = model(
+    router: dict[str, Any] = {"output_router_logits": True} if with_aux_loss else {}
+    states_B_C1_D, out = readout(
+        model,
+        batch.completion_width + 1,
         input_ids=batch.input_ids_B_L,
         attention_mask=batch.attention_mask_B_L,
         position_ids=batch.position_ids_B_L,
-        logits_to_keep=batch.completion_width + 1,
-        use_cache=False,
         **router,
     )
-    return out.logits[:, :-1], out.aux_loss if with_aux_loss else None
+    return states_B_C1_D[:, :-1], out.aux_loss if with_aux_loss else None
+
+
+def logits_logprobs(
+    logits_B_C_V: torch.Tensor,
+    targets_B_C: torch.Tensor,
+    real_B_C: torch.Tensor,
+    temperature: float,
+    entropy: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`output_head.head_logprobs` from whole logits: the same numbers, B x C x V at once."""
+    logits_B_C_V = logits_B_C_V.float()
+    if temperature != 1.0:
+        logits_B_C_V = logits_B_C_V / temperature
+    logprobs_B_C = torch.where(real_B_C, logprobs_from_logits(logits_B_C_V, targets_B_C), 0.0)
+    if entropy is None:
+        return logprobs_B_C, None
+    scored_B_C_V = logits_B_C_V if entropy == "differentiable" else logits_B_C_V.detach()
+    return logprobs_B_C, torch.where(real_B_C, entropy_from_logits(scored_B_C_V), 0.0)
 
 
 def logprobs_from_logits(logits_B_C_V: torch.Tensor, targets_B_C: torch.Tensor) -> torch.Tensor:
@@ -84,7 +127,7 @@ def _shared_prompts(
     """`prompt_groups(batch)` where sharing prompts is valid and pays, else None.
 
     It pays when rows share prompts; it needs prompt columns, at least 2 completion columns
-    (the first completion token's logits come from the prompt pass) and a model it suits.
+    (the first completion token's state comes from the prompt pass) and a model it suits.
     """
     width_C = batch.completion_width
     if batch.input_ids_B_L.shape[1] == width_C or width_C < 2 or not can_share_prompts(model):

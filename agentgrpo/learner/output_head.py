@@ -1,0 +1,182 @@
+"""Logprobs and entropies of completion tokens without every token's full-vocabulary logits at once.
+
+A forward over B rows of C completion tokens would hold B x C x V logits (V: the vocabulary,
+152k for Qwen2.5), and their float32 copies and softmax for backward: on a GPU that is most of
+the learner's peak memory. Instead the model returns its final hidden states (B x C x H, through
+`output_hidden_states`, computing the logits of one position per row), and `head_logprobs` runs
+the model's output embedding over them a chunk of tokens at a time, each chunk under
+(non-reentrant) activation checkpointing: only one chunk's logits ever exist, in the forward and
+again in the backward, which recomputes them.
+
+This is exact only where the logits are the output embedding of the last hidden state.
+`output_head` returns None for the models whose forward does more (a soft cap, a scale, masked or
+trimmed vocabulary entries); the learner then reads their logits as the model returns them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# At most this many logits (tokens x vocabulary) in one chunk: 128 MiB in float32, e.g. 220
+# tokens of Qwen2.5's 152k vocabulary or 682 of SmolLM2's 49k. A batch that fits in one chunk
+# is computed without checkpointing, hence without recomputation.
+LOGITS_PER_CHUNK = 2**25
+
+# Text-config attributes of transformers models whose logits are not `lm_head(hidden)`: set to
+# anything but None they transform the logits (Gemma 2-4 and nanochat soft-cap them; Cohere,
+# Granite, Falcon-H1, HyperCLOVA X and Muse Glimmer scale them; RecurrentGemma soft-caps them;
+# Inkling trims the padded vocabulary).
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_soft_cap",
+    "unpadded_vocab_size",
+)
+# Model types whose forward rewrites some logits with no config attribute saying so (Chameleon
+# masks its image tokens).
+_LOGIT_REWRITING_TYPES = ("chameleon",)
+
+
+class Readout(Protocol):
+    """What a forward pass hands the learner, for the last `keep` positions of each row.
+
+    Called as `readout(model, keep, **model_inputs)`; returns the states (B x keep x D: final
+    hidden states, D = H, or logits, D = V) and the model's output (for `aux_loss`).
+    """
+
+    def __call__(
+        self, model: torch.nn.Module, keep: int, **inputs: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """Run `model` on `inputs`; its states at the last `keep` positions, and its output."""
+        ...
+
+
+def read_logits(model: torch.nn.Module, keep: int, **inputs: Any) -> tuple[torch.Tensor, Any]:
+    """The logits of the last `keep` positions, as the model computes them: B x keep x V."""
+    out = model(**inputs, use_cache=False, logits_to_keep=keep)
+    return out.logits, out
+
+
+def read_hidden(model: torch.nn.Module, keep: int, **inputs: Any) -> tuple[torch.Tensor, Any]:
+    """The final (normed) hidden states of the last `keep` positions: B x keep x H.
+
+    The model computes the logits of each row's last position only (B x 1 x V).
+    """
+    out = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
+    return out.hidden_states[-1][:, -keep:], out
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module whose output on the final hidden states is the model's logits, or None.
+
+    None when the model has no output embedding, or its forward transforms the logits after it
+    (`_LOGIT_TRANSFORMS`, `_LOGIT_REWRITING_TYPES`). `model` may be wrapped (DDP, DeepSpeed,
+    PEFT); the module returned is the one the forward calls, adapters and hooks included.
+    """
+    inner: Any = getattr(model, "module", model)
+    config = getattr(inner, "config", None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if config is None or head is None:
+        return None
+    text_config = config.get_text_config(decoder=True)
+    if config.model_type in _LOGIT_REWRITING_TYPES or any(
+        getattr(text_config, name, None) is not None for name in _LOGIT_TRANSFORMS
+    ):
+        return None
+    return head
+
+
+def head_logprobs(
+    head: torch.nn.Module,
+    hidden_B_C_H: torch.Tensor,
+    targets_B_C: torch.Tensor,
+    real_B_C: torch.Tensor,
+    temperature: float,
+    entropy: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each target token, and optionally the entropy, from final hidden states.
+
+    Both are those of the temperature-scaled distribution `softmax(head(hidden) / temperature)`
+    in float32, computed only where `real_B_C` (0 at padding), `chunk_tokens(V)` tokens at a
+    time. With more than one chunk and gradients on, each chunk is checkpointed, so only one
+    chunk's logits live at any time, in the backward too.
+
+    Args:
+        head: The model's output embedding (`output_head`), V outputs.
+        hidden_B_C_H: Final hidden states at the positions predicting `targets_B_C`.
+        targets_B_C: Token ids (long).
+        real_B_C: Bool, True on the real (not padding) tokens.
+        temperature: Divides the logits; > 0.
+        entropy: None: no entropy; "detached": without gradient; "differentiable": with it
+            (an entropy bonus in the loss needs it).
+
+    Returns:
+        logprobs_B_C, entropy_B_C (None when not asked for): float32.
+    """
+    if entropy not in _ENTROPY_MODES:
+        raise ValueError(f"entropy={entropy!r} is not one of {_ENTROPY_MODES}")
+    hidden_N_H, targets_N = hidden_B_C_H[real_B_C], targets_B_C[real_B_C]
+    size = chunk_tokens(_vocabulary_size(head, hidden_N_H))
+    several = hidden_N_H.shape[0] > size and torch.is_grad_enabled()
+    score = _checkpointed_chunk if several else chunk_logprobs
+    parts = [
+        score(head, hidden_n_H, targets_n, temperature, entropy)
+        for hidden_n_H, targets_n in zip(hidden_N_H.split(size), targets_N.split(size), strict=True)
+    ]
+    logprobs_B_C = _scatter(torch.cat([logprobs_n for logprobs_n, _ in parts]), real_B_C)
+    entropies = [entropy_n for _, entropy_n in parts if entropy_n is not None]
+    return logprobs_B_C, _scatter(torch.cat(entropies), real_B_C) if entropy else None
+
+
+_ENTROPY_MODES = (None, "detached", "differentiable")
+
+
+def chunk_tokens(vocabulary_size: int) -> int:
+    """How many tokens' logits one chunk computes: `LOGITS_PER_CHUNK // V`, at least 1."""
+    return max(1, LOGITS_PER_CHUNK // vocabulary_size)
+
+
+def chunk_logprobs(
+    head: torch.nn.Module,
+    hidden_N_H: torch.Tensor,
+    targets_N: torch.Tensor,
+    temperature: float,
+    entropy: str | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`head_logprobs` of N tokens at once, all real: logprobs_N and entropy_N (or None)."""
+    logits_N_V = head(hidden_N_H).float()
+    if temperature != 1.0:
+        logits_N_V = logits_N_V / temperature
+    logz_N = torch.logsumexp(logits_N_V, dim=-1)
+    logprobs_N = logits_N_V.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1) - logz_N
+    if entropy is None:
+        return logprobs_N, None
+    with torch.set_grad_enabled(entropy == "differentiable" and torch.is_grad_enabled()):
+        logp_N_V = logits_N_V - logz_N.unsqueeze(-1)
+        entropy_N = -(logp_N_V.exp() * logp_N_V).sum(dim=-1)
+    return logprobs_N, entropy_N
+
+
+def _checkpointed_chunk(*args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`chunk_logprobs` whose logits the backward recomputes instead of keeping them."""
+    return checkpoint(chunk_logprobs, *args, use_reentrant=False)
+
+
+def _vocabulary_size(head: torch.nn.Module, hidden_N_H: torch.Tensor) -> int:
+    """V: the head's output features (a `Linear`, LoRA-wrapped or not), else measured on a row."""
+    size = getattr(head, "out_features", None)
+    if isinstance(size, int):
+        return size
+    with torch.no_grad():
+        return int(head(hidden_N_H[:1]).shape[-1])
+
+
+def _scatter(values_N: torch.Tensor, real_B_C: torch.Tensor) -> torch.Tensor:
+    """B x C: `values_N` at the real positions (in row-major order), 0 elsewhere."""
+    return values_N.new_zeros(real_B_C.shape).masked_scatter(real_B_C, values_N)
