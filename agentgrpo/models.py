@@ -141,6 +141,8 @@ def load_tokenizer(
 def reference_model(model: Any, args: Any) -> Any | None:
     """A frozen copy of the starting policy, needed only when `beta > 0`.
 
+    The copy is where the policy is and in its dtype (the Trainer has already placed the
+    policy on its device); its logprobs run under the same autocast as the policy's.
     With PEFT there is no copy: the reference is the base model with the adapter disabled.
     """
     if args.beta == 0.0 or _is_peft(model):

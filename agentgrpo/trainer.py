@@ -247,7 +247,7 @@ class GRPOTrainer(AtomicCheckpoints):
             shaping=dataclasses.replace(shaping, weights_F=parts.reward_weights),
             collate=lambda episodes, advantages_N: collate_episodes(
                 episodes, advantages_N, tokenizer.pad_token_id, args.mask_truncated_completions
-            ),
+            ).to(args.device),
             old_logprobs=lambda batch: self._logprobs(self.model, batch),
             ref_logprobs=self._reference_logprobs if args.beta != 0.0 else None,
             gather=self._gather,
@@ -463,9 +463,10 @@ class GRPOTrainer(AtomicCheckpoints):
             return episodes, anyio.run(score_played, self.scorer, episodes, num_generations)
 
     def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
-        """`model`'s logprobs of the batch, no grad, a micro-batch's rows at a time."""
-        rows = self.args.per_device_train_batch_size
-        return batched_logprobs(model, batch, self.args.temperature, rows)
+        """`model`'s logprobs of the batch, no grad, under autocast, a micro-batch at a time."""
+        with self.accelerator.autocast():  # the run's mixed precision, as in the loss forward
+            rows = self.args.per_device_train_batch_size
+            return batched_logprobs(model, batch, self.args.temperature, rows)
 
     def _reference_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
         if self.ref_model is not None:
