@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
+from agentgrpo.devices import inference_autocast
 from rollout.attention import use_grouped_query_sdpa
 
 
@@ -95,6 +96,19 @@ def load_policy(
     if args.gradient_checkpointing and hasattr(policy, "enable_input_require_grads"):
         policy.enable_input_require_grads()  # checkpointed LoRA needs grads at the inputs
     return policy
+
+
+def load_for_generation(path: str, device: torch.device) -> tuple[Any, torch.dtype | None]:
+    """A saved model to play episodes with (`agentgrpo eval`, `doctor --generate`), on `device`.
+
+    As a training run holds it: float32 weights, on `rollout.attention`'s "sdpa_gqa" where it
+    uses "sdpa". Returns the model (in eval mode) and the autocast dtype to generate under
+    (`devices.inference_autocast`: bf16 on a GPU that supports it, None on a CPU).
+    """
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = model.to(device).eval()
+    use_grouped_query_sdpa(model)
+    return model, inference_autocast(device)
 
 
 def router_aux_loss_coef(model: Any, configured: float | None) -> float:
