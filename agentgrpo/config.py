@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from agentgrpo.precision import corrects_sampler_mismatch
 from rollout.parsers import get_parser
 from rollout.template import load_template
 from rollout.vllm_backend import check_sampling_overrides
@@ -475,8 +476,8 @@ class GRPOConfig(TrainingArguments):
     vllm_importance_sampling_correction: bool = field(
         default=True,
         metadata={
-            "help": "Reweight the loss by training/sampler probability ratios to correct for "
-            "vLLM's numerics."
+            "help": "Reweight the loss by training/sampler probability ratios to correct for the "
+            "sampler's numerics: vLLM's, or generation under bf16/fp16 mixed precision."
         },
     )
     vllm_importance_sampling_mode: str = field(
@@ -802,8 +803,7 @@ class GRPOConfig(TrainingArguments):
         _require(
             not (
                 self.loss_type == "vespo"
-                and self.use_vllm
-                and self.vllm_importance_sampling_correction
+                and corrects_sampler_mismatch(self)
                 and not self.vllm_importance_sampling_mode.startswith("token_")
             ),
             "VESPO loss requires vllm_importance_sampling_mode 'token_truncate' or 'token_mask' "

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
+from agentgrpo.devices import inference_autocast
 from rollout.attention import use_grouped_query_sdpa
 
 
@@ -97,6 +98,19 @@ def load_policy(
     return policy
 
 
+def load_for_generation(path: str, device: torch.device) -> tuple[Any, torch.dtype | None]:
+    """A saved model to play episodes with (`agentgrpo eval`, `doctor --generate`), on `device`.
+
+    As a training run holds it: float32 weights, on `rollout.attention`'s "sdpa_gqa" where it
+    uses "sdpa". Returns the model (in eval mode) and the autocast dtype to generate under
+    (`devices.inference_autocast`: bf16 on a GPU that supports it, None on a CPU).
+    """
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = model.to(device).eval()
+    use_grouped_query_sdpa(model)
+    return model, inference_autocast(device)
+
+
 def router_aux_loss_coef(model: Any, configured: float | None) -> float:
     """The weight of a mixture-of-experts model's load-balancing loss in the GRPO loss; 0: none.
 
@@ -141,6 +155,8 @@ def load_tokenizer(
 def reference_model(model: Any, args: Any) -> Any | None:
     """A frozen copy of the starting policy, needed only when `beta > 0`.
 
+    The copy is where the policy is and in its dtype (the Trainer has already placed the
+    policy on its device); its logprobs run under the same autocast as the policy's.
     With PEFT there is no copy: the reference is the base model with the adapter disabled.
     """
     if args.beta == 0.0 or _is_peft(model):

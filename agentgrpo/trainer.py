@@ -42,7 +42,7 @@ from agentgrpo.learner.losses import normalises_by_num_items, policy_loss
 from agentgrpo.learner.token_weights import (
     TokenWeighting,
     high_entropy_mask,
-    off_policy_sequence_mask,
+    trl_off_policy_mask,
 )
 from agentgrpo.models import (
     check_liger_kernel,
@@ -54,6 +54,7 @@ from agentgrpo.models import (
     router_aux_loss_coef,
     tokenizer_kwargs,
 )
+from agentgrpo.precision import corrects_sampler_mismatch
 from agentgrpo.reporting.completions import CompletionsTable, log_to_integrations, print_table
 from agentgrpo.reporting.metrics import RewardLayout
 from agentgrpo.reporting.round_report import (
@@ -63,6 +64,7 @@ from agentgrpo.reporting.round_report import (
     logged_metrics,
 )
 from agentgrpo.reporting.run_log import EpisodeLog
+from agentgrpo.reporting.sampling import SamplingWindow
 from agentgrpo.reporting.trackers import check_trackers
 from agentgrpo.rewards.calls import check_trainer_arguments, reward_functions
 from agentgrpo.round import (
@@ -200,6 +202,7 @@ class GRPOTrainer(AtomicCheckpoints):
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
         self._metrics: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self._sampling = SamplingWindow()  # the sampler mismatch of this step's micro-batches
         self.ref_model = reference_model(self.model, args)
         if args.sync_ref_model:
             policy = self.accelerator.unwrap_model(self.model)
@@ -238,7 +241,7 @@ class GRPOTrainer(AtomicCheckpoints):
             agent=self.agent,
         )
         self.engine, self.scorer, self.loss_config = parts.engine, parts.scorer, parts.loss_config
-        self.token_weighting = TokenWeighting.from_config(args)
+        self.token_weighting = TokenWeighting.from_config(args, corrects_sampler_mismatch(args))
         self.entropy_control = AdaptiveEntropy.from_config(args)
         shaping = RewardShaping.from_config(args)
         self._round_parts = RoundParts(
@@ -246,7 +249,7 @@ class GRPOTrainer(AtomicCheckpoints):
             shaping=dataclasses.replace(shaping, weights_F=parts.reward_weights),
             collate=lambda episodes, advantages_N: collate_episodes(
                 episodes, advantages_N, tokenizer.pad_token_id, args.mask_truncated_completions
-            ),
+            ).to(args.device),
             old_logprobs=lambda batch: self._logprobs(self.model, batch),
             ref_logprobs=self._reference_logprobs if args.beta != 0.0 else None,
             gather=self._gather,
@@ -403,14 +406,9 @@ class GRPOTrainer(AtomicCheckpoints):
             mask: 1 where the token counts, (B, T).
             off_policy_threshold: The largest mean drift kept for a negative advantage.
         """
-        logps_B_T = per_token_logps.detach()
-        sampler_B_T = torch.where(
-            sampling_per_token_logps.isnan(), logps_B_T, sampling_per_token_logps
+        return trl_off_policy_mask(
+            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
         )
-        keep_B = off_policy_sequence_mask(
-            logps_B_T, sampler_B_T, advantages.reshape(-1), mask, off_policy_threshold
-        )
-        return keep_B.unsqueeze(1).to(mask.dtype)
 
     @property
     def _eval_plan(self) -> RoundPlan:
@@ -462,9 +460,10 @@ class GRPOTrainer(AtomicCheckpoints):
             return episodes, anyio.run(score_played, self.scorer, episodes, num_generations)
 
     def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
-        """`model`'s logprobs of the batch, no grad, a micro-batch's rows at a time."""
-        rows = self.args.per_device_train_batch_size
-        return batched_logprobs(model, batch, self.args.temperature, rows)
+        """`model`'s logprobs of the batch, no grad, under autocast, a micro-batch at a time."""
+        with self.accelerator.autocast():  # the run's mixed precision, as in the loss forward
+            rows = self.args.per_device_train_batch_size
+            return batched_logprobs(model, batch, self.args.temperature, rows)
 
     def _reference_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
         if self.ref_model is not None:
@@ -495,6 +494,8 @@ class GRPOTrainer(AtomicCheckpoints):
         old_B_C = batch.old_logprobs_B_C
         if old_B_C is None:  # one update per round: the generating policy is the current one
             old_B_C = logprobs_B_C.detach()
+        ratios_U = self.token_weighting.sampler_ratios(batch, old_B_C)
+        self._sampling.add(old_B_C, batch.sampler_logprobs_B_C, batch.loss_mask_B_C, ratios_U)
         output = policy_loss(
             logprobs_B_C,
             old_B_C,
@@ -564,9 +565,13 @@ class GRPOTrainer(AtomicCheckpoints):
         """Average each loss metric over the processes (one gather for all of them)."""
         names = sorted(metrics)
         local_1_M = torch.stack([metrics[n].float().reshape(()) for n in names]).unsqueeze(0)
-        everyone_P_M = self.accelerator.gather(local_1_M.to(self.accelerator.device)).cpu()
-        for name, value in zip(names, everyone_P_M.nanmean(0).tolist(), strict=True):
-            self._metrics[self._mode][name].append(value)
+        means_M = self._gather(local_1_M).nanmean(0).tolist()
+        self._add_metrics(self._mode, dict(zip(names, means_M, strict=True)))
+
+    def _add_metrics(self, mode: str, metrics: Mapping[str, float]) -> None:
+        """Queue metric values for the next log of `mode` ("train" or "eval")."""
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(value)
 
     def _loss_scale(self) -> float:
         """Undo the Trainer's division by accumulation steps and DDP's mean for token losses."""
@@ -583,6 +588,7 @@ class GRPOTrainer(AtomicCheckpoints):
             self._metrics["train"]["step_time"].append(self._step_seconds)
             self._step_seconds = 0.0
             self._end_entropy_window()
+            self._add_metrics("train", self._sampling.close(self._gather))
         return loss
 
     def _end_entropy_window(self) -> None:
@@ -618,6 +624,7 @@ class GRPOTrainer(AtomicCheckpoints):
         with torch.no_grad():
             batch = self._prepare_inputs(inputs)
             loss = self.compute_loss(model, batch)
+        self._add_metrics("eval", self._sampling.close(self._gather))
         return loss.detach(), None, None
 
     # ------------------------------------------------------------------ logging
@@ -635,8 +642,7 @@ class GRPOTrainer(AtomicCheckpoints):
             metrics["num_tokens"] = self.state.num_input_tokens_seen
         logs = self.scorer.logs
         metrics |= logged_metrics(logs.take_metrics(), self._gather, self._gather_objects)
-        for name, value in metrics.items():
-            self._metrics[mode][name].append(value)
+        self._add_metrics(mode, metrics)
         extra = logs.take_extra(len(round_.episodes) // plan.num_generations, plan.num_generations)
         if self.args.log_completions:
             views = [self.scorer.views(episode) for episode in round_.episodes]
@@ -650,16 +656,10 @@ class GRPOTrainer(AtomicCheckpoints):
 
     def _reward_layout(self, plan: RoundPlan) -> RewardLayout:
         """How this run's reward columns are named, weighted and scaled, for the metrics."""
-        shaping = self._round_parts.shaping
-        names = self.scorer.names
-        return RewardLayout(
-            names=names,
-            weights_F=shaping.weights_F or [1.0] * len(names),
-            num_generations=plan.num_generations,
-            batch_scaled=shaping.scale == "batch" or shaping.aggregation == "normalize_then_sum",
-            # an agent offers tools with its requests: its calls, turns and forks count too
-            with_tools=self.engine.context.has_tools or self.engine.agent is not None,
-        )
+        # an agent offers tools with its requests: its calls, turns and forks count too
+        with_tools = self.engine.context.has_tools or self.engine.agent is not None
+        shaping, names = self._round_parts.shaping, self.scorer.names
+        return RewardLayout.of(names, shaping, plan.num_generations, with_tools)
 
     @property
     def last_records(self) -> list[EpisodeRecord]:

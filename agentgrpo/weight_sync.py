@@ -6,8 +6,11 @@ policy's weights when they changed since the last push (so after each optimizer 
 a warm start or a resume), and lets a colocated vLLM sleep between rounds.
 
 - transformers: the backend reads the policy itself; nothing to push, but its prefix cache
-  is emptied around every round.
-- vLLM colocate: the engine runs in this process and reloads from the policy's tensors in place.
+  is emptied around every round. Under mixed precision it generates under the same autocast
+  dtype as the trainer's forward passes.
+- vLLM colocate: the engine runs in this process and reloads from the policy's tensors in place;
+  its settings are TRL's (`colocate_engine_args`). With `vllm_enable_sleep_mode` it sleeps
+  between rounds as TRL's does: weights and KV cache discarded, weights pushed on waking.
 - vLLM server: the trainer broadcasts the tensors to the server's workers (NCCL between GPUs,
   gloo on CPU; `rollout.weight_transport`), which load them through agentgrpo's worker
   extension (`agentgrpo vllm-serve` installs it); then the server's prefix cache is reset.
@@ -27,6 +30,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from agentgrpo.precision import autocast_kwargs, mixed_precision_dtype
 from rollout import GenerationBackend, TransformersBackend
 from rollout.vllm_backend import (
     VLLMColocateBackend,
@@ -59,13 +63,19 @@ def build_generator(
     """The backend `args` asks for (`use_vllm`, `vllm_mode`) and the sync that feeds it."""
     if not args.use_vllm:
         local = TransformersBackend.from_tokenizer(
-            model, tokenizer, seed=args.seed, sampling_overrides=sampling_overrides(args)
+            model,
+            tokenizer,
+            seed=args.seed,
+            sampling_overrides=sampling_overrides(args),
+            **autocast_kwargs(mixed_precision_dtype(args)),
         )
         return local, SharedWeights(local)
     stop = default_stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     if args.vllm_mode == "colocate":
         sleeps = _sleeps(args)
         colocated = _colocated_vllm(model, tokenizer, args, stop, sleeps)
+        if sleeps:  # as TRL: its memory is free until the first round
+            colocated.sleep()
         return colocated, ColocatedPush(colocated, sleeps)
     connection = ServerConnection(
         server_url(args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port),
@@ -161,13 +171,22 @@ class ColocatedPush:
 
     @contextlib.contextmanager
     def generating(self, model: torch.nn.Module, step: int) -> Iterator[None]:
-        """Wake the engine, push if `step` is new, generate, and sleep again if configured."""
-        if self.backend.sleeping:
-            self.backend.wake_up()
+        """Wake the engine, push if `step` is new, generate, and sleep again if configured.
+
+        As TRL: the weights wake first and are always pushed (sleep discarded them), then the
+        KV cache wakes.
+        """
+        if "weights" in self.backend.asleep:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # what the optimizer step freed, for vLLM to map
+            self.backend.wake_up(["weights"])
+            self.pushed_step = None
         if step != self.pushed_step:
             with policy_weights(model) as weights:
                 self.backend.load_weights(weights)
             self.pushed_step = step
+        if self.backend.sleeping:
+            self.backend.wake_up(["kv_cache"])
         try:
             yield
         finally:
@@ -265,7 +284,6 @@ def _colocated_vllm(
     model: Any, tokenizer: Any, args: GRPOConfig, stop: set[int], sleeps: bool
 ) -> VLLMColocateBackend:
     """Start vLLM in this process on the policy's config, with the policy's weights."""
-    on_cpu = model.device.type == "cpu"
     with policy_weights(model) as weights:
         return VLLMColocateBackend.start(
             model.config,
@@ -274,14 +292,50 @@ def _colocated_vllm(
             stop_token_ids=stop,
             sampling_overrides=sampling_overrides(args),
             regex=args.vllm_structured_outputs_regex,
-            dtype=str(model.dtype).removeprefix("torch."),
-            max_model_len=args.vllm_max_model_length,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            model_impl=args.vllm_model_impl,
-            enable_sleep_mode=sleeps,
-            enforce_eager=on_cpu,  # CPU: start-up in seconds rather than minutes
-            seed=args.seed,
+            **colocate_engine_args(args, model.dtype, model.device, sleeps),
         )
+
+
+# TRL's: vLLM v1's memory profiler is misled by its default (32768 tokens a step).
+COLOCATE_BATCHED_TOKENS = 4096
+
+
+def colocate_engine_args(
+    args: GRPOConfig, weights_dtype: torch.dtype, device: torch.device, sleeps: bool
+) -> dict[str, Any]:
+    """The `vllm.LLM` arguments of colocate mode, as TRL 1.16 sets them.
+
+    `gpu_memory_utilization`, `max_model_len`, `tensor_parallel_size` (always 1: GRPOConfig
+    refuses more in colocate mode), `model_impl`, `enable_sleep_mode`, `trust_remote_code`,
+    `max_num_seqs` (a round's episodes: `per_device_train_batch_size * steps_per_generation`,
+    times the tensor-parallel size) and `max_num_batched_tokens`. The dtype is the run's
+    mixed-precision one when there is one (generation in the dtype training computes in),
+    else the weights'. On a CPU, `enforce_eager` (start-up in seconds rather than minutes).
+
+    Args:
+        args: The config.
+        weights_dtype: The policy's parameter dtype.
+        device: Where the policy is.
+        sleeps: Whether the engine sleeps between rounds (`_sleeps`).
+    """
+    dtype = mixed_precision_dtype(args) or weights_dtype
+    tensor_parallel = args.vllm_tensor_parallel_size
+    assert args.steps_per_generation is not None  # GRPOConfig resolves it
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "max_model_len": args.vllm_max_model_length,
+        "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+        "tensor_parallel_size": tensor_parallel,
+        "max_num_seqs": args.per_device_train_batch_size
+        * tensor_parallel
+        * args.steps_per_generation,
+        "max_num_batched_tokens": COLOCATE_BATCHED_TOKENS,
+        "model_impl": args.vllm_model_impl,
+        "enable_sleep_mode": sleeps,
+        "enforce_eager": device.type == "cpu",
+        "seed": args.seed,
+        "trust_remote_code": args.trust_remote_code,
+    }
 
 
 def _sleeps(args: GRPOConfig) -> bool:

@@ -125,7 +125,7 @@ class VLLMColocateBackend:
             structured = import_vllm().sampling_params.StructuredOutputsParams(regex=regex)
             self.sampling_overrides["structured_outputs"] = structured
         self.context_limit: int | None = llm.llm_engine.model_config.max_model_len
-        self.sleeping = False
+        self.asleep: set[str] = set()  # what `sleep` discarded: "weights", "kv_cache"
         self._ids = itertools.count()
         self._arriving: list[_Request] = []
         self._running: dict[str, _Request] = {}
@@ -223,14 +223,24 @@ class VLLMColocateBackend:
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
 
     def sleep(self) -> None:
-        """Free the engine's accelerator memory (weights offloaded, KV cache dropped)."""
-        self.llm.sleep(level=1)
-        self.sleeping = True
+        """Free the engine's accelerator memory: weights and KV cache discarded (level 2).
 
-    def wake_up(self) -> None:
-        """Undo `sleep`."""
-        self.llm.wake_up()
-        self.sleeping = False
+        As in TRL: the policy's weights change at every optimizer step, so keeping a host copy
+        of the old ones (level 1) would only be overwritten. After `wake_up(["weights"])` the
+        weights must be loaded again (`load_weights`) before the engine generates.
+        """
+        self.llm.sleep(level=2)
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: Collection[str] = ("weights", "kv_cache")) -> None:
+        """Give back the accelerator memory of `tags` ("weights", "kv_cache") that `sleep` freed."""
+        self.llm.wake_up(tags=list(tags))
+        self.asleep -= set(tags)
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether some of the engine's memory is freed (`sleep` without a full `wake_up`)."""
+        return bool(self.asleep)
 
     def _vllm_params(self, params: SamplingParams) -> Any:
         vllm = import_vllm()

@@ -65,6 +65,16 @@ def scripted_backend(tokenizer, turns: list[str], delay_s: float = 0.0) -> Scrip
     return ScriptedBackend(respond, [eos], delay_s=delay_s)
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip the tests marked `gpu` where CUDA has no GPU (they state what else they need)."""
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(no_gpu)
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

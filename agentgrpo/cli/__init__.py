@@ -23,7 +23,12 @@ import sys
 import typing
 from collections.abc import Callable, Sequence
 
-from agentgrpo.cli.options import UsageError, add_config_options, check_unknown_options
+from agentgrpo.cli.options import (
+    DEVICE_HELP,
+    UsageError,
+    add_config_options,
+    check_unknown_options,
+)
 
 _USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError)
 """Errors that mean the user's input is wrong (each of agentgrpo's user-facing errors is one)."""
@@ -158,6 +163,7 @@ def _run_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.
         metavar="JSON",
         help=ENV_ARGS_HELP,
     )
+    own.add_argument("--device", default=argparse.SUPPRESS, metavar="DEVICE", help=DEVICE_HELP)
     own.add_argument(
         "--resume",
         action="store_true",
@@ -231,6 +237,7 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
         help="reward that counts as a success",
     )
     add("--seed", type=value_parser("seed", int), default=0, help="sampling seed")
+    add("--device", metavar="DEVICE", help=DEVICE_HELP)
     add("--episodes-file", metavar="FILE", help="also write every episode as text to FILE")
     add(
         "--server-url",

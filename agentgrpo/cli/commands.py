@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -32,7 +33,16 @@ from agentgrpo.cli.values import FieldType
 from environments.contract import EPISODE_LIMITS, episode_limits, run_defaults
 
 # Keys a --config file may hold besides GRPOConfig's fields: the command's own options.
-RUN_KEYS = ("model", "dataset", "dataset_split", "dataset_size", "reward", "resume", "env_args")
+RUN_KEYS = (
+    "model",
+    "dataset",
+    "dataset_split",
+    "dataset_size",
+    "reward",
+    "resume",
+    "env_args",
+    "device",
+)
 _RUN_KEY_TYPES = {key: FieldType.of(str | None) for key in RUN_KEYS} | {
     "dataset_size": FieldType.of(int | None),
     "reward": FieldType.of(str | list[str] | None),
@@ -58,6 +68,7 @@ def run(namespace: argparse.Namespace) -> int:
     env_args = _env_args(namespace)
     source = sources.task_source(namespace.env, env_args)
     settings = _run_settings(namespace, source)
+    settings["config"] |= _device_fields(settings["device"], settings["config"])
     config = _grpo_config(settings["config"])
     sources.check_output_dir(config.output_dir)
     checkpoint = _resume_from(settings["resume"], config)
@@ -113,14 +124,16 @@ def evaluate(namespace: argparse.Namespace) -> int:
     """Play one episode per held-out row without training and print the figures."""
     from agentgrpo.reporting.evaluate import evaluate as play_and_report
 
+    device = _eval_device(namespace)
     source = sources.task_source(namespace.env, sources.env_args(namespace.env_args))
     rows = sources.rows(source, namespace.dataset, namespace.split, namespace.dataset_size)
     if namespace.num_episodes is not None:
         rows = rows.select(range(min(namespace.num_episodes, len(rows))))
-    engine, scorer, weights = _eval_engine(namespace, source)
+    engine, scorer, weights, where = _eval_engine(namespace, source, device)
     print(
         f"evaluating {namespace.model or sources.DEFAULT_MODEL} on {namespace.env} "
-        f"({len(rows)} rows, split {namespace.split!r}, temperature {namespace.temperature})",
+        f"({len(rows)} rows, split {namespace.split!r}, temperature {namespace.temperature}) "
+        f"on {where}",
         flush=True,
     )
     started = time.monotonic()
@@ -217,6 +230,7 @@ def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:
         config["gradient_checkpointing"] = _long_steps(config)
     if "save_warm_start" not in user:  # the warm start alone, to evaluate beside the result
         config["save_warm_start"] = config.get("warm_start_steps", 0) > 0
+    config["model_init_kwargs"] = _float32_weights(config.get("model_init_kwargs"))
     if "output_dir" not in config:
         config["output_dir"] = _default_output_dir(source, config, bool(own["resume"]))
     # The trackers' names for the run (transformers' defaults: project "huggingface", a random
@@ -230,6 +244,34 @@ def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:
         "recipe": {key: config[key] for key in recipe if key not in user},
         "limits_of": "environment" if isinstance(source, type) else "agent",
     }
+
+
+def _float32_weights(model_init_kwargs: Any) -> Any:
+    """`model_init_kwargs` with `dtype="float32"` unless it names a dtype (or is JSON text).
+
+    The optimizer keeps float32 master weights; on a GPU the forward passes run under the
+    config's mixed precision (bf16 where supported). A bf16 checkpoint loaded as bf16 would
+    take pure-bf16 AdamW steps, which at lr 1e-5 round most updates away.
+    """
+    if isinstance(model_init_kwargs, str):  # GRPOConfig parses it; a dtype there is the user's
+        return model_init_kwargs
+    return {"dtype": "float32", **(model_init_kwargs or {})}
+
+
+def _device_fields(device: str | None, config: dict[str, Any]) -> dict[str, Any]:
+    """The config fields `--device` sets (`use_cpu`); a GPU is made the only visible one.
+
+    Raises:
+        UsageError: A bad or unavailable device, or `--device` against `--use-cpu`.
+    """
+    from agentgrpo.devices import pin_training_device
+
+    if config.get("use_cpu") and device not in (None, "cpu"):
+        raise UsageError(f"--use-cpu and --device {device} disagree: give only --device")
+    try:
+        return pin_training_device(device, os.environ)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def _recipe(source: Any, warm_starts: bool) -> dict[str, float]:
@@ -374,6 +416,9 @@ def _grpo_config(fields: dict[str, Any]) -> Any:
 def _print_start(
     env: str, settings: dict[str, Any], trainer: Any, rows: int, checkpoint: str | None
 ) -> None:
+    from agentgrpo.devices import describe_device
+    from agentgrpo.precision import describe_precision, mixed_precision_dtype
+
     if not trainer.is_world_process_zero():
         return
     args = trainer.args
@@ -381,7 +426,8 @@ def _print_start(
     lines = {
         "environment": f"{env} ({rows} rows)",
         "model": settings["model"] or sources.DEFAULT_MODEL,
-        "device": f"{args.device} x {args.world_size} process(es)",
+        "device": f"{describe_device(args.device, os.environ)} x {args.world_size} process(es)",
+        "precision": describe_precision(trainer.model.dtype, mixed_precision_dtype(args)),
         "generation": backend,
         "steps": f"{args.max_steps} x {args.per_device_train_batch_size} episodes "
         f"({args.num_generations} per prompt), lr {args.learning_rate:g}",
@@ -426,8 +472,27 @@ def _episode_line(tokens: int, turns: int | None, settings: dict[str, Any]) -> s
 # ---------------------------------------------------------------------- eval
 
 
-def _eval_engine(namespace: argparse.Namespace, source: Any) -> tuple[Any, Any, list[float]]:
-    """The engine, scorer and reward weights `wiring.build_parts` builds, from eval's options."""
+def _eval_device(namespace: argparse.Namespace) -> Any:
+    """The device `--device` names (checked), None with `--server-url` (the server generates)."""
+    from agentgrpo.devices import resolve_device
+
+    if namespace.server_url is None:
+        return resolve_device(namespace.device)
+    if namespace.device is not None:
+        raise UsageError(
+            f"--device places the model loaded here, and with --server-url "
+            f"{namespace.server_url} the server generates: leave one of them out"
+        )
+    return None
+
+
+def _eval_engine(
+    namespace: argparse.Namespace, source: Any, device: Any
+) -> tuple[Any, Any, list[float], str]:
+    """The engine, scorer and reward weights `wiring.build_parts` builds, from eval's options.
+
+    Also where generation runs, for the start-up line.
+    """
     from transformers import AutoTokenizer
 
     from agentgrpo.doctor import startup_checks
@@ -442,7 +507,7 @@ def _eval_engine(namespace: argparse.Namespace, source: Any) -> tuple[Any, Any, 
         raise UsageError(f"{source.__name__} has no reward(); pass --reward module:function")
     path = sources.model_path(namespace.model)
     tokenizer = load_tokenizer(None, AutoTokenizer.from_pretrained(path))
-    backend = _eval_backend(namespace, path, tokenizer)
+    backend, where = _eval_backend(namespace, path, tokenizer, device)
     config = eval_config(namespace, source)
     parts = build_parts(
         config,
@@ -454,7 +519,7 @@ def _eval_engine(namespace: argparse.Namespace, source: Any) -> tuple[Any, Any, 
         agent=played_by.get("agent"),
     )
     startup_checks(parts.engine)
-    return parts.engine, parts.scorer, parts.reward_weights
+    return parts.engine, parts.scorer, parts.reward_weights, where
 
 
 def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
@@ -484,25 +549,32 @@ def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
     )
 
 
-def _eval_backend(namespace: argparse.Namespace, path: str, tokenizer: Any) -> Any:
-    """The model in this process, or the OpenAI-compatible server at `--server-url`."""
+def _eval_backend(
+    namespace: argparse.Namespace, path: str, tokenizer: Any, device: Any
+) -> tuple[Any, str]:
+    """The model on `device` in this process, or the server at `--server-url`; and which.
+
+    The model plays as a training run on that device holds it (`models.load_for_generation`).
+    """
     if namespace.server_url:
         from rollout.vllm_backend import default_stop_token_ids
         from rollout.vllm_server import ServerConnection, VLLMServerBackend
 
         connection = ServerConnection(namespace.server_url, namespace.server_timeout)
-        return VLLMServerBackend.connect(
+        server = VLLMServerBackend.connect(
             connection, stop_token_ids=default_stop_token_ids(tokenizer)
         )
-    import torch
-    from transformers import AutoModelForCausalLM
-
+        return server, f"the server at {namespace.server_url}"
+    from agentgrpo.devices import describe_run_device
+    from agentgrpo.models import load_for_generation
+    from agentgrpo.precision import autocast_kwargs
     from rollout import TransformersBackend
-    from rollout.attention import use_grouped_query_sdpa
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    use_grouped_query_sdpa(model)
-    return TransformersBackend.from_tokenizer(model, tokenizer, seed=namespace.seed)
+    model, autocast = load_for_generation(path, device)
+    backend = TransformersBackend.from_tokenizer(
+        model, tokenizer, seed=namespace.seed, **autocast_kwargs(autocast)
+    )
+    return backend, describe_run_device(device, autocast)
 
 
 def _write_episodes(path: Path, episodes: list, rewards: list[float]) -> None:

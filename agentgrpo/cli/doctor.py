@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentgrpo.cli import sources
-from agentgrpo.cli.options import RUN_DEFAULTS, UsageError, value_parser
+from agentgrpo.cli.options import DEVICE_HELP, RUN_DEFAULTS, UsageError, value_parser
+from agentgrpo.devices import describe_run_device, resolve_device
 from agentgrpo.doctor import CheckResult, Setup, Status
+
+if TYPE_CHECKING:
+    import torch
 
 FAILED = 1
 
@@ -25,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction, handler: Any) -> argparse.Argume
     parser.set_defaults(handler=handler)
     parser.usage = (
         "agentgrpo doctor [--model M] [--chat-template T] [--tool-call-parser P] "
-        "[--generate N] [ENV]"
+        "[--generate N [--device D]] [ENV]"
     )
     add = parser.add_argument
     add("env", nargs="?", metavar="ENV", help="env:Name, gym:ENV_ID, module:Class or file.py:Class")
@@ -42,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction, handler: Any) -> argparse.Argume
         metavar="N",
         help="also play N short sampled episodes of ENV with the model",
     )
+    add("--device", metavar="DEVICE", help=f"with --generate: {DEVICE_HELP}")
     return parser
 
 
@@ -55,6 +60,9 @@ def doctor(namespace: argparse.Namespace) -> int:
 
     if namespace.generate and not namespace.env:
         raise UsageError("--generate plays episodes of ENV; name one, e.g. env:Counter")
+    if namespace.device is not None and not namespace.generate:
+        raise UsageError("--device is where --generate plays; without --generate no model runs")
+    device = resolve_device(namespace.device) if namespace.generate else None
     if namespace.env and namespace.env.startswith((sources.AGENT_PREFIX, sources.VERIFIERS_PREFIX)):
         raise UsageError(
             f"doctor checks environment classes, and {namespace.env} is an agent (its tools come "
@@ -72,8 +80,8 @@ def doctor(namespace: argparse.Namespace) -> int:
     for result in results:
         print(result.line(), flush=True)
     failed = any(r.status is Status.FAIL for r in results)
-    if namespace.generate and not failed:
-        result = _generate(namespace, path, tokenizer, env_class, setup)
+    if device is not None and not failed:
+        result = _generate(namespace, path, tokenizer, env_class, setup, device)
         print(result.line(), flush=True)
         failed = result.status is Status.FAIL
     return FAILED if failed else 0
@@ -137,20 +145,25 @@ def _rows(env_class: type) -> Any:
 
 
 def _generate(
-    namespace: argparse.Namespace, path: str, tokenizer: Any, env_class: Any, setup: Any
+    namespace: argparse.Namespace,
+    path: str,
+    tokenizer: Any,
+    env_class: Any,
+    setup: Any,
+    device: torch.device,
 ) -> CheckResult:
     """Check 6 with the model loaded here and episodes played as `agentgrpo run` plays them."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from agentgrpo.doctor import check_generation
+    from agentgrpo.models import load_for_generation
+    from agentgrpo.precision import autocast_kwargs
     from environments.contract import episode_limits
     from rollout import EpisodeConfig, RolloutEngine, TransformersBackend
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model, autocast = load_for_generation(path, device)
+    print(f"generating on {describe_run_device(device, autocast)}", flush=True)
     limits = {**RUN_DEFAULTS, **episode_limits(env_class)}  # as `agentgrpo run` plays
     engine = RolloutEngine(
-        TransformersBackend.from_tokenizer(model, tokenizer, seed=0),
+        TransformersBackend.from_tokenizer(model, tokenizer, seed=0, **autocast_kwargs(autocast)),
         tokenizer,
         environment_factory=env_class,
         chat_template=setup.template,

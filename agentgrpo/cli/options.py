@@ -50,6 +50,11 @@ RUN_DEFAULTS: dict[str, Any] = {
     "report_to": "none",
     "seed": 0,
 }
+# `--device` of run, eval and doctor (see `agentgrpo.devices`).
+DEVICE_HELP = (
+    "cpu, cuda or cuda:N (default: the first GPU when there is one, else the CPU); a GPU runs "
+    "float32 weights under bf16 autocast where it supports bf16, as training does"
+)
 # Above this many completion tokens a step (batch size x max_completion_length), `agentgrpo run`
 # turns gradient checkpointing on unless told otherwise: the activations the backward pass keeps
 # grow with every token, and gym:FrozenLake-v1's 8 x 1,420 tokens on SmolLM2-135M were killed

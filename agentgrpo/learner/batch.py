@@ -63,6 +63,15 @@ class TrainingBatch:
     def __len__(self) -> int:
         return self.input_ids_B_L.shape[0]
 
+    def to(self, device: torch.device | str) -> TrainingBatch:
+        """The same batch with every tensor on `device` (itself when they are there already)."""
+        moved: dict[str, Any] = {
+            f.name: value.to(device)
+            for f in fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
     def select_episodes(self, episodes: Sequence[int]) -> TrainingBatch:
         """Every row of the given episodes (values of `episode_B`), in the order given."""
         rows_of: dict[int, list[int]] = {}

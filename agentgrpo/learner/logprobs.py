@@ -146,7 +146,7 @@ def batched_logprobs(
         rows = list(range(start, min(start + rows_per_pass, len(batch))))
         part = batch.select(rows)
         logprobs_b_c = completion_logprobs(model, part, temperature).logprobs_B_C
-        padded = torch.zeros(len(rows), batch.completion_width)
+        padded = logprobs_b_c.new_zeros(len(rows), batch.completion_width)  # on the model's device
         padded[:, : part.completion_width] = logprobs_b_c
         parts.append(padded)
     return torch.cat(parts)

@@ -17,6 +17,7 @@ from agentgrpo.learner.losses import (
     IMPORTANCE_LEVELS,
     log_importance_ratio,
     masked_mean_per_episode,
+    masked_sum_and_count_per_episode,
 )
 
 # --------------------------------------------------------------------------- sampler mismatch
@@ -70,10 +71,7 @@ def sampler_correction(
         tensor([[0., 0.]])
 
     """
-    granularity, _, constraint = mode.partition("_")
-    if granularity not in IMPORTANCE_LEVELS or constraint not in _CONSTRAINTS:
-        modes = [f"{g}_{c}" for g in IMPORTANCE_LEVELS for c in _CONSTRAINTS]
-        raise ValueError(f"unknown sampler correction mode {mode!r}; expected one of {modes}")
+    granularity, constraint = _correction_mode(mode)
     active_B_T = mask_B_T != 0
     log_ratio_B_T = log_importance_ratio(
         torch.where(active_B_T, old_logprobs_B_T, 0.0),
@@ -82,10 +80,58 @@ def sampler_correction(
         granularity,
         episode_B,
     )
+    weights_B_T = _constrained(log_ratio_B_T.exp(), constraint, clip_max, clip_min)
+    return torch.where(active_B_T, weights_B_T, 0.0)
+
+
+def _correction_mode(mode: str) -> tuple[str, str]:
+    """`"sequence_mask"` -> ("sequence", "mask"); an unknown mode is a ValueError."""
+    granularity, _, constraint = mode.partition("_")
+    if granularity not in IMPORTANCE_LEVELS or constraint not in _CONSTRAINTS:
+        modes = [f"{g}_{c}" for g in IMPORTANCE_LEVELS for c in _CONSTRAINTS]
+        raise ValueError(f"unknown sampler correction mode {mode!r}; expected one of {modes}")
+    return granularity, constraint
+
+
+def _constrained(
+    ratio: torch.Tensor, constraint: str, clip_max: float | None, clip_min: float | None
+) -> torch.Tensor:
     low = 0.0 if clip_min is None else clip_min
     high = float("inf") if clip_max is None else clip_max
-    weights_B_T = _CONSTRAINTS[constraint](log_ratio_B_T.exp(), low, high)
-    return torch.where(active_B_T, weights_B_T, 0.0)
+    return _CONSTRAINTS[constraint](ratio, low, high)
+
+
+@torch.no_grad()
+def sampler_ratios(
+    old_logprobs_B_T: torch.Tensor,
+    sampler_logprobs_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    level: str,
+    episode_B: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The trainer/sampler ratios ``exp(old - sampler)``, one per unit of `level`, 1-D.
+
+    ``token``: one per active token, in row-major order. ``sequence``: one per episode with an
+    active token, ``exp`` of the masked mean of ``old - sampler`` over all its rows, in the
+    order of the episode ids (`sampler_correction`'s sequence ratio). These are the values
+    `sampler_correction` clips or masks, before it spreads them over the tokens.
+
+    Example:
+        >>> old, sampler = torch.zeros(2, 2), torch.tensor([[0.0, -2.0], [0.0, 5.0]])
+        >>> mask = torch.tensor([[1, 1], [0, 0]])
+        >>> sampler_ratios(old, sampler, mask, "sequence", torch.tensor([3, 8]))  # e ** 1
+        tensor([2.7183])
+
+    """
+    if level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"unknown importance sampling level {level!r}; expected token or sequence")
+    active_B_T = mask_B_T != 0
+    log_ratio_B_T = old_logprobs_B_T.float() - sampler_logprobs_B_T.float()
+    if level == "token":
+        return log_ratio_B_T[active_B_T].exp()
+    log_ratio_B_T = torch.where(active_B_T, log_ratio_B_T, 0.0)
+    sums_E, counts_E = masked_sum_and_count_per_episode(log_ratio_B_T, mask_B_T, episode_B)
+    return (sums_E / counts_E.clamp(min=1))[counts_E > 0].exp()
 
 
 @torch.no_grad()
@@ -120,6 +166,26 @@ def off_policy_sequence_mask(
     """
     drift_B = masked_mean_per_episode(sampler_logprobs_B_T - logprobs_B_T, mask_B_T, episode_B)
     return ~((advantages_B < 0) & (drift_B > threshold))
+
+
+def trl_off_policy_mask(
+    advantages: torch.Tensor,
+    logprobs_B_T: torch.Tensor,
+    sampler_logprobs_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """`off_policy_sequence_mask` in the form of TRL's `get_off_policy_mask`: keep_B_1.
+
+    One row per sequence, 1.0 keep and 0.0 drop, in `mask_B_T`'s dtype; `advantages` is (B,) or
+    (B, 1). Tokens the sampler could not score (NaN) count as no drift.
+    """
+    logprobs_B_T = logprobs_B_T.detach()
+    sampler_B_T = torch.where(sampler_logprobs_B_T.isnan(), logprobs_B_T, sampler_logprobs_B_T)
+    keep_B = off_policy_sequence_mask(
+        logprobs_B_T, sampler_B_T, advantages.reshape(-1), mask_B_T, threshold
+    )
+    return keep_B.unsqueeze(1).to(mask_B_T.dtype)
 
 
 # --------------------------------------------------------------------------- entropy
@@ -229,6 +295,8 @@ class TokenWeighting:
         off_policy_mask_threshold: Threshold of `off_policy_sequence_mask`, or None for none.
         sampler_correction_mode: `sampler_correction`'s mode, or None for no correction.
         clip_max, clip_min: `sampler_correction`'s bounds.
+        sampler_ratio_level: The level ("token" or "sequence") of the trainer/sampler ratio
+            logged when there is no correction.
     """
 
     top_entropy_quantile: float = 1.0
@@ -236,18 +304,39 @@ class TokenWeighting:
     sampler_correction_mode: str | None = None
     clip_max: float | None = None
     clip_min: float | None = None
+    sampler_ratio_level: str = "token"
 
     @classmethod
-    def from_config(cls, args: Any) -> TokenWeighting:
-        """The weighting a `GRPOConfig` asks for (the correction only when vLLM samples)."""
-        corrects = args.use_vllm and args.vllm_importance_sampling_correction
+    def from_config(cls, args: Any, corrects_sampler: bool) -> TokenWeighting:
+        """The weighting a `GRPOConfig` asks for.
+
+        Args:
+            args: The config.
+            corrects_sampler: Whether the sampler correction applies (the trainer asks
+                `precision.corrects_sampler_mismatch`: vLLM, or mixed-precision generation).
+        """
+        mode = args.vllm_importance_sampling_mode
         return cls(
             args.top_entropy_quantile,
             args.off_policy_mask_threshold,
-            args.vllm_importance_sampling_mode if corrects else None,
+            mode if corrects_sampler else None,
             args.vllm_importance_sampling_clip_max,
             args.vllm_importance_sampling_clip_min,
+            _correction_mode(mode)[0],
         )
+
+    def sampler_ratios(self, batch: TrainingBatch, old_B_C: torch.Tensor) -> torch.Tensor:
+        """The trainer/sampler ratios to log (see `sampler_ratios`), 1-D.
+
+        With a correction, its weights (clipped or masked, at its level), as TRL logs them;
+        without, the raw ratios at `sampler_ratio_level`.
+        """
+        mode = self.sampler_correction_mode
+        level, constraint = _correction_mode(mode) if mode else (self.sampler_ratio_level, "")
+        ratios = sampler_ratios(
+            old_B_C, batch.sampler_logprobs_B_C, batch.loss_mask_B_C, level, batch.episode_B
+        )
+        return _constrained(ratios, constraint, self.clip_max, self.clip_min) if mode else ratios
 
     def weights(
         self,

@@ -14,16 +14,23 @@ processes and computes the metrics once from the whole generation batch.
 | `episodes/rows_mean` | training rows per episode (above 1 where the template forks) |
 | `turns/fork_frequency` | share of the turns after an episode's first that forked a new row |
 |  | (only when the run has tools, as the other `turns/` metrics) |
+
+The sampler/trainer mismatch metrics (`sampling/*`) come from the loss forward instead:
+`reporting.sampling`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout import Episode
+
+if TYPE_CHECKING:
+    from agentgrpo.round import RewardShaping
 
 TOOL_ERROR_KINDS = ("parse", "unknown_tool", "bad_arguments", "exception", "timeout")
 _COLUMNS = (
@@ -55,6 +62,19 @@ class RewardLayout:
     num_generations: int
     batch_scaled: bool = False
     with_tools: bool = False
+
+    @classmethod
+    def of(
+        cls, names: Sequence[str], shaping: RewardShaping, num_generations: int, with_tools: bool
+    ) -> RewardLayout:
+        """The layout of a run's rounds: its reward names and shaping (weights, scaling)."""
+        return cls(
+            names=names,
+            weights_F=shaping.weights_F or [1.0] * len(names),
+            num_generations=num_generations,
+            batch_scaled=shaping.scale == "batch" or shaping.aggregation == "normalize_then_sum",
+            with_tools=with_tools,
+        )
 
 
 def episode_stats(episodes: Sequence[Episode]) -> torch.Tensor:

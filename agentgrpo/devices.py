@@ -1,0 +1,206 @@
+"""Which device `agentgrpo run`, `eval` and `doctor` use: `--device`, checked and described.
+
+`--device` takes `cpu`, `cuda` (the first GPU) or `cuda:N` (the N-th GPU CUDA can see); left
+out, a command uses the first GPU when there is one, else the CPU. A device this machine does
+not have is an error that says what to use instead.
+
+transformers' Trainer puts a one-process run on `cuda:0` and spreads it over every visible GPU
+(`nn.DataParallel`, which agentgrpo's batches do not support), so `agentgrpo run` in one process
+makes only the chosen GPU visible (`CUDA_VISIBLE_DEVICES`) before CUDA starts. Under a
+distributed launch (`accelerate launch`), each process takes its own GPU, as accelerate assigns.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+
+from agentgrpo.precision import describe_precision
+
+DEVICE_FORMS = "cpu, cuda or cuda:N (N counts the GPUs CUDA can see, from 0)"
+VISIBLE = "CUDA_VISIBLE_DEVICES"
+
+
+def parse_device(text: str) -> torch.device:
+    """`--device`'s text as a torch device; `cuda` means `cuda:0`.
+
+    Raises:
+        ValueError: Not one of `DEVICE_FORMS`.
+
+    Example:
+        >>> parse_device("cuda"), parse_device("cuda:1"), parse_device("cpu")
+        (device(type='cuda', index=0), device(type='cuda', index=1), device(type='cpu'))
+
+    """
+    try:
+        device = torch.device(text.strip().lower())
+    except RuntimeError:  # not a device string at all ("gpu", "cuda:-1", ...)
+        device = torch.device("meta")
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(f"--device takes {DEVICE_FORMS}, not {text!r}")
+    return torch.device("cuda", device.index or 0) if device.type == "cuda" else device
+
+
+def check_available(device: torch.device, cuda_built: bool, gpus: int) -> None:
+    """Refuse a CUDA device this machine cannot give, saying what to use instead.
+
+    Args:
+        device: From `parse_device`.
+        cuda_built: Whether this torch was built with CUDA (`torch.backends.cuda.is_built()`).
+        gpus: How many GPUs CUDA sees (`torch.cuda.device_count()`).
+
+    Raises:
+        ValueError: A CUDA device, and a CPU-only torch, no GPU, or no GPU with that index.
+    """
+    if device.type != "cuda":
+        return
+    if not cuda_built:
+        raise ValueError(
+            f"--device {device}: this torch ({torch.__version__}) is built for CPU only; "
+            "install a CUDA build of torch, or use --device cpu"
+        )
+    if gpus == 0:
+        raise ValueError(
+            f"--device {device}: CUDA sees no GPU (check nvidia-smi, the driver and "
+            f"{VISIBLE}); use --device cpu"
+        )
+    if device.index is not None and device.index >= gpus:
+        raise ValueError(
+            f"--device {device}: CUDA sees {gpus} GPU(s), cuda:0 to cuda:{gpus - 1}; "
+            "choose one of those"
+        )
+
+
+def resolve_device(text: str | None) -> torch.device:
+    """The device a command runs on: `--device`'s, checked, or the first GPU, else the CPU.
+
+    Raises:
+        ValueError: See `parse_device` and `check_available`.
+    """
+    if text is None:
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    device = parse_device(text)
+    check_available(device, torch.backends.cuda.is_built(), _gpus(device))
+    return device
+
+
+def visible_devices(index: int, visible: str | None) -> str:
+    """The `CUDA_VISIBLE_DEVICES` value that leaves only GPU `index` of those now visible.
+
+    Example:
+        >>> visible_devices(1, None), visible_devices(1, "4,6"), visible_devices(0, "GPU-5a1c")
+        ('1', '6', 'GPU-5a1c')
+
+    Raises:
+        ValueError: `visible` lists fewer GPUs than `index` needs.
+    """
+    if visible is None or not visible.strip():
+        return str(index)
+    listed = [entry.strip() for entry in visible.split(",")]
+    if index >= len(listed):
+        raise ValueError(
+            f"--device cuda:{index}: {VISIBLE}={visible} shows {len(listed)} GPU(s), cuda:0 to "
+            f"cuda:{len(listed) - 1}; choose one of those or change {VISIBLE}"
+        )
+    return listed[index]
+
+
+def pin_training_device(text: str | None, environ: MutableMapping[str, str]) -> dict[str, Any]:
+    """The GRPOConfig fields for `agentgrpo run --device`, making only that GPU visible.
+
+    `cpu` gives `use_cpu=True`. A GPU (`cuda`, `cuda:N`, or none named on a machine with CUDA)
+    is made the only visible one through `environ[CUDA_VISIBLE_DEVICES]`, which CUDA reads when
+    it starts: so call this before anything touches CUDA. Under a distributed launch
+    (`WORLD_SIZE` > 1) nothing is pinned: every process takes its own GPU.
+
+    Raises:
+        ValueError: A bad or unavailable device, `cuda:N` in a distributed launch, or a GPU
+            asked for after CUDA started in this process.
+    """
+    device = parse_device(text) if text is not None else None
+    if device is not None and device.type == "cpu":
+        return {"use_cpu": True}
+    if int(environ.get("WORLD_SIZE", "1")) > 1:
+        if device is not None and ":" in (text or ""):
+            raise ValueError(
+                f"--device {device}: under a distributed launch every process uses its own GPU; "
+                f"choose the GPUs with {VISIBLE} (or accelerate's --gpu_ids), and pass --device "
+                "cuda or nothing"
+            )
+        return {}
+    if not torch.backends.cuda.is_built():
+        if device is not None:
+            check_available(device, cuda_built=False, gpus=0)
+        return {}
+    _pin(device.index if device is not None else 0, environ, required=device is not None)
+    return {}
+
+
+def _pin(index: int, environ: MutableMapping[str, str], required: bool) -> None:
+    """Leave GPU `index` alone visible; when CUDA has no GPU, undo that (or fail if `required`)."""
+    if torch.cuda.is_initialized():
+        if index != 0:
+            raise ValueError(
+                f"--device cuda:{index} must be chosen before CUDA starts in this process; set "
+                f"{VISIBLE}={index} in the environment instead"
+            )
+        return
+    before = environ.get(VISIBLE)
+    environ[VISIBLE] = visible_devices(index, before)
+    if torch.cuda.is_available():
+        return
+    if before is None:
+        del environ[VISIBLE]
+    else:
+        environ[VISIBLE] = before
+    if required:
+        raise ValueError(
+            f"--device cuda:{index}: CUDA sees no such GPU (check nvidia-smi, the driver and "
+            f"{VISIBLE}={before}); use --device cpu"
+        )
+
+
+def describe_device(device: torch.device, environ: MutableMapping[str, str]) -> str:
+    """The device for a start-up summary: `cpu`, or `cuda:0 (NVIDIA H100 80GB HBM3)`.
+
+    A GPU's line also says which GPUs `CUDA_VISIBLE_DEVICES` shows, when it is set.
+    """
+    if device.type != "cuda":
+        return str(device)
+    details = [torch.cuda.get_device_name(device)]
+    if environ.get(VISIBLE):
+        details.append(f"{VISIBLE}={environ[VISIBLE]}")
+    return f"{device} ({', '.join(details)})"
+
+
+def describe_run_device(
+    device: torch.device,
+    autocast: torch.dtype | None,
+    environ: MutableMapping[str, str] | None = None,
+) -> str:
+    """`describe_device` and the precision (float32 weights), for eval's and doctor's summary."""
+    where = describe_device(device, os.environ if environ is None else environ)
+    return f"{where}, {describe_precision(torch.float32, autocast)}"
+
+
+def inference_autocast(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype a model plays in on `device`, as a training run there would.
+
+    bfloat16 on a GPU that supports it (what `bf16=None` turns on for training), else None
+    (float32): `agentgrpo eval` and `doctor --generate` then see the numbers training sees.
+    """
+    if device.type != "cuda":
+        return None
+    with torch.cuda.device(device):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+
+
+def _gpus(device: torch.device) -> int:
+    if device.type != "cuda" or not torch.backends.cuda.is_built():
+        return 0
+    return torch.cuda.device_count()
