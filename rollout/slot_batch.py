@@ -121,11 +121,6 @@ class SlotBatch:
             if row is not None:
                 self._free(slot)
 
-    def release_memory(self) -> None:
-        """Free the buffers and graphs (no row may be running)."""
-        assert not self.rows, "release_memory with rows running"
-        self._buffers, self._graphs, self._pool = None, {}, None
-
     # ------------------------------------------------------------------ joining
 
     def join(self, prefilled: list[tuple[Row, KV]]) -> None:
@@ -150,7 +145,7 @@ class SlotBatch:
             "input_S_1": row.tokens[-1],
             "positions_S": length,
             "temperature_S": row.sampling["temperature"],
-            "seed_S": row.seed,
+            "seed_S": row.seed & (2**63 - 1),  # any Python int; int64 holds 63 bits
             "drawn_S": len(row.tokens),
             "budget_S": row.request.params.max_tokens,
             "done_S": False,
