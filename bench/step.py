@@ -792,6 +792,13 @@ def _union_s(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def _running_rows(backend: Any) -> int:
+    """Rows the backend is decoding (`running_rows`; `_rows` in trees from before it)."""
+    if hasattr(backend, "running_rows"):
+        return backend.running_rows
+    return len(backend._rows)
+
+
 def _make_step_timer():
     """The callback class; built on demand so that the parent never imports transformers."""
     from transformers import TrainerCallback
@@ -856,7 +863,7 @@ def _make_step_timer():
             step = backend._step
 
             def recorded(admitted):
-                rows = backend.running_rows + len(admitted)
+                rows = _running_rows(backend) + len(admitted)
                 started = time.perf_counter()
                 step(admitted)
                 seconds = time.perf_counter() - started
