@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks on a CUDA machine, from the repository root, after bench/gpu_prepare.sh:
 #   OUT=<folder> bash bench/gpu_run.sh [tests] [generation] [step]    (all three by default)
-# tests: the `gpu` tests and the slot decoder's tests; generation: bench/gpu_generation.py;
-# step: bench/gpu_step.py (agentgrpo against TRL 1.16). Logs and JSON results land in $OUT.
+# tests: the `gpu` tests and the slot decoder's tests; generation: bench/gpu_generation.py
+# (the options worth timing: transformers' continuous batching and the CPU path measured 4x and
+# 2x slower on an H100); step: bench/gpu_step.py (agentgrpo against TRL 1.16). Each part has a
+# time box, so one that hangs leaves time for the others. Logs and JSON land in $OUT.
+# About 8 minutes in all on an H100 (a lease also spends minutes starting the machine).
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 parts=" ${*:-tests generation step} "
@@ -17,15 +20,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
 if [[ $parts == *" tests "* ]]; then
-  python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts="" -m "gpu or not slow" \
+  timeout 180 python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts="" -m "gpu or not slow" \
     tests/test_gpu*.py tests/test_slot_batch.py 2>&1 | tee "$OUT/tests.txt" | tail -15 || status=1
 fi
 if [[ $parts == *" generation "* ]]; then
-  python3 bench/gpu_generation.py --tokenizer .gpu-bench/tokenizer --json "$OUT/generation.json" \
+  timeout 150 python3 bench/gpu_generation.py --tokenizer .gpu-bench/tokenizer \
+    --options slots-graphs,slots-graphs-16,slots-eager,hf-generate --json "$OUT/generation.json" \
     2>&1 | tee "$OUT/generation.txt" | tail -12 || status=1
 fi
 if [[ $parts == *" step "* ]]; then
-  python3 bench/gpu_step.py --tokenizer .gpu-bench/tokenizer ${GPU_STEP_ARGS:-} --json "$OUT/step.json" \
+  timeout 420 python3 bench/gpu_step.py --tokenizer .gpu-bench/tokenizer ${GPU_STEP_ARGS:-} --json "$OUT/step.json" \
     2>&1 | tee "$OUT/step.txt" | grep -v -i warn | tail -30 || status=1
 fi
 exit $status

@@ -5,10 +5,15 @@ backend one step at a time until its request is done (one step runs at a time, i
 thread, so tools and other episodes keep running on the event loop). A step admits the
 requests that arrived, up to `max_batch_size` running rows, prefilling them from the longest
 cached prefix of each prompt (those of similar lengths in one forward pass) and drawing their
-first tokens, then decodes one token for every running row. A row leaves as soon as it stops;
-the keys and values of what it read go to the prefix cache, so an episode's next turn (its
-prompt extends the last one) prefills only the new tokens, and the G members of a group
-prefill their shared prompt once.
+first tokens, then decodes every running row. A row leaves as soon as it stops; the keys and
+values of what it read go to the prefix cache, so an episode's next turn (its prompt extends
+the last one) prefills only the new tokens, and the G members of a group prefill their shared
+prompt once.
+
+The running rows decode in one of two batches, chosen by the model's device: on a CPU a
+`DynamicBatch` (a growing cache of left-padded rows, sampled on the host, one token a step), on
+a CUDA GPU a `SlotBatch` (a static cache with a slot per row, sampled on the device, a chunk of
+steps per host round trip, replayed as CUDA graphs).
 
 Models whose cache is not plain attention keys and values (recurrent or linear-attention
 layers) generate one request at a time, without prefix reuse.
