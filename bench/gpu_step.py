@@ -212,14 +212,14 @@ def _model_dir(workload: str, args: argparse.Namespace) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     model = generation.random_model(config, torch.float32, args.device)
     if workload == "multi-turn":
-        _learn_call_format(model, tokenizer, args.device)
+        _learn_call_format(model, tokenizer, args.device, args.call_format_steps)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model.to(dtype).save_pretrained(target)
     tokenizer.save_pretrained(target)
     return target
 
 
-def _learn_call_format(model: Any, tokenizer: Any, device: str) -> None:
+def _learn_call_format(model: Any, tokenizer: Any, device: str, most_steps: int) -> None:
     """Supervised steps on the multi-turn demonstrations until the loss is under the bar."""
     import torch
 
@@ -231,7 +231,7 @@ def _learn_call_format(model: Any, tokenizer: Any, device: str) -> None:
     warm_up = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 20))
     model.train()
     recent: list[float] = []
-    for index in range(WARM_START_MAX_STEPS):
+    for index in range(most_steps):
         demos = [
             step._encode_demonstration(tokenizer, template, tools, step._multi_turn_demo(rng))
             for _ in range(16)
@@ -316,6 +316,12 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--config", default=str(HERE / "configs" / "qwen2.5-0.5b.json"))
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    parser.add_argument(
+        "--call-format-steps",
+        type=int,
+        default=WARM_START_MAX_STEPS,
+        help="the most supervised steps of the multi-turn warm start",
+    )
     parser.add_argument("--child", choices=["agentgrpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
