@@ -38,6 +38,7 @@ from agentgrpo.data import (
 from agentgrpo.learner.batch import TrainingBatch, collate_episodes
 from agentgrpo.learner.entropy_control import AdaptiveEntropy
 from agentgrpo.learner.logprobs import batched_logprobs, completion_logprobs
+from agentgrpo.learner.loss_metrics import reduce_over_processes
 from agentgrpo.learner.losses import normalises_by_num_items, policy_loss
 from agentgrpo.learner.token_weights import (
     TokenWeighting,
@@ -562,11 +563,14 @@ class GRPOTrainer(AtomicCheckpoints):
         return control.applied_coef
 
     def _record_loss_metrics(self, metrics: Mapping[str, torch.Tensor]) -> None:
-        """Average each loss metric over the processes (one gather for all of them)."""
+        """Reduce each loss metric over the processes (one gather for all of them).
+
+        See `loss_metrics.reduce_over_processes`: `*_min` the minimum, `*_max` the maximum.
+        """
         names = sorted(metrics)
         local_1_M = torch.stack([metrics[n].float().reshape(()) for n in names]).unsqueeze(0)
-        means_M = self._gather(local_1_M).nanmean(0).tolist()
-        self._add_metrics(self._mode, dict(zip(names, means_M, strict=True)))
+        values_M = reduce_over_processes(names, self._gather(local_1_M))
+        self._add_metrics(self._mode, dict(zip(names, values_M, strict=True)))
 
     def _add_metrics(self, mode: str, metrics: Mapping[str, float]) -> None:
         """Queue metric values for the next log of `mode` ("train" or "eval")."""
@@ -639,10 +643,11 @@ class GRPOTrainer(AtomicCheckpoints):
         round_tokens = int(metrics.pop("num_tokens_round"))
         if mode == "train":
             self.state.num_input_tokens_seen += round_tokens
-            metrics["num_tokens"] = self.state.num_input_tokens_seen
         logs = self.scorer.logs
         metrics |= logged_metrics(logs.take_metrics(), self._gather, self._gather_objects)
         self._add_metrics(mode, metrics)
+        # As TRL: the training tokens seen so far, in eval logs too; the latest value, not a mean.
+        self._metrics[mode]["num_tokens"] = [float(self.state.num_input_tokens_seen)]
         extra = logs.take_extra(len(round_.episodes) // plan.num_generations, plan.num_generations)
         if self.args.log_completions:
             views = [self.scorer.views(episode) for episode in round_.episodes]

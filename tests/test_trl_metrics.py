@@ -7,19 +7,33 @@ the tiny model check that a `GRPOTrainer` logs them (its `state.log_history`).
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
+import json
 import math
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset
 from tiny_model import tiny_llama
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+from trl_logged_keys import KINDS, logged_keys, run_logs
 
+import agentgrpo
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.learner.advantages import combine_rewards
-from agentgrpo.learner.losses import LossConfig, policy_loss
+from agentgrpo.learner.loss_metrics import (
+    cispo_metrics,
+    clip_metrics,
+    reduce_over_processes,
+    vespo_metrics,
+)
+from agentgrpo.learner.losses import LossConfig, PolicyTerm, policy_loss
 from agentgrpo.models import router_aux_loss_coef
 from agentgrpo.reporting.completions import CompletionsTable, plain_table, table_integrations
 from agentgrpo.reporting.metrics import RewardLayout, reward_metrics, round_metrics, tool_metrics
@@ -28,6 +42,11 @@ from agentgrpo.rounds import RewardLogs
 from environments import Counter
 
 NAN = float("nan")
+
+
+def clip_term(low_B_T: torch.Tensor, high_B_T: torch.Tensor) -> PolicyTerm:
+    """A policy term with these clip flags (its loss is not read)."""
+    return PolicyTerm(torch.zeros(low_B_T.shape), low_B_T, high_B_T)
 
 
 def close(value: float, expected: float) -> bool:
@@ -386,3 +405,121 @@ def test_the_policy_loss_metric_is_the_loss_before_the_entropy_bonus():
     )
     assert close(out.metrics["policy_loss"], -1.0)
     assert close(out.loss, -1.0 - 0.1 * 3.0)
+
+
+# --- TRL's clip metrics, per sequence -------------------------------------------------------
+
+
+def test_clip_ratio_low_min_and_high_max_are_the_extreme_shares_of_one_episode():
+    # Episode 7 has two rows (a fork): 1 of its 4 active tokens clipped low, 3 clipped high.
+    # Episode 3 (one row): 2 of 2 clipped low, none high. Episode 9 has no active token.
+    low_B_T = torch.tensor([[True, False], [False, False], [True, True], [True, True]])
+    high_B_T = torch.tensor([[False, True], [True, True], [False, False], [False, False]])
+    mask_B_T = torch.tensor([[1, 1], [1, 1], [1, 1], [0, 0]])
+    term = clip_term(low_B_T, high_B_T)
+    metrics = clip_metrics(term, mask_B_T, episode_B=torch.tensor([7, 7, 3, 9]))
+    assert close(metrics["clip_ratio/low_mean"], 3 / 6)
+    assert close(metrics["clip_ratio/high_mean"], 3 / 6)
+    assert close(metrics["clip_ratio/region_mean"], 6 / 6)
+    assert close(metrics["clip_ratio/low_min"], 1 / 4)  # episode 7's share; 9 has none
+    assert close(metrics["clip_ratio/high_max"], 3 / 4)
+
+
+def test_cispo_logs_its_capped_share_and_vespo_its_mean_episode_weight():
+    high_B_T = torch.tensor([[True, False], [False, False]])
+    no_B_T = torch.zeros(2, 2, dtype=torch.bool)
+    cispo = cispo_metrics(clip_term(no_B_T, high_B_T), torch.ones(2, 2))
+    assert close(cispo["cispo_clip_ratio"], 1 / 4) and "clip_ratio/low_min" in cispo
+    # Rows 0 and 1 are one episode (weight 0.5), row 2 another (weight 2): the mean is 1.25.
+    phi_B_1 = torch.tensor([[0.5], [0.5], [2.0]])
+    term = clip_term(torch.zeros(3, 1, dtype=torch.bool), torch.zeros(3, 1, dtype=torch.bool))
+    term = term._replace(sequence_weight_B_1=phi_B_1)
+    vespo = vespo_metrics(term, torch.ones(3, 1), episode_B=torch.tensor([0, 0, 1]))
+    assert close(vespo["vespo/phi_seq_mean"], 1.25)
+
+
+def test_min_and_max_metrics_take_the_extremes_over_processes_and_the_others_the_mean():
+    values_P_M = torch.tensor([[0.2, 0.5, 1.0, NAN], [0.1, 0.9, NAN, NAN]])
+    names = ["clip_ratio/low_min", "clip_ratio/high_max", "entropy", "kl"]
+    low_min, high_max, entropy, kl = reduce_over_processes(names, values_P_M)
+    assert close(low_min, 0.1) and close(high_max, 0.9) and close(entropy, 1.0)
+    assert math.isnan(kl)  # no process had a value
+
+
+# --- Every key TRL 1.16 logs for a run, agentgrpo logs --------------------------------------
+
+# What TRL 1.16's GRPOTrainer logs for each kind of run of `trl_logged_keys.KINDS`, read from its
+# grpo_trainer.py (`_generate`, `_generate_and_score_completions`, `_compute_loss`,
+# `training_step`) and transformers' Trainer; test_the_keys_listed_for_trl_are_what_trl_logs
+# runs TRL itself to check the list.
+TRAINER_KEYS = {"epoch", "grad_norm", "learning_rate", "loss", "step", "total_flos"}
+TRAINER_KEYS |= {f"train_{k}" for k in ("loss", "runtime", "samples_per_second")}
+TRAINER_KEYS |= {"train_steps_per_second"}
+ROUND_KEYS = {"num_tokens", "reward", "reward_std", "frac_reward_zero_std", "entropy"}
+ROUND_KEYS |= {f"completions/{k}_length" for k in ("mean", "min", "max")}
+ROUND_KEYS |= {f"completions/{k}_terminated_length" for k in ("mean", "min", "max")}
+ROUND_KEYS |= {"completions/clipped_ratio"}
+CLIP_KEYS = {f"clip_ratio/{k}" for k in ("low_mean", "high_mean", "region_mean")}
+CLIP_KEYS |= {"clip_ratio/low_min", "clip_ratio/high_max"}
+LENGTH_REWARD = {"rewards/length_reward/mean", "rewards/length_reward/std"}
+EVALUATED = ROUND_KEYS | CLIP_KEYS | LENGTH_REWARD | {"kl", "policy_loss", "loss"}
+TRL_LOGGED_KEYS = {
+    "dapo": TRAINER_KEYS | ROUND_KEYS | CLIP_KEYS | LENGTH_REWARD | {"step_time"},
+    "grpo_kl_entropy_eval": TRAINER_KEYS
+    | ROUND_KEYS
+    | CLIP_KEYS
+    | LENGTH_REWARD
+    | {"step_time", "kl", "policy_loss", "entropy_coef"}
+    | {f"eval_{k}" for k in EVALUATED | {"runtime", "samples_per_second", "steps_per_second"}},
+    "cispo": TRAINER_KEYS | ROUND_KEYS | LENGTH_REWARD | {"step_time", "cispo_clip_ratio"},
+    "vespo": TRAINER_KEYS | ROUND_KEYS | LENGTH_REWARD | {"step_time", "vespo/phi_seq_mean"},
+    "environment": TRAINER_KEYS
+    | ROUND_KEYS
+    | CLIP_KEYS
+    | {"step_time", "rewards/Counter/mean", "rewards/Counter/std"}
+    | {"tools/call_frequency", "tools/failure_frequency"},
+}
+
+
+@pytest.fixture(scope="module")
+def agentgrpo_logs(tiny_model_dir, tmp_path_factory):
+    """kind -> the `log_history` of agentgrpo's run of that kind (each run once per module)."""
+
+    @functools.cache
+    def logs(kind: str) -> list[dict]:
+        return run_logs(agentgrpo, kind, str(tiny_model_dir), str(tmp_path_factory.mktemp(kind)))
+
+    return logs
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_key_trl_logs_for_a_run_agentgrpo_logs_too(agentgrpo_logs, kind):
+    missing = TRL_LOGGED_KEYS[kind] - set(logged_keys(agentgrpo_logs(kind)))
+    assert not missing, f"TRL 1.16 logs {sorted(missing)} for this run; agentgrpo does not"
+
+
+def test_eval_logs_carry_the_training_tokens_seen_as_num_tokens_as_trl_does(agentgrpo_logs):
+    logs = agentgrpo_logs("grpo_kl_entropy_eval")
+    [train] = [log for log in logs if "reward" in log]
+    [evaluation] = [log for log in logs if "eval_reward" in log]
+    assert evaluation["eval_num_tokens"] == train["num_tokens"] > 0
+
+
+TRL_INSTALLED = importlib.util.find_spec("trl") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TRL_INSTALLED, reason="needs trl (make install puts 1.16.0 in)")
+def test_the_keys_listed_for_trl_are_what_trl_logs(tiny_model_dir, tmp_path):
+    # About 40 s: TRL's import brings vLLM's; a process of its own keeps it out of this one.
+    script = Path(__file__).with_name("trl_logged_keys.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "trl", str(tiny_model_dir), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("LOGGED_KEYS ")]
+    logged = json.loads(line.removeprefix("LOGGED_KEYS "))
+    assert {kind: set(keys) for kind, keys in logged.items()} == TRL_LOGGED_KEYS

@@ -34,70 +34,15 @@ from typing import NamedTuple
 
 import torch
 
-# --------------------------------------------------------------------------- small helpers
-
-
-def _masked_sum_per_row(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
-    """Sum over active positions of each row; masked positions contribute exactly 0."""
-    return torch.where(mask_B_T != 0, values_B_T * mask_B_T, 0.0).sum(dim=-1)
-
-
-def masked_mean_per_row(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
-    """Mean over active positions of each row (0 for a row with none)."""
-    return _masked_sum_per_row(values_B_T, mask_B_T) / mask_B_T.sum(dim=-1).clamp(min=1)
-
-
-def _masked_mean(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
-    """Mean over all active positions of the batch (0 when there are none)."""
-    return _masked_sum_per_row(values_B_T, mask_B_T).sum() / mask_B_T.sum().clamp(min=1)
-
-
-def episode_of_rows(episode_B: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, int]:
-    """Each row's episode as 0..E-1, and E; None means each row is its own episode.
-
-    >>> episode_of_rows(torch.tensor([7, 3, 7]), 3)
-    (tensor([1, 0, 1]), 2)
-    """
-    if episode_B is None:
-        return torch.arange(rows), rows
-    unique_E, inverse_B = torch.unique(episode_B, return_inverse=True)
-    return inverse_B, len(unique_E)
-
-
-def _sum_per_episode(values_B: torch.Tensor, episode_B: torch.Tensor, episodes: int):
-    """values_E: the sum of each episode's rows (differentiable)."""
-    sums_E = torch.zeros(episodes, dtype=values_B.dtype, device=values_B.device)
-    return sums_E.index_add(0, episode_B.to(values_B.device), values_B)
-
-
-def masked_sum_and_count_per_episode(
-    values_B_T: torch.Tensor, mask_B_T: torch.Tensor, episode_B: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sums_E, counts_E): each episode's masked sum and active-token count over all its rows."""
-    index_B, episodes = episode_of_rows(episode_B, values_B_T.shape[0])
-    sums_E = _sum_per_episode(_masked_sum_per_row(values_B_T, mask_B_T), index_B, episodes)
-    counts_E = _sum_per_episode(mask_B_T.sum(dim=-1).to(values_B_T.dtype), index_B, episodes)
-    return sums_E, counts_E
-
-
-def masked_mean_per_episode(
-    values_B_T: torch.Tensor, mask_B_T: torch.Tensor, episode_B: torch.Tensor | None = None
-) -> torch.Tensor:
-    """mean_B: the mean over the active positions of each row's *episode* (all its rows).
-
-    0 for an episode with no active position. With ``episode_B`` None it is
-    :func:`masked_mean_per_row`.
-
-    >>> values, mask = torch.tensor([[1.0, 2.0], [6.0, 0.0]]), torch.tensor([[1, 1], [1, 0]])
-    >>> masked_mean_per_episode(values, mask, torch.tensor([0, 0]))
-    tensor([3., 3.])
-    """
-    if episode_B is None:
-        return masked_mean_per_row(values_B_T, mask_B_T)
-    sums_E, counts_E = masked_sum_and_count_per_episode(values_B_T, mask_B_T, episode_B)
-    index_B, _ = episode_of_rows(episode_B, values_B_T.shape[0])
-    return (sums_E / counts_E.clamp(min=1))[index_B.to(values_B_T.device)]
-
+from agentgrpo.learner.loss_metrics import cispo_metrics, clip_metrics, vespo_metrics
+from agentgrpo.learner.masked import (
+    episode_of_rows,
+    masked_mean,
+    masked_mean_per_episode,
+    masked_sum_and_count_per_episode,
+    masked_sum_per_row,
+    sum_per_episode,
+)
 
 # --------------------------------------------------------------------------- importance ratio
 
@@ -161,12 +106,14 @@ class PolicyTerm(NamedTuple):
         loss_B_T: Per-token loss (negative objective), (B, T).
         clipped_low_B_T: Bool, where the ratio hit the low bound and that cut the gradient.
         clipped_high_B_T: Bool, where the ratio hit the high bound and that cut the gradient.
+        sequence_weight_B_1: A loss's detached per-sequence weight (VESPO's phi), else None.
 
     """
 
     loss_B_T: torch.Tensor
     clipped_low_B_T: torch.Tensor
     clipped_high_B_T: torch.Tensor
+    sequence_weight_B_1: torch.Tensor | None = None
 
 
 def clipped_surrogate_loss(
@@ -333,7 +280,7 @@ def vespo_weights(
     """
     token_B_T = torch.where(mask_B_T != 0, log_ratio_B_T.clamp(-20.0, 20.0), 0.0)
     index_B, episodes = episode_of_rows(episode_B, token_B_T.shape[0])
-    log_w_E = _sum_per_episode(token_B_T.sum(dim=-1), index_B, episodes)
+    log_w_E = sum_per_episode(token_B_T.sum(dim=-1), index_B, episodes)
     log_w_B_1 = log_w_E[index_B.to(log_w_E.device)].unsqueeze(-1)
     log_w_B_1 = log_w_B_1.clamp(_VESPO_LOG_W_MIN, _VESPO_LOG_W_MAX)
     non_negative_B_1 = advantages_B_1 >= 0
@@ -370,7 +317,8 @@ def vespo_loss(
         episode_B: Each row's episode, (B,); None: one row per episode.
 
     Returns:
-        The per-token loss; no hard clip, so both clip indicators are all False.
+        The per-token loss; no hard clip, so both clip indicators are all False. Its
+        ``sequence_weight_B_1`` is phi.
 
     Example:
         >>> term = vespo_loss(torch.zeros(1, 1), torch.tensor([[2.0]]),
@@ -382,7 +330,7 @@ def vespo_loss(
     advantages_B_1 = advantages_B_1.expand(log_ratio_B_T.shape[0], 1)
     phi_B_1 = vespo_weights(log_ratio_B_T, advantages_B_1, mask_B_T, positive, negative, episode_B)
     no_clip_B_T = torch.zeros_like(log_ratio_B_T, dtype=torch.bool)
-    return PolicyTerm(-phi_B_1 * advantages_B_1 * logprobs_B_T, no_clip_B_T, no_clip_B_T)
+    return PolicyTerm(-phi_B_1 * advantages_B_1 * logprobs_B_T, no_clip_B_T, no_clip_B_T, phi_B_1)
 
 
 def kl_k3(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.Tensor:
@@ -436,14 +384,14 @@ def _per_sequence_mean(loss_B_T, mask_B_T, episode_B, num_items, max_completion_
 
 def _local_token_mean(loss_B_T, mask_B_T, episode_B, num_items, max_completion_length):
     """bnpo: mean over the active tokens of this micro-batch only (rows do not matter)."""
-    return _masked_mean(loss_B_T, mask_B_T)
+    return masked_mean(loss_B_T, mask_B_T)
 
 
 def _over_max_length(loss_B_T, mask_B_T, episode_B, num_items, max_completion_length):
     """dr_grpo: token sum over a constant, E * max_completion_length (E episodes, not rows)."""
     if max_completion_length is None:
         raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
-    total = _masked_sum_per_row(loss_B_T, mask_B_T).sum()
+    total = masked_sum_per_row(loss_B_T, mask_B_T).sum()
     _, episodes = episode_of_rows(episode_B, loss_B_T.shape[0])
     return total / (episodes * max_completion_length)
 
@@ -455,7 +403,7 @@ def _over_num_items(loss_B_T, mask_B_T, episode_B, num_items, max_completion_len
     """
     if num_items is None:
         raise ValueError("this loss_type needs num_items (active tokens in the whole batch)")
-    return _masked_sum_per_row(loss_B_T, mask_B_T).sum() / num_items
+    return masked_sum_per_row(loss_B_T, mask_B_T).sum() / num_items
 
 
 def _length_scaled_over_num_items(loss_B_T, mask_B_T, episode_B, num_items, max_completion_length):
@@ -630,6 +578,8 @@ class _LossType(NamedTuple):
     objective: Callable[..., PolicyTerm]
     normalise: Normaliser
     check: Callable[[LossConfig], None]
+    # (term, mask_B_T, episode_B) -> what the term logs, under TRL's names (`loss_metrics`)
+    metrics: Callable[..., dict[str, torch.Tensor]] = clip_metrics
 
 
 # The one place a loss_type string becomes behaviour.
@@ -638,10 +588,10 @@ _LOSS_TYPES: dict[str, _LossType] = {
     "bnpo": _LossType(_clipped, _local_token_mean, _check_clipped),
     "dr_grpo": _LossType(_clipped, _over_max_length, _check_dr_grpo),
     "dapo": _LossType(_clipped, _over_num_items, _check_clipped),
-    "cispo": _LossType(_cispo, _over_num_items, _check_cispo),
+    "cispo": _LossType(_cispo, _over_num_items, _check_cispo, cispo_metrics),
     "sapo": _LossType(_sapo, _over_num_items, _check_sapo),
     "luspo": _LossType(_clipped, _length_scaled_over_num_items, _check_luspo),
-    "vespo": _LossType(_vespo, _over_num_items, _check_vespo),
+    "vespo": _LossType(_vespo, _over_num_items, _check_vespo, vespo_metrics),
 }
 
 
@@ -719,12 +669,11 @@ class LossOutput:
 
     Attributes:
         loss: Scalar tensor to call ``backward()`` on.
-        metrics: Detached scalars over this call's active tokens: ``clip_ratio/low_mean``,
-            ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (fraction of active tokens
-            clipped on the low side with A < 0, the high side with A > 0, either);
-            ``kl`` (mean of the per-token KL term, bias-corrected if configured) when a
-            reference is given; ``entropy`` (mean entropy) when entropies are given;
-            ``policy_loss``: the loss before the entropy bonus.
+        metrics: Detached scalars over this call's active tokens: the loss type's
+            ``clip_ratio/*`` and own metrics (see `loss_metrics`); ``kl`` (mean of the
+            per-token KL term, bias-corrected if configured) when a reference is given;
+            ``entropy`` (mean entropy) when entropies are given; ``policy_loss``: the loss
+            before the entropy bonus.
 
     The entropy bonus and the grpo, bnpo and dr_grpo normalisers are means over this
     micro-batch; the dapo, cispo, sapo and luspo losses are shares of the global batch (they
@@ -734,17 +683,6 @@ class LossOutput:
 
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def _clip_metrics(term: PolicyTerm, mask_B_T: torch.Tensor) -> dict[str, torch.Tensor]:
-    def fraction(flags_B_T: torch.Tensor) -> torch.Tensor:
-        return _masked_mean(flags_B_T.to(mask_B_T.dtype), mask_B_T).detach()
-
-    return {
-        "clip_ratio/low_mean": fraction(term.clipped_low_B_T),
-        "clip_ratio/high_mean": fraction(term.clipped_high_B_T),
-        "clip_ratio/region_mean": fraction(term.clipped_low_B_T | term.clipped_high_B_T),
-    }
 
 
 def _per_token_loss(
@@ -777,7 +715,7 @@ def _per_token_loss(
     advantages_B_1 = advantages_B.to(logprobs_B_T.dtype).unsqueeze(-1)
     objective = _LOSS_TYPES[config.loss_type].objective
     term = objective(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, episode_B, config)
-    metrics = _clip_metrics(term, mask_B_T)
+    metrics = _LOSS_TYPES[config.loss_type].metrics(term, mask_B_T, episode_B)
     per_token_B_T = term.loss_B_T
     if sampler_weights_B_T is not None:
         per_token_B_T = per_token_B_T * zero_padding(sampler_weights_B_T.detach())
@@ -786,7 +724,7 @@ def _per_token_loss(
         if config.use_bias_correction_kl:
             kl_B_T = kl_B_T * log_ratio_B_T.exp()
         per_token_B_T = per_token_B_T + config.beta * kl_B_T
-        metrics["kl"] = _masked_mean(kl_B_T, mask_B_T).detach()
+        metrics["kl"] = masked_mean(kl_B_T, mask_B_T).detach()
     return per_token_B_T, metrics
 
 
@@ -859,7 +797,7 @@ def policy_loss(
     metrics["policy_loss"] = loss.detach()
     mask_B_T = mask_B_T.to(per_token_B_T.dtype)
     if entropy_B_T is not None:
-        mean_entropy = _masked_mean(torch.where(mask_B_T != 0, entropy_B_T, 0.0), mask_B_T)
+        mean_entropy = masked_mean(torch.where(mask_B_T != 0, entropy_B_T, 0.0), mask_B_T)
         metrics["entropy"] = mean_entropy.detach()
         loss = loss - coef * mean_entropy if coef else loss
     return LossOutput(loss, metrics)
