@@ -178,13 +178,14 @@ class RewardShaping:
     """How reward columns become one reward per episode, and rewards become advantages.
 
     Attributes:
-        weights_F: One weight per reward column, or None for all ones.
+        weights_F: One weight per reward column, or None for all ones. A tensor is read at
+            each use, so changing it in place changes the next round (TRL's `reward_weights`).
         aggregation: `multi_objective_aggregation` ("sum_then_normalize" or
             "normalize_then_sum").
         scale: `scale_rewards` ("group", "batch" or "none").
     """
 
-    weights_F: Sequence[float] | None = None
+    weights_F: Sequence[float] | torch.Tensor | None = None
     aggregation: str = "sum_then_normalize"
     scale: str = "group"
 
@@ -198,14 +199,13 @@ class RewardShaping:
 
         `rounds.warn_if_unscored` has already logged such episodes when they were scored.
         """
-        weights = self.weights_F or [1.0] * rewards_N_F.shape[1]
-        rewards_N = combine_rewards(
-            rewards_N_F,
-            torch.tensor(weights, dtype=torch.float32),
-            num_generations,
-            self.aggregation,
-        )
+        weights_F = torch.as_tensor(self.weights_or_ones(rewards_N_F.shape[1]), dtype=torch.float32)
+        rewards_N = combine_rewards(rewards_N_F, weights_F, num_generations, self.aggregation)
         return rewards_N.nan_to_num(0.0)
+
+    def weights_or_ones(self, columns: int) -> Sequence[float] | torch.Tensor:
+        """`weights_F`, or `columns` ones when it is None."""
+        return [1.0] * columns if self.weights_F is None else self.weights_F
 
     def advantages(self, everyone_N: torch.Tensor, num_generations: int) -> torch.Tensor:
         """advantages_N over every process's rewards (batch scaling needs them all)."""

@@ -25,7 +25,6 @@ import torch
 from accelerate.utils import gather_object
 
 from agentgrpo import checkpoints, porting
-from agentgrpo.checkpoint_saving import AtomicCheckpoints
 from agentgrpo.config import GRPOConfig
 from agentgrpo.data import (
     adapt_to_iterable_datasets,
@@ -40,11 +39,7 @@ from agentgrpo.learner.entropy_control import AdaptiveEntropy
 from agentgrpo.learner.logprobs import batched_logprobs, completion_logprobs
 from agentgrpo.learner.loss_metrics import reduce_over_processes
 from agentgrpo.learner.losses import normalises_by_num_items, policy_loss
-from agentgrpo.learner.token_weights import (
-    TokenWeighting,
-    high_entropy_mask,
-    trl_off_policy_mask,
-)
+from agentgrpo.learner.token_weights import TokenWeighting
 from agentgrpo.models import (
     check_liger_kernel,
     load_policy,
@@ -78,6 +73,7 @@ from agentgrpo.round import (
 )
 from agentgrpo.rounds import play_round, score_played
 from agentgrpo.sampler import RoundSampler, eval_rows_loader, rows_loader, stream_loader
+from agentgrpo.trl_attributes import TRLAttributes
 from agentgrpo.warm_start import environment_demonstrations, warm_start
 from agentgrpo.weight_sync import build_generator, generation_weights
 from agentgrpo.wiring import build_parts
@@ -90,7 +86,7 @@ WARM_START_DIR = "warm_start"
 ENTROPY_STATE_FILE = "entropy_ctrl_state.json"
 
 
-class GRPOTrainer(AtomicCheckpoints):
+class GRPOTrainer(TRLAttributes):
     """Train a causal LM with GRPO on single-turn prompts or multi-turn tool-calling episodes.
 
     Accepts the arguments of TRL's `GRPOTrainer` with the same meanings, so a TRL script ports
@@ -184,7 +180,7 @@ class GRPOTrainer(AtomicCheckpoints):
         model = load_policy(model, args, peft_config, quantization_config)
         check_liger_kernel(args, model)
         tokenizer = load_tokenizer(model, processing_class, tokenizer_source)
-        self.reward_funcs = reward_functions(
+        self._reward_functions = reward_functions(
             sources, reward_processing_classes, reward_model_kwargs(args)
         )
         self.rollout_func = rollout_func
@@ -214,7 +210,7 @@ class GRPOTrainer(AtomicCheckpoints):
         check_environment_column(self.train_dataset, self.engine)
         if rollout_func is None:  # its extra fields are known only once it runs
             check_trainer_arguments(
-                self.reward_funcs, self.train_dataset, bool(environment_factory)
+                self._reward_functions, self.train_dataset, bool(environment_factory)
             )
         self._round: Round | None = None  # the round being trained on
         self._micro_index: int | None = None  # micro-batches served since the run started
@@ -237,7 +233,7 @@ class GRPOTrainer(AtomicCheckpoints):
             tokenizer,
             factory,
             tools,
-            self.reward_funcs,
+            self._reward_functions,
             trainer_state=lambda: self.state,
             agent=self.agent,
         )
@@ -247,7 +243,7 @@ class GRPOTrainer(AtomicCheckpoints):
         shaping = RewardShaping.from_config(args)
         self._round_parts = RoundParts(
             play=self._play,
-            shaping=dataclasses.replace(shaping, weights_F=parts.reward_weights),
+            shaping=dataclasses.replace(shaping, weights_F=torch.tensor(parts.reward_weights)),
             collate=lambda episodes, advantages_N: collate_episodes(
                 episodes, advantages_N, tokenizer.pad_token_id, args.mask_truncated_completions
             ).to(args.device),
@@ -351,65 +347,6 @@ class GRPOTrainer(AtomicCheckpoints):
             dataset, plan.prompts_per_process, self.args.dataloader_num_workers
         )
         return self.accelerator.prepare(loader)
-
-    # ------------------------------------------------------------------ TRL's attributes
-
-    @property
-    def reward_func_names(self) -> list[str]:
-        """The name of each reward column, as logged: the functions', then each environment's."""
-        return self.scorer.names
-
-    @property
-    def reward_processing_classes(self) -> list[Any]:
-        """One entry per `reward_func_names`: a reward model's tokenizer, else None."""
-        own = [func.processing_class for func in self.reward_funcs]
-        return own + [None] * (len(self.scorer.names) - len(own))
-
-    def get_high_entropy_mask(
-        self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
-    ) -> torch.Tensor:
-        """TRL's mask of the tokens whose entropy is at or above a quantile over all processes.
-
-        Args:
-            entropies: Per-token entropies, (B, T).
-            mask: 1 where the token counts, (B, T).
-            threshold: The quantile in [0, 1] of the active tokens' entropies (over every
-                process) that a token must reach; `1 - top_entropy_quantile` in training.
-
-        Returns:
-            Bool (B, T): True where the token is active and reaches the threshold.
-        """
-        local = entropies[mask.bool()].float()
-        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=-1.0)
-        everyone = self.accelerator.gather(padded)
-        everyone = everyone[everyone >= 0]  # entropies are >= 0: the padding drops out
-        return high_entropy_mask(entropies, mask, threshold, everyone.to(entropies.device))
-
-    @staticmethod
-    def get_off_policy_mask(
-        advantages: torch.Tensor,
-        per_token_logps: torch.Tensor,
-        sampling_per_token_logps: torch.Tensor,
-        mask: torch.Tensor,
-        off_policy_threshold: float,
-    ) -> torch.Tensor:
-        """TRL's off-policy sequence mask (DeepSeek-V3.2): (B, 1), 1.0 keep, 0.0 drop.
-
-        A sequence is dropped when its advantage is negative and the mean over its active
-        tokens of `sampling_per_token_logps - per_token_logps` exceeds `off_policy_threshold`
-        (see `token_weights.off_policy_sequence_mask`). Tokens the sampler could not score
-        (NaN) count as no drift.
-
-        Args:
-            advantages: One per sequence, (B,) or (B, 1).
-            per_token_logps: The current policy's logprobs, (B, T).
-            sampling_per_token_logps: The sampler's logprobs, (B, T).
-            mask: 1 where the token counts, (B, T).
-            off_policy_threshold: The largest mean drift kept for a negative advantage.
-        """
-        return trl_off_policy_mask(
-            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
-        )
 
     @property
     def _eval_plan(self) -> RoundPlan:

@@ -9,8 +9,12 @@ runs of GRPOTrainer on the tiny random Llama.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import math
+import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,6 +272,201 @@ def test_the_trainer_has_trls_reward_names_processing_classes_aux_loss_flag_and_
     advantages = torch.tensor([[-1.0], [1.0], [-1.0]])
     keep = GRPOTrainer.get_off_policy_mask(advantages, logps, sampler, torch.ones(3, 2), 0.5)
     assert keep.tolist() == [[0.0], [1.0], [1.0]]
+
+
+# --- TRL's public attributes ---------------------------------------------------------------
+
+# The public attributes TRL 1.16's GRPOTrainer.__init__ sets (`self.<name> = ...` in
+# trl/trainer/grpo_trainer.py), and its public methods; when trl is installed the test also reads
+# that file, so a name added there shows up here.
+TRL_ATTRIBUTES = {
+    "beta", "chat_template", "chat_template_kwargs", "continuous_batching_config",
+    "entropy_coef", "environment_factories", "environments", "eos_token_ids", "epsilon_high",
+    "epsilon_low", "generation_config", "generation_kwargs", "importance_sampling_level",
+    "log_completions", "log_multimodal", "log_unique_prompts", "loss_type",
+    "mask_truncated_completions", "max_completion_length", "max_tool_calling_iterations",
+    "min_p", "multi_objective_aggregation", "num_completions_to_print", "num_generations",
+    "num_generations_eval", "num_iterations", "off_policy_mask_threshold", "pad_to_multiple_of",
+    "ref_model", "repetition_penalty", "reward_func_names", "reward_funcs",
+    "reward_processing_classes", "reward_weights", "rollout_func", "router_aux_loss_coef",
+    "aux_loss_enabled", "scale_rewards", "shuffle_dataset", "temperature", "tools",
+    "top_entropy_quantile", "top_k", "top_p", "use_adaptive_entropy",
+    "use_transformers_continuous_batching", "use_vllm", "vllm_gpu_memory_utilization",
+    "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_mode",
+    "vllm_tensor_parallel_size",
+}  # fmt: skip
+TRL_METHODS = {
+    "compute_loss", "create_model_card", "get_eval_dataloader", "get_gamma_weights",
+    "get_high_entropy_mask", "get_off_policy_mask", "get_train_dataloader", "log",
+    "prediction_step", "training_step",
+}  # fmt: skip
+# TRL's vLLM client object, its Hub upload of completions and the event loop of its async
+# reward functions: agentgrpo has its own of each (see agentgrpo/trl_attributes.py).
+NOT_PROVIDED = {"vllm_generation", "commit_scheduler", "async_loop", "async_loop_thread"}
+NOT_PROVIDED |= {"async_loop_ready_event"}
+
+
+def trls_own_attribute_names() -> set[str]:
+    """What `self.<name> =` TRL's installed grpo_trainer.py assigns (empty without trl)."""
+    spec = importlib.util.find_spec("trl")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return set()
+    source = Path(spec.submodule_search_locations[0], "trainer", "grpo_trainer.py").read_text()
+    return set(re.findall(r"self\.([a-z]\w*)\s*(?:,[^=]*)?=[^=]", source))
+
+
+def test_the_trainer_has_every_public_attribute_and_method_of_trls(tokenizer, tmp_path):
+    trainer = trainer_for(
+        tokenizer,
+        config(tmp_path, chat_template="chatml_tools"),
+        reward_funcs=one,
+        train_dataset=Dataset.from_dict({"prompt": [conversation("Count.")] * 2}),
+        environment_factory=Counter,
+    )
+    names = (TRL_ATTRIBUTES | trls_own_attribute_names()) - NOT_PROVIDED
+    missing = sorted(name for name in names if not hasattr(trainer, name))
+    assert not missing, f"TRL's GRPOTrainer has {missing}"
+    assert all(callable(getattr(trainer, name)) for name in TRL_METHODS)
+
+
+def test_config_fields_trl_copies_onto_the_trainer_read_the_config_and_are_read_only(
+    tokenizer, tmp_path
+):
+    args = config(
+        tmp_path,
+        beta=0.04,
+        epsilon=0.3,
+        epsilon_high=0.5,
+        loss_type="grpo",
+        top_p=0.9,
+        num_generations_eval=None,
+        max_tool_calling_iterations=None,
+    )
+    rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"]})
+    trainer = trainer_for(tokenizer, args, reward_funcs=one, train_dataset=rows)
+    assert (trainer.beta, trainer.loss_type, trainer.top_p) == (0.04, "grpo", 0.9)
+    assert (trainer.epsilon_low, trainer.epsilon_high) == (0.3, 0.5)  # TRL's two names
+    assert trainer.num_generations_eval == trainer.num_generations == 2  # None: the same
+    assert trainer.max_tool_calling_iterations == sys.maxsize  # None: no limit
+    assert trainer.chat_template_kwargs == {} and trainer.continuous_batching_config is None
+    assert trainer.chat_template is None  # the tokenizer's own template renders
+    assert trainer.entropy_coef == 0.0 and trainer.use_vllm is False
+    with pytest.raises(AttributeError, match=r"set GRPOConfig\(beta=\.\.\.\) before"):
+        trainer.beta = 0.1
+    with pytest.raises(AttributeError, match=r"GRPOConfig\(epsilon=\.\.\.\)"):
+        trainer.epsilon_low = 0.1
+
+
+def test_reward_weights_is_trls_tensor_and_changing_it_changes_the_next_round(tokenizer, tmp_path):
+    trainer = trainer_for(
+        tokenizer,
+        config(tmp_path, chat_template="chatml_tools", reward_weights=[2.0]),
+        reward_funcs=one,
+        train_dataset=Dataset.from_dict({"prompt": [conversation("Count.")] * 2}),
+        environment_factory=Counter,
+    )
+    # TRL's layout: the functions' weights, then 1.0 for the environment that scores itself.
+    assert trainer.reward_weights.dtype == torch.float32
+    assert trainer.reward_weights.tolist() == [2.0, 1.0]
+    trainer.reward_weights[1] = 4.0  # in place, as a TRL callback may
+    trainer.train()
+    assert [record.reward for record in trainer.last_records] == [2.0 * 1 + 4.0 * 0.25] * 4
+    trainer.reward_weights = [0.5, 0.5]
+    assert trainer.reward_weights.tolist() == [0.5, 0.5]
+    with pytest.raises(ValueError, match=r"one weight per reward function \['one', 'Counter'\]"):
+        trainer.reward_weights = torch.ones(3)
+
+
+def test_reward_funcs_hold_what_was_given_then_each_environments_get_reward(tokenizer, tmp_path):
+    reward_model = tiny_reward_model(tokenizer)
+    trainer = trainer_for(
+        tokenizer,
+        config(tmp_path, chat_template="chatml_tools"),
+        reward_funcs=[zero, reward_model],
+        reward_processing_classes=[None, tokenizer],
+        train_dataset=Dataset.from_dict({"prompt": [conversation("Count.")] * 2}),
+        environment_factory=Counter,
+    )
+    given_function, given_model, get_reward = trainer.reward_funcs
+    assert given_function is zero and given_model is reward_model
+    assert get_reward.__name__ == "get_reward"  # TRL's wrapper of the environment's own
+    counter, echo = Counter(), Echo()
+    assert get_reward(environments=[counter, echo], prompts=["a", "b"]) == [0.25, None]
+    assert len(trainer.reward_funcs) == len(trainer.reward_func_names) == 3
+
+
+def test_environments_tools_and_eos_ids_take_trls_forms(tokenizer, tmp_path):
+    args = config(tmp_path, chat_template="chatml_tools")
+    trainer = trainer_for(
+        tokenizer,
+        args,
+        train_dataset=Dataset.from_dict({"prompt": [conversation("Count.")] * 2}),
+        environment_factory=Counter,
+        tools=[shout_tool],
+    )
+    assert trainer.environment_factories == {None: Counter}
+    assert [tool.__name__ for tool in trainer.tools] == ["shout_tool", "increment"]
+    assert trainer.environments is None  # before the first round, as in TRL
+    assert trainer.eos_token_ids[0] == tokenizer.eos_token_id
+    assert trainer.chat_template is not None and "<tool_call>" in trainer.chat_template
+    trainer.train()
+    assert [type(env) for env in trainer.environments] == [Counter] * 4  # one per completion
+    several = trainer_for(
+        tokenizer,
+        args,
+        train_dataset=MIXED_ROWS,
+        environment_factory={"counter": Counter, "echo": Echo},
+    )
+    assert several.environment_factories == {"counter": Counter, "echo": Echo}
+    assert sorted(tool.__name__ for tool in several.tools) == ["increment", "shout"]
+
+
+def shout_tool(text: str) -> str:
+    """Shout.
+
+    Args:
+        text: What to shout.
+    """
+    return text.upper()
+
+
+def test_generation_kwargs_and_generation_config_are_what_transformers_generation_gets(
+    tokenizer, tmp_path
+):
+    args = config(tmp_path, top_k=5, generation_kwargs={"top_k": 20})
+    rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"]})
+    trainer = trainer_for(tokenizer, args, reward_funcs=one, train_dataset=rows)
+    kwargs = trainer.generation_kwargs
+    assert kwargs["max_new_tokens"] == 8 and kwargs["do_sample"] is True
+    assert kwargs["top_k"] == 20  # generation_kwargs win
+    assert kwargs["eos_token_id"] == trainer.eos_token_ids
+    assert trainer.generation_config.top_k == 20
+    trainer.args.use_vllm = True  # what a vLLM run's trainer reads; TRL has no such attribute
+    with pytest.raises(AttributeError, match="with use_vllm=True the vLLM backend generates"):
+        trainer.generation_config  # noqa: B018
+
+
+def test_get_gamma_weights_is_vespos_phi_of_the_sequence_weight():
+    # Sequence 0: on-policy (w = 1): phi = 1. Sequence 1: two active tokens with ratio 2 and a
+    # sampler correction of 0.5 each: w = (2 * 0.5)**2 = 1 again. Sequence 2: ratio e on its one
+    # active token, A < 0: phi = e**3 * exp(2 * (1 - e)) with TRL's (k, lambda) = (3, 2).
+    log_ratio = torch.tensor([[0.0, 0.0], [math.log(2.0)] * 2, [1.0, 5.0]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0]])
+    correction = torch.tensor([[1.0, 1.0], [0.5, 0.5], [1.0, 1.0]])
+    advantages = torch.tensor([[1.0], [1.0], [-1.0]])
+    phi = GRPOTrainer.get_gamma_weights(advantages, log_ratio, mask, correction)
+    expected = math.e**3 * math.exp(2 * (1 - math.e))
+    assert phi[:, 0].tolist() == pytest.approx([1.0, 1.0, expected])
+
+
+def test_create_model_card_takes_trls_arguments(tokenizer, tmp_path):
+    rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"]})
+    trainer = trainer_for(tokenizer, config(tmp_path), reward_funcs=one, train_dataset=rows)
+    trainer.create_model_card(model_name="tiny-grpo", dataset_name="my/rows", tags="mine")
+    card = (tmp_path / "README.md").read_text()
+    assert "tiny-grpo" in card and "my/rows" in card
+    assert all(tag in card for tag in ("mine", "trl", "grpo", "agentgrpo"))
 
 
 # --- Datasets -----------------------------------------------------------------------------

@@ -227,6 +227,7 @@ def test_adaptive_entropy_updates_once_per_optimizer_step_under_accumulation(tok
     trainer.train()
     assert logged(trainer, "entropy_coef") == pytest.approx([0.005, 0.010, 0.015])
     assert trainer.entropy_control.coef == pytest.approx(0.015)
+    assert trainer.entropy_coef == pytest.approx(0.015)  # TRL's attribute: the current one
     assert 5.0 < trainer.entropy_control.last_entropy < 100.0
 
 
@@ -402,9 +403,9 @@ def test_trust_remote_code_reaches_the_policy_its_tokenizer_and_reward_models(
     trainer = GRPOTrainer(str(remote_code_dir), [str(remote_code_dir)], args, PROMPTS)
     assert type(trainer.model).__name__ == "TinyRemoteForCausalLM"
     assert type(trainer.processing_class).__name__ == "TinyRemoteTokenizer"
-    reward = trainer.reward_funcs[0].fn
-    assert type(reward.model).__name__ == "TinyRemoteForSequenceClassification"
-    assert type(reward.tokenizer).__name__ == "TinyRemoteTokenizer"
+    [reward_model] = trainer.reward_funcs  # as in TRL: the loaded model itself
+    assert type(reward_model).__name__ == "TinyRemoteForSequenceClassification"
+    assert type(trainer.reward_processing_classes[0]).__name__ == "TinyRemoteTokenizer"
 
 
 def test_custom_code_is_not_run_without_trust_remote_code(remote_code_dir, tmp_path):

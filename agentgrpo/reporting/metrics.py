@@ -70,7 +70,7 @@ class RewardLayout:
         """The layout of a run's rounds: its reward names and shaping (weights, scaling)."""
         return cls(
             names=names,
-            weights_F=shaping.weights_F or [1.0] * len(names),
+            weights_F=[float(w) for w in shaping.weights_or_ones(len(names))],
             num_generations=num_generations,
             batch_scaled=shaping.scale == "batch" or shaping.aggregation == "normalize_then_sum",
             with_tools=with_tools,

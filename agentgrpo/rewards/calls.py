@@ -76,11 +76,14 @@ class RewardFunction:
         name: The reward's column and metric name.
         fn: The function called with the batch's arguments.
         processing_class: The tokenizer of a reward model; None for plain functions.
+        source: What the trainer was given: the function, or the sequence-classification
+            model that `fn` wraps (None: `fn` itself).
     """
 
     name: str
     fn: Callable[..., Any]
     processing_class: Any = None
+    source: Any = None
 
 
 def _ignore(*args: Any) -> None:
@@ -446,7 +449,7 @@ def _named(func: Any, processing_class: Any, model_kwargs: dict[str, Any]) -> Re
             tokenizer_kwargs["revision"] = model_kwargs["revision"]
         tokenizer = processing_class or _load_tokenizer(model, tokenizer_kwargs)
         scorer = _SequenceClassifierReward(model, tokenizer)
-        return RewardFunction(_model_name(model), scorer, tokenizer)
+        return RewardFunction(_model_name(model), scorer, tokenizer, source=model)
     if not callable(func):
         raise TypeError(
             f"a reward function must be a callable, a sequence-classification model or a model "
