@@ -697,8 +697,9 @@ class GRPOConfig(TrainingArguments):
                 raise ValueError(f"{name}=True is not supported by agentgrpo yet; {advice}.")
         _require(
             self.num_generations is not None and self.num_generations >= 2,
-            f"num_generations={self.num_generations}: GRPO needs at least 2 completions per "
-            "prompt to compare them; set num_generations >= 2.",
+            "GRPO requires at least 2 generations per prompt to calculate the advantages. You "
+            f"provided {self.num_generations}, which is less than the minimum required: set "
+            "num_generations >= 2.",
         )
         _require(
             self.num_generations_eval is None or self.num_generations_eval >= 1,
@@ -758,24 +759,25 @@ class GRPOConfig(TrainingArguments):
         # TRL raises this in its trainer; it is a config mistake, so it is caught here.
         _require(
             not (self.sync_ref_model and self.beta == 0.0),
-            "sync_ref_model=True needs a reference model, which is only loaded when beta > 0; "
-            "set beta > 0 or sync_ref_model=False.",
+            "You passed `sync_ref_model=True` while `beta=0.0`, which means the reference model "
+            "is not used during training: set beta > 0 or sync_ref_model=False.",
         )
         _require(
             self.log_completions_hub_repo is None or self.log_completions,
-            "log_completions_hub_repo is set but log_completions is False; set "
-            "log_completions=True or unset log_completions_hub_repo.",
+            "log_completions_hub_repo is set, but log_completions is False. Enable "
+            "log_completions to upload completions to the Hub, or unset log_completions_hub_repo.",
         )
         _require(
             not self.auto_find_batch_size,
-            "auto_find_batch_size=True is not supported: halving the batch on out-of-memory "
-            "splits groups of num_generations; lower per_device_train_batch_size instead.",
+            "auto_find_batch_size is not supported by GRPO, because the generation batch must "
+            "contain full prompt groups of num_generations completions; lower "
+            "per_device_train_batch_size instead.",
         )
         parallel = self.parallelism_config
         _require(
             parallel is None or not (parallel.cp_enabled or parallel.sp_enabled),
-            "context or sequence parallelism (parallelism_config cp_size/sp_size > 1) is not "
-            "supported: set both to 1.",
+            "GRPOTrainer does not support sequence-dim parallelism (`parallelism_config.cp_size "
+            "> 1` or `parallelism_config.sp_size > 1`) yet. Set both `cp_size=1` and `sp_size=1`.",
         )
         self._check_importance_sampling_bounds()
         self._check_loss_combinations()
@@ -783,33 +785,16 @@ class GRPOConfig(TrainingArguments):
             self._check_vllm()
 
     def _check_loss_combinations(self) -> None:
-        """Warn where TRL warns about a loss type and a ratio level; refuse what cannot work."""
-        if self.importance_sampling_level == "sequence" and self.loss_type in _TOKEN_SUMMED:
-            warnings.warn(
-                f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}: this "
-                "loss sums per-token contributions, which weights each sequence by its "
-                "completion length instead of optimizing the per-sequence objective; for the "
-                "GSPO paper's setup use loss_type='grpo'.",
-                UserWarning,
-                stacklevel=6,  # the caller of GRPOConfig(...)
-            )
-        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
-            warnings.warn(
-                "VESPO computes sequence-level importance weights internally; "
-                "importance_sampling_level should be 'token' (the default).",
-                UserWarning,
-                stacklevel=6,
-            )
+        """Refuse what cannot work; the trainer logs TRL's warnings (`porting`)."""
         _require(
             not (
                 self.loss_type == "vespo"
                 and corrects_sampler_mismatch(self)
                 and not self.vllm_importance_sampling_mode.startswith("token_")
             ),
-            "VESPO loss requires vllm_importance_sampling_mode 'token_truncate' or 'token_mask' "
-            f"(got {self.vllm_importance_sampling_mode!r}): it folds per-token corrections into "
-            "its own sequence weight. Set one of those, or vllm_importance_sampling_correction="
-            "False.",
+            "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or "
+            f"'token_mask'. Got: {self.vllm_importance_sampling_mode}. (Its sequence weight takes "
+            "per-token corrections; or set vllm_importance_sampling_correction=False.)",
         )
 
     def _check_vllm(self) -> None:
@@ -857,7 +842,7 @@ class GRPOConfig(TrainingArguments):
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         _require(
             low is None or high is None or low < high,
-            f"vllm_importance_sampling_clip_min ({low}) must be below "
+            f"vllm_importance_sampling_clip_min ({low}) must be less than "
             f"vllm_importance_sampling_clip_max ({high}).",
         )
         truncates = self.vllm_importance_sampling_mode.endswith("_truncate")
@@ -865,8 +850,8 @@ class GRPOConfig(TrainingArguments):
             not (self.vllm_importance_sampling_correction and truncates)
             or low is not None
             or high is not None,
-            f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} clamps to "
-            "bounds, but both vllm_importance_sampling_clip_min and _clip_max are None; set one.",
+            "At least one of `vllm_importance_sampling_clip_min` or `vllm_importance_sampling_"
+            "clip_max` must be set when `vllm_importance_sampling_mode` is a `*_truncate` mode.",
         )
 
     def _resolve_batches(self) -> None:
@@ -874,15 +859,14 @@ class GRPOConfig(TrainingArguments):
         global_batch = self.per_device_train_batch_size * self.world_size
         _require(
             self.generation_batch_size is None or self.steps_per_generation is None,
-            "generation_batch_size and steps_per_generation each determine the other; set only "
-            "one of them.",
+            "'generation_batch_size' and 'steps_per_generation' can not be both configured at "
+            "the same time: each determines the other; set only one of them.",
         )
         if self.generation_batch_size is not None:
             _require(
                 self.generation_batch_size % global_batch == 0,
-                f"generation_batch_size={self.generation_batch_size} is not divisible by "
-                f"per_device_train_batch_size * world_size = {global_batch}; make it a "
-                "multiple of that.",
+                f"generation_batch_size ({self.generation_batch_size}) must be divisible by the "
+                f"global batch size ({global_batch}), per_device_train_batch_size * world_size.",
             )
             self.steps_per_generation = self.generation_batch_size // global_batch
         else:
@@ -891,10 +875,10 @@ class GRPOConfig(TrainingArguments):
             self.generation_batch_size = global_batch * self.steps_per_generation
         _require(
             self.generation_batch_size % self.num_generations == 0,
-            f"the generation batch of {self.generation_batch_size} completions "
-            f"(per_device_train_batch_size={self.per_device_train_batch_size} x world_size="
-            f"{self.world_size} x steps_per_generation={self.steps_per_generation}) is not "
-            f"divisible by num_generations={self.num_generations}: choose "
+            f"generation_batch_size ({self.generation_batch_size}) must be divisible by "
+            f"num_generations ({self.num_generations}). It is per_device_train_batch_size="
+            f"{self.per_device_train_batch_size} x world_size={self.world_size} x "
+            f"steps_per_generation={self.steps_per_generation}: choose "
             "per_device_train_batch_size, gradient_accumulation_steps (or steps_per_generation, "
             "or generation_batch_size) so that it holds whole groups.",
         )
@@ -906,17 +890,14 @@ class GRPOConfig(TrainingArguments):
         batch = self.per_device_eval_batch_size * self.world_size
         _require(
             batch % group == 0,
-            f"the eval batch of {batch} completions (per_device_eval_batch_size="
-            f"{self.per_device_eval_batch_size} x world_size={self.world_size}) is not divisible "
-            f"by num_generations_eval={group}: choose per_device_eval_batch_size or "
-            "num_generations_eval so that it holds whole groups.",
+            f"The global eval batch size ({self.per_device_eval_batch_size} * {self.world_size}) "
+            f"must be divisible by the number of generations used for evaluation ({group}): "
+            "choose per_device_eval_batch_size or num_generations_eval so that it holds whole "
+            "groups.",
         )
 
 
 _SCALE_REWARDS_ALIASES = {"true": "group", "false": "none"}
-# Loss types whose value is a sum over tokens (normalised by a token count or a constant): with a
-# sequence-level ratio they weight each sequence by its length (TRL warns about the same four).
-_TOKEN_SUMMED = ("bnpo", "dr_grpo", "dapo", "cispo")
 
 
 def default_bf16(fp16: bool, use_cpu: bool) -> bool:

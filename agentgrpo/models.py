@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 from typing import Any
 
 import torch
@@ -11,6 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 
 from agentgrpo.devices import inference_autocast
 from rollout.attention import use_grouped_query_sdpa
+
+logger = logging.getLogger(__name__)
 
 
 def policy_init_kwargs(args: Any, quantization_config: Any = None) -> dict[str, Any]:
@@ -33,8 +36,9 @@ def policy_init_kwargs(args: Any, quantization_config: Any = None) -> dict[str, 
     if quantization_config is not None:
         if "quantization_config" in kwargs:
             raise ValueError(
-                "quantization_config is set both as a trainer argument and in "
-                "args.model_init_kwargs; set it in only one place (the trainer argument)"
+                "You set `quantization_config` both as a trainer argument and in "
+                "`args.model_init_kwargs`. Please set it in only one place, preferably as a "
+                "trainer argument."
             )
         kwargs["quantization_config"] = quantization_config
     kwargs.setdefault("trust_remote_code", args.trust_remote_code)
@@ -71,18 +75,23 @@ def load_policy(
         peft_config: A PEFT config; the model is wrapped with it (LoRA and friends).
         quantization_config: E.g. a `BitsAndBytesConfig`, for loading `model` by name.
 
+    Loading arguments for a model that is already loaded are ignored with TRL's warnings.
+
     Raises:
-        ValueError: Loading arguments given for a model that is already loaded.
+        ValueError: A `PeftModel` comes with a `peft_config` (TRL refuses it too).
     """
     policy: Any = model  # a PreTrainedModel, a PeftModel, or loaded from a name just below
     if isinstance(model, str):
         policy = AutoModelForCausalLM.from_pretrained(
             model, **policy_init_kwargs(args, quantization_config)
         )
-    elif args.model_init_kwargs or quantization_config is not None:
+    else:
+        _warn_unused_loading_arguments(args.model_init_kwargs, quantization_config)
+    if peft_config is not None and _is_peft(policy):
         raise ValueError(
-            "model_init_kwargs and quantization_config only apply when model is a name or "
-            "path; the model you passed is already loaded"
+            "You passed a `PeftModel` instance together with a `peft_config` to the trainer. "
+            "Please first merge and unload the existing adapter, save the resulting base model, "
+            "and then pass that base model along with the new `peft_config` to the trainer."
         )
     if peft_config is not None:
         from peft import get_peft_model
@@ -96,6 +105,20 @@ def load_policy(
     if args.gradient_checkpointing and hasattr(policy, "enable_input_require_grads"):
         policy.enable_input_require_grads()  # checkpointed LoRA needs grads at the inputs
     return policy
+
+
+def _warn_unused_loading_arguments(model_init_kwargs: Any, quantization_config: Any) -> None:
+    """TRL's warnings for loading arguments given with a model that is already loaded."""
+    if model_init_kwargs is not None:
+        logger.warning(
+            "You passed `model_init_kwargs` to the `GRPOConfig`, but your model is already "
+            "instantiated. The `model_init_kwargs` will be ignored."
+        )
+    if quantization_config is not None:
+        logger.warning(
+            "You passed `quantization_config` to the trainer, but your model is already "
+            "instantiated. The `quantization_config` will be ignored."
+        )
 
 
 def load_for_generation(path: str, device: torch.device) -> tuple[Any, torch.dtype | None]:
@@ -124,9 +147,9 @@ def router_aux_loss_coef(model: Any, configured: float | None) -> float:
     with_experts = hasattr(text_config, "output_router_logits")
     if configured and not with_experts:
         raise ValueError(
-            f"router_aux_loss_coef={configured} but {type(model).__name__} is not a "
-            "mixture-of-experts model (its config has no output_router_logits), so there is no "
-            "load-balancing loss to weight; leave router_aux_loss_coef unset"
+            f"`router_aux_loss_coef` is set to {configured} but {type(model).__name__} is not a "
+            "Mixture-of-Experts model that returns its router logits, so there is no auxiliary "
+            "loss to weight (its config has no output_router_logits); leave it unset."
         )
     if configured is None:
         configured = getattr(text_config, "router_aux_loss_coef", 0.0)
@@ -240,7 +263,7 @@ def check_liger_kernel(args: Any, model: Any) -> None:
     config = dict(args.liger_kernel_config or {})
     if config.get("fused_linear_cross_entropy"):
         raise ValueError(
-            'liger_kernel_config={"fused_linear_cross_entropy": True} is not supported: it '
+            '`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported: it '
             "replaces the model's forward and never returns the logits the GRPO loss needs; "
             "leave it out"
         )
@@ -299,11 +322,14 @@ def reference_sync(reference: torch.nn.Module | None, policy: Any, args: Any) ->
     """The `sync_ref_model` callback of a run.
 
     Raises:
-        ValueError: There is no separate reference model (PEFT: the base model is the reference).
+        NotImplementedError: There is no separate reference model (PEFT: the base model is
+            the reference), as TRL raises.
     """
     if reference is None:
-        raise ValueError(
-            "sync_ref_model mixes the policy into a separate reference model, but with PEFT "
-            "the reference is the base model under the adapter; turn sync_ref_model off"
+        raise NotImplementedError(
+            "You passed `sync_ref_model=True` while using a PEFT model, which is currently not "
+            "supported: sync_ref_model mixes the policy into a separate reference model, but "
+            "with PEFT the reference is the base model under the adapter. Use "
+            "`sync_ref_model=False`."
         )
     return SyncReference(reference, policy, args.ref_model_mixup_alpha, args.ref_model_sync_steps)

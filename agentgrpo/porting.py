@@ -8,9 +8,12 @@ every conflict between an old spelling and a new one is an error saying which to
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # transformers' `optim` names that are bitsandbytes optimizers.
 BITSANDBYTES_OPTIMIZERS = frozenset(
@@ -57,6 +60,50 @@ def reward_sources(reward_funcs: Any, reward_model: Any, reward_fn: Any) -> list
     else:
         funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
     return funcs + [source for source in (reward_model, reward_fn) if source is not None]
+
+
+# Loss types whose value is a sum over tokens (normalised by a token count or a constant): with a
+# sequence-level ratio they weight each sequence by its length (TRL warns about the same four).
+TOKEN_SUMMED_LOSSES = ("bnpo", "dr_grpo", "dapo", "cispo")
+
+
+def loss_setting_warnings(loss_type: str, importance_sampling_level: str) -> list[str]:
+    """The warnings TRL 1.16's trainer logs about a loss type and a ratio level, in its words.
+
+    Example:
+        >>> loss_setting_warnings("grpo", "sequence")
+        []
+        >>> [text] = loss_setting_warnings("luspo", "token")
+        >>> text.startswith("When using `'luspo'` loss, `importance_sampling_level` should be")
+        True
+
+    """
+    warnings = []
+    if loss_type == "luspo" and importance_sampling_level != "sequence":
+        warnings.append(
+            "When using `'luspo'` loss, `importance_sampling_level` should be set to "
+            "`'sequence'` to mirror the paper's setup."
+        )
+    if loss_type == "vespo" and importance_sampling_level != "token":
+        warnings.append(
+            "VESPO computes sequence-level importance weights internally. "
+            "`importance_sampling_level` should be set to `'token'` (the default)."
+        )
+    if importance_sampling_level == "sequence" and loss_type in TOKEN_SUMMED_LOSSES:
+        warnings.append(
+            f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums "
+            "per-token contributions, which effectively weights each sequence by its completion "
+            "length instead of optimizing the per-sequence objective. To reproduce the GSPO "
+            "paper's setup, set `loss_type='grpo'` (see "
+            "https://huggingface.co/docs/trl/main/en/paper_index#group-sequence-policy-optimization)."
+        )
+    return warnings
+
+
+def warn_about_loss_settings(args: Any) -> None:
+    """Log `loss_setting_warnings` of a `GRPOConfig` through this module's logger, as TRL does."""
+    for text in loss_setting_warnings(args.loss_type, args.importance_sampling_level):
+        logger.warning(text)
 
 
 def check_num_generations(config_value: int, trainer_value: int | None) -> None:

@@ -171,6 +171,7 @@ class GRPOTrainer(TRLAttributes):
                 group["num_generations"] = num_generations
             args = GRPOConfig(output_dir=f"{_model_name(model)}-GRPO", **group)
         porting.check_num_generations(args.num_generations, num_generations)
+        porting.warn_about_loss_settings(args)
         porting.check_optimizer(args.optim, args.device)
         check_trackers(args.report_to)
         adapt_to_iterable_datasets(args, train_dataset, eval_dataset)

@@ -185,9 +185,17 @@ def test_luspo_gives_every_token_the_same_on_policy_gradient_whatever_its_sequen
     close(logprobs.grad, [[-1 / 3, -1 / 3], [1 / 3, 0.0]])
 
 
-def test_luspo_needs_a_sequence_level_ratio():
-    with pytest.raises(ValueError, match="importance_sampling_level='sequence'"):
-        LossConfig(loss_type="luspo", importance_sampling_level="token")
+def test_luspo_with_token_level_ratios_is_dapos_token_sum_as_in_trl():
+    # TRL trains luspo at the default token level (and warns); each sequence's mean times its
+    # length is then its token sum, so the loss is dapo's.
+    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
+    old, mask = logprobs - 0.1, torch.tensor([[1, 1], [1, 0]])
+    advantages = torch.tensor([1.0, -1.0])
+    luspo, dapo = (LossConfig(loss_type=name) for name in ("luspo", "dapo"))
+    close(
+        policy_loss(logprobs, old, advantages, mask, luspo, num_items=3).loss,
+        policy_loss(logprobs, old, advantages, mask, dapo, num_items=3).loss,
+    )
 
 
 # --------------------------------------------------------------------------- KL

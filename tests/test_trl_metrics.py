@@ -360,7 +360,7 @@ def test_the_load_balancing_weight_comes_from_the_config_and_needs_experts(token
     assert router_aux_loss_coef(moe, 0.0) == 0.0
     llama = tiny_llama(tokenizer)
     assert router_aux_loss_coef(llama, None) == 0.0
-    with pytest.raises(ValueError, match="not a mixture-of-experts model"):
+    with pytest.raises(ValueError, match="is not a Mixture-of-Experts model"):
         router_aux_loss_coef(llama, 0.01)
 
 

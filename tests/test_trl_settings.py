@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import textwrap
 import warnings
@@ -31,6 +32,7 @@ from agentgrpo.learner.losses import (
     vespo_weights,
 )
 from agentgrpo.models import cast_lm_head_to_fp32, policy_init_kwargs
+from agentgrpo.porting import loss_setting_warnings
 
 PROMPTS = Dataset.from_dict({"prompt": ["The sky is", "Hello", "One two", "A B C"] * 10})
 POSITIVE, NEGATIVE = VespoShape(k=2.0, lam=3.0), VespoShape(k=3.0, lam=2.0)  # TRL's defaults
@@ -146,8 +148,8 @@ def test_vespo_settings_that_cannot_work_are_refused(fields, message):
 
 
 def test_vespo_warns_on_sequence_level_and_refuses_sequence_sampler_corrections(tmp_path):
-    with pytest.warns(UserWarning, match="VESPO computes sequence-level importance weights"):
-        config(tmp_path, loss_type="vespo", importance_sampling_level="sequence")
+    [warning] = loss_setting_warnings("vespo", "sequence")
+    assert warning.startswith("VESPO computes sequence-level importance weights internally.")
     with pytest.raises(ValueError, match="'token_truncate' or 'token_mask'"):
         config(tmp_path, loss_type="vespo", use_vllm=True)  # default mode: sequence_mask
 
@@ -501,15 +503,44 @@ def test_a_quantization_config_reaches_from_pretrained(tiny_model_dir, tmp_path)
         )
 
 
-def test_a_quantization_config_for_a_loaded_model_is_refused(tokenizer, tmp_path):
-    with pytest.raises(ValueError, match="already loaded"):
-        GRPOTrainer(
+def test_loading_arguments_for_a_loaded_model_are_ignored_with_trls_warnings(
+    tokenizer, tmp_path, caplog
+):
+    args = config(tmp_path, model_init_kwargs={"dtype": "bfloat16"})
+    with caplog.at_level(logging.WARNING):
+        trainer = GRPOTrainer(
             tiny_llama(tokenizer),
+            rank_in_call,
+            args,
+            PROMPTS,
+            processing_class=tokenizer,
+            quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+        )
+    logged = [record.getMessage() for record in caplog.records]
+    assert (
+        "You passed `model_init_kwargs` to the `GRPOConfig`, but your model is already "
+        "instantiated. The `model_init_kwargs` will be ignored."
+    ) in logged
+    assert (
+        "You passed `quantization_config` to the trainer, but your model is already "
+        "instantiated. The `quantization_config` will be ignored."
+    ) in logged
+    assert trainer.model.dtype == torch.float32  # as given
+
+
+def test_a_peft_model_with_a_peft_config_is_refused_as_trl_does(tokenizer, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=2, target_modules=["q_proj"])
+    model = get_peft_model(tiny_llama(tokenizer), lora)
+    with pytest.raises(ValueError, match="You passed a `PeftModel` instance together with a"):
+        GRPOTrainer(
+            model,
             rank_in_call,
             config(tmp_path),
             PROMPTS,
             processing_class=tokenizer,
-            quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+            peft_config=lora,
         )
 
 
@@ -517,22 +548,34 @@ def test_a_quantization_config_for_a_loaded_model_is_refused(tokenizer, tmp_path
 
 
 @pytest.mark.parametrize("loss_type", ["bnpo", "dr_grpo", "dapo", "cispo"])
-def test_sequence_level_ratios_with_a_token_summed_loss_warn_as_trl_does(tmp_path, loss_type):
-    with pytest.warns(UserWarning, match="sums per-token contributions") as caught:
-        config(
-            tmp_path,
-            loss_type=loss_type,
-            importance_sampling_level="sequence",
-            epsilon_high=5.0 if loss_type == "cispo" else None,
-        )
-    assert any("loss_type='grpo'" in str(w.message) for w in caught)
+def test_sequence_level_ratios_with_a_token_summed_loss_warn_as_trl_does(loss_type):
+    [warning] = loss_setting_warnings(loss_type, "sequence")
+    assert f"the `'{loss_type}'` loss sums per-token contributions" in warning
+    assert "weights each sequence by its completion length" in warning
+    assert "set `loss_type='grpo'`" in warning
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "sapo", "luspo"])
 def test_sequence_level_ratios_with_a_per_sequence_loss_do_not_warn(tmp_path, loss_type):
+    assert loss_setting_warnings(loss_type, "sequence") == []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config(tmp_path, loss_type=loss_type, importance_sampling_level="sequence")
+
+
+def test_the_trainer_logs_trls_loss_warnings_when_it_is_built(tokenizer, tmp_path, caplog):
+    # As TRL: a warning through the logging module when the trainer is built, not at config
+    # time; luspo at TRL's default token level trains.
+    args = config(tmp_path, loss_type="luspo", max_steps=1)
+    with caplog.at_level(logging.WARNING):
+        trainer = GRPOTrainer(
+            tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
+        )
+    [record] = [r for r in caplog.records if "`'luspo'` loss" in r.message]
+    assert "should be set to `'sequence'` to mirror the paper's setup" in record.message
+    assert record.name == "agentgrpo.porting" and record.levelno == logging.WARNING
+    trainer.train()
+    assert trainer.state.global_step == 1
 
 
 # --- min_p, repetition_penalty and generation_kwargs with transformers generation -------------

@@ -437,7 +437,8 @@ class LossConfig:
             accepted with a warning, since a cap below 1 scales down even on-policy tokens.
         delta: Two-sided GRPO (INTELLECT-2): cap on the ratio in the unclipped term, > 1
             (advised > 1 + epsilon_high). None for standard clipping. Clipped-surrogate types only.
-        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO); luspo needs sequence.
+        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO, which luspo is meant
+            for: with token ratios luspo is dapo's token sum, as in TRL, which warns).
         beta: Weight of the k3 KL to the reference model; 0 turns it off.
         use_bias_correction_kl: Multiply the per-token KL by the (differentiable) importance
             ratio, which makes its gradient the unbiased reverse-KL gradient (DeepSeek-V3.2).
@@ -495,12 +496,6 @@ def _check_dr_grpo(config: LossConfig) -> None:
     _check_clipped(config)
     if config.max_completion_length is None or config.max_completion_length < 1:
         raise ValueError("loss_type 'dr_grpo' needs max_completion_length >= 1")
-
-
-def _check_luspo(config: LossConfig) -> None:
-    _check_clipped(config)
-    if config.importance_sampling_level != "sequence":
-        raise ValueError("loss_type 'luspo' needs importance_sampling_level='sequence'")
 
 
 def _check_no_delta(config: LossConfig) -> None:
@@ -590,7 +585,7 @@ _LOSS_TYPES: dict[str, _LossType] = {
     "dapo": _LossType(_clipped, _over_num_items, _check_clipped),
     "cispo": _LossType(_cispo, _over_num_items, _check_cispo, cispo_metrics),
     "sapo": _LossType(_sapo, _over_num_items, _check_sapo),
-    "luspo": _LossType(_clipped, _length_scaled_over_num_items, _check_luspo),
+    "luspo": _LossType(_clipped, _length_scaled_over_num_items, _check_clipped),
     "vespo": _LossType(_vespo, _over_num_items, _check_vespo, vespo_metrics),
 }
 
