@@ -32,9 +32,9 @@ def training_rows(
     """
     if dataset is None and isinstance(environment_factory, Mapping):
         raise ValueError(
-            "A dict `environment_factory` (several environments) requires a `train_dataset` "
-            f"with an {ENVIRONMENT_COLUMN!r} column naming each row's environment; pass such a "
-            "dataset, or a single environment factory"
+            "A `dict` `environment_factory` (multiple environments) requires a `train_dataset` "
+            "with an `environment` column to route each example to its environment. Provide a "
+            "dataset, or pass a single environment factory."
         )
     if dataset is not None:
         if hasattr(dataset, "__len__"):
@@ -48,8 +48,9 @@ def training_rows(
     if environment_factory is not None:
         if rows_needed is None:
             raise ValueError(
-                "without a train_dataset the environment states the tasks itself, so training "
-                "length must come from max_steps: set max_steps > 0"
+                "When training without a `train_dataset` (the environment owns the data and "
+                "returns the prompt from `reset()`), `max_steps` must be set to a positive value "
+                "to define the training length. Set it via `GRPOConfig(max_steps=...)`."
             )
         return [{} for _ in range(rows_needed)]
     raise ValueError(
@@ -80,14 +81,15 @@ def adapt_to_iterable_datasets(args: Any, train_dataset: Any, eval_dataset: Any)
         return
     if args.accelerator_config.dispatch_batches:
         raise ValueError(
-            "Iterable datasets require `dispatch_batches=False`, and accelerator_config sets it "
-            "to True: set it to False (or leave it unset); each process then reads its own rows"
+            "Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+            "`accelerator_config`. Please set it to `False` (or leave it unset): each process "
+            "then reads its own rows."
         )
     args.accelerator_config.dispatch_batches = False
     if is_iterable_dataset(train_dataset) and args.dataloader_num_workers != 0:
         logger.warning(
-            "Iterable datasets require dataloader_num_workers=0 to keep the stream's order; "
-            "overriding dataloader_num_workers=%d",
+            "Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; "
+            "overriding the provided value (%d).",
             args.dataloader_num_workers,
         )
         args.dataloader_num_workers = 0
@@ -97,20 +99,16 @@ def check_environment_column(rows: Any, engine: RolloutEngine) -> None:
     """With several environments, fail unless every row names a known one in `environment`.
 
     Raises:
-        ValueError: The column is missing, or names an environment the engine lacks.
+        ValueError: A row names no environment or one the engine lacks (TRL's message, which
+            `RolloutEngine.context_for` raises).
     """
     if not engine.multi_environment:
         return
     columns = getattr(rows, "column_names", None)
-    if columns is None:
-        columns = list(rows[0]) if len(rows) else []
-    if ENVIRONMENT_COLUMN not in columns:
-        raise ValueError(
-            f"A dict `environment_factory` (several environments) requires a `train_dataset` "
-            f"with an {ENVIRONMENT_COLUMN!r} column naming each row's environment (one of "
-            f"{list(engine.contexts)}); its columns are {columns}"
-        )
-    if hasattr(rows, "column_names"):
+    if columns is not None:  # a datasets.Dataset: read the one column
+        if ENVIRONMENT_COLUMN not in columns:
+            engine.context_for({name: None for name in columns})
+            return
         names = list(rows[ENVIRONMENT_COLUMN])
     else:
         names = [row.get(ENVIRONMENT_COLUMN) for row in rows]
@@ -148,7 +146,7 @@ def episodes_from_rollout_func(
     """
     required = {"prompt_ids", "completion_ids", "logprobs"}
     if missing := sorted(required - output.keys()):
-        raise ValueError(f"rollout_func must return the keys {missing} in its dict")
+        raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
     entries = len(output["completion_ids"])
     groups = _entries_by_episode(output.get("episode_ids"), entries)
     expected = len(rows) * num_generations

@@ -188,7 +188,7 @@ async def play_round(
 
     episodes = await engine.run(rows, num_generations, seed=seed, on_group=on_group)
     rewards_N_F = torch.cat([rewards_by_group[g] for g in range(len(rows))])
-    warn_if_unscored(episodes, rewards_N_F)
+    warn_if_unscored(episodes, rewards_N_F, scorer)
     return episodes, rewards_N_F
 
 
@@ -198,25 +198,33 @@ async def score_played(
     """rewards_N_F of episodes already played (in groups of `num_generations`), group by group."""
     groups = [episodes[g : g + num_generations] for g in range(0, len(episodes), num_generations)]
     rewards_N_F = torch.cat([await scorer.score_group(group) for group in groups])
-    warn_if_unscored(episodes, rewards_N_F)
+    warn_if_unscored(episodes, rewards_N_F, scorer)
     return rewards_N_F
 
 
-def warn_if_unscored(episodes: Sequence[Episode], rewards_N_F: torch.Tensor) -> None:
-    """Log a warning, with the first such row, when every reward is None for some episode.
+def warn_if_unscored(
+    episodes: Sequence[Episode], rewards_N_F: torch.Tensor, scorer: Scorer
+) -> None:
+    """Log a warning, with the first such episode, when every reward is None for some episode.
 
-    Such an episode gets reward 0 (`round.RewardShaping.combine`). The warning goes through
-    this module's logger, as TRL logs its own, so the same log filters catch it.
+    The text starts as TRL's does, with the arguments the reward functions received for that
+    completion (its row's columns, its environment, then its prompt and completion). Such an
+    episode gets reward 0 (`round.RewardShaping.combine`). The warning goes through this
+    module's logger, as TRL logs its own, so the same log filters catch it.
     """
     unscored_N = rewards_N_F.isnan().all(dim=1)
     if not rewards_N_F.shape[1] or not unscored_N.any():
         return
     first = episodes[int(unscored_N.nonzero()[0])]
+    arguments = {name: value for name, value in first.row.items() if name != "prompt"}
+    if scorer.with_environments:
+        arguments["environments"] = first.environment
+    arguments["prompt"], arguments["completion"] = scorer.views(first)
     logger.warning(
-        "All reward functions returned None for %d of %d completions; they get reward 0. "
-        "Make at least one reward function return a number for every completion. First such "
-        "row: %s",
+        "All reward functions returned None for the following kwargs:\n%s\nPlease ensure that at "
+        "least one reward function returns a valid reward. (%d of %d completions had no reward; "
+        "they get reward 0.)",
+        arguments,
         int(unscored_N.sum()),
         len(episodes),
-        dict(first.row),
     )

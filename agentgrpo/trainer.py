@@ -208,7 +208,6 @@ class GRPOTrainer(TRLAttributes):
         self._environment_factory = environment_factory
         self.agent = agent if agent is None or isinstance(agent, Agent) else Agent(agent)
         self._wire(tools or [], environment_factory)
-        check_environment_column(self.train_dataset, self.engine)
         if rollout_func is None:  # its extra fields are known only once it runs
             check_trainer_arguments(
                 self._reward_functions, self.train_dataset, bool(environment_factory)
@@ -278,8 +277,10 @@ class GRPOTrainer(TRLAttributes):
         resumed run skips the warm start: its checkpoint already holds warm-started weights.
         Temporary folders that a killed checkpoint save left are removed first. A Ctrl-C stops
         training at once (the KeyboardInterrupt propagates); the checkpoints already saved stay
-        intact.
+        intact. With several environments, a row naming none or an unknown one is an error
+        here, before any work (TRL's message; TRL raises it at the first batch).
         """
+        check_environment_column(self.train_dataset, self.engine)
         output_dir = str(self.args.output_dir)  # TrainingArguments always sets one
         checkpoint = checkpoints.resume_point(resume_from_checkpoint, output_dir)
         if self.args.should_save:

@@ -148,8 +148,8 @@ def reward_weights_of(
     """
     if not names:
         raise ValueError(
-            "No reward source provided: pass reward_funcs, or an environment with a reward() "
-            "(or get_reward()) method"
+            "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+            "environment defines a `get_reward` method (or `reward`, agentgrpo's name)."
         )
     own = [float(w) for w in own] or [1.0] * (len(names) - num_funcs)
     if weights is None:
@@ -157,9 +157,11 @@ def reward_weights_of(
     if len(weights) == num_funcs:
         return [float(w) for w in weights] + own
     if len(weights) != len(names):
-        raise ValueError(
-            f"reward_weights has {len(weights)} values but there are {len(names)} rewards "
-            f"({', '.join(names)}): the number of reward weights must match the number of reward "
-            f"functions ({num_funcs}), or of rewards including the environment's own"
+        message = (  # TRL's words first
+            f"Number of reward weights ({len(weights)}) must match number of reward functions "
+            f"({num_funcs})"
         )
+        if len(names) > num_funcs:
+            message += f", or of rewards with the environment's own ({', '.join(names)})"
+        raise ValueError(message + ".")
     return [float(w) for w in weights]

@@ -117,19 +117,19 @@ class RolloutEngine:
         """
         if not self.multi_environment:
             return self.context
+        name = row.get(ENVIRONMENT_COLUMN)
+        if name in self.contexts:
+            return self.contexts[name]
+        message = (  # TRL's words, which scripts match on
+            f"Example has `{ENVIRONMENT_COLUMN}={name!r}`, which is not among the environments "
+            f"passed to `environment_factory`. Expected one of: {list(self.contexts)}."
+        )
         if ENVIRONMENT_COLUMN not in row:
-            raise ValueError(
-                f"with a dict environment_factory every row needs an {ENVIRONMENT_COLUMN!r} "
-                f"column naming its environment (one of {list(self.contexts)}); this row has "
-                f"the columns {sorted(row)}"
+            message += (
+                f" With a dict environment_factory every row names its environment in an "
+                f"{ENVIRONMENT_COLUMN!r} column; this row's columns are {sorted(row)}."
             )
-        name = row[ENVIRONMENT_COLUMN]
-        if name not in self.contexts:
-            raise ValueError(
-                f"a row has environment={name!r}, which is not among the environments passed "
-                f"to environment_factory; expected one of {list(self.contexts)}"
-            )
-        return self.contexts[name]
+        raise ValueError(message)
 
     async def run(
         self,

@@ -253,7 +253,9 @@ def test_the_wrong_number_of_rewards_is_an_error():
     def three(completions):
         return [1.0, 1.0, 1.0]
 
-    with pytest.raises(RewardFunctionError, match="'three' returned 3 rewards for 4 completions"):
+    with pytest.raises(
+        RewardFunctionError, match="'three' returned 3 rewards, but 4 were expected"
+    ):
         run_score([three])
 
 

@@ -149,13 +149,21 @@ def test_a_dict_environment_factory_refuses_unknown_environments_and_a_missing_d
     factories = {"counter": Counter, "echo": Echo}
     args = config(tmp_path, chat_template="chatml_tools")
     unknown = MIXED_ROWS.map(lambda row: {"environment": row["environment"].replace("echo", "ech")})
-    with pytest.raises(ValueError, match="environment='ech', which is not among the environments"):
-        trainer_for(tokenizer, args, train_dataset=unknown, environment_factory=factories)
-    with pytest.raises(ValueError, match="requires a `train_dataset` with an 'environment' column"):
-        trainer_for(tokenizer, args, environment_factory=factories)
+    # As in TRL: the trainer is built, and training stops before its first step, in TRL's words.
+    trainer = trainer_for(tokenizer, args, train_dataset=unknown, environment_factory=factories)
+    with pytest.raises(ValueError) as raised:
+        trainer.train()
+    assert str(raised.value) == (
+        "Example has `environment='ech'`, which is not among the environments passed to "
+        "`environment_factory`. Expected one of: ['counter', 'echo']."
+    )
+    assert trainer.state.global_step == 0
     no_column = MIXED_ROWS.remove_columns("environment")
-    with pytest.raises(ValueError, match="requires a `train_dataset` with an 'environment' column"):
-        trainer_for(tokenizer, args, train_dataset=no_column, environment_factory=factories)
+    trainer = trainer_for(tokenizer, args, train_dataset=no_column, environment_factory=factories)
+    with pytest.raises(ValueError, match=r"Example has `environment=None`.*'environment' column"):
+        trainer.train()
+    with pytest.raises(ValueError, match="requires a `train_dataset` with an `environment` column"):
+        trainer_for(tokenizer, args, environment_factory=factories)
 
 
 class Silent:
@@ -217,7 +225,7 @@ def test_reward_weights_covering_only_reward_funcs_give_the_environments_reward_
     )
     trainer.train()
     assert [record.reward for record in trainer.last_records] == [combined] * 4
-    with pytest.raises(ValueError, match="the number of reward weights must match"):
+    with pytest.raises(ValueError, match=r"Number of reward weights \(3\) must match number of"):
         trainer_for(
             tokenizer,
             config(tmp_path, chat_template="chatml_tools", reward_weights=[1.0, 1.0, 1.0]),
@@ -527,15 +535,21 @@ def test_iterable_datasets_force_one_worker_and_dispatch_batches_off_and_refuse_
 # --- Messages TRL's users and tests match on ----------------------------------------------
 
 
-def test_messages_contain_trls_key_phrases_and_unscored_rows_are_logged(
-    tokenizer, tmp_path, caplog
-):
+def test_messages_start_with_trls_words(tokenizer, tmp_path):
     rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"]})
-    with pytest.raises(ValueError, match="`train_dataset` is required"):
+    with pytest.raises(ValueError, match="`train_dataset` is required unless an `environment_f"):
         trainer_for(tokenizer, config(tmp_path), reward_funcs=one)
-    with pytest.raises(ValueError, match="No reward source provided"):
+    with pytest.raises(
+        ValueError,
+        match=r"No reward source provided\. Pass `reward_funcs`, or an `environment_factory` "
+        "whose environment defines a `get_reward` method",
+    ):
         trainer_for(tokenizer, config(tmp_path), train_dataset=rows)
-    with pytest.raises(ValueError, match="must match"):
+    with pytest.raises(
+        ValueError,
+        match=r"The number of reward processing classes \(2\) must match the number of reward "
+        r"functions \(1\)\.",
+    ):
         trainer_for(
             tokenizer,
             config(tmp_path),
@@ -543,8 +557,25 @@ def test_messages_contain_trls_key_phrases_and_unscored_rows_are_logged(
             reward_processing_classes=[None, None],
             train_dataset=rows,
         )
+    with pytest.raises(ValueError, match="`max_steps` must be set to a positive value to define"):
+        trainer_for(tokenizer, config(tmp_path, max_steps=-1), environment_factory=Silent)
 
-    def not_applicable(completions, **kwargs):
+    def one_reward_too_few(completions, **kwargs):
+        return [1.0] * (len(completions) - 1)
+
+    trainer = trainer_for(
+        tokenizer, config(tmp_path), reward_funcs=one_reward_too_few, train_dataset=rows
+    )
+    with pytest.raises(ValueError, match="'one_reward_too_few' returned 1 rewards, but 2 were"):
+        trainer.train()
+
+
+def test_completions_no_reward_function_scores_are_logged_with_their_arguments_as_trl_does(
+    tokenizer, tmp_path, caplog
+):
+    rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"], "answer": ["blue", "hi"]})
+
+    def not_applicable(completions, answer, **kwargs):
         return [None] * len(completions)
 
     trainer = trainer_for(
@@ -554,6 +585,14 @@ def test_messages_contain_trls_key_phrases_and_unscored_rows_are_logged(
         trainer.train()
     [warning] = [r for r in caplog.records if "All reward functions returned None" in r.message]
     assert warning.levelno == logging.WARNING and warning.name == "agentgrpo.rounds"
+    # TRL's text: the row's arguments (its columns, then prompt and completion), then its advice.
+    first, arguments, advice = warning.getMessage().split("\n")
+    assert first == "All reward functions returned None for the following kwargs:"
+    assert arguments.startswith("{'answer': ") and ", 'prompt': '" in arguments
+    assert ", 'completion': '" in arguments
+    assert advice.startswith(
+        "Please ensure that at least one reward function returns a valid reward. (4 of 4"
+    )
 
 
 # --- The Unsloth-style card in the seeds --------------------------------------------------

@@ -68,6 +68,10 @@ class RewardFunctionError(RuntimeError):
     """A reward function raised, or returned something that is not one reward per completion."""
 
 
+class RewardCountError(RewardFunctionError, ValueError):
+    """A reward function returned more or fewer rewards than completions (TRL: a ValueError)."""
+
+
 @dataclass(frozen=True)
 class RewardFunction:
     """A reward function and the name its rewards are logged under (unique in a trainer).
@@ -288,9 +292,9 @@ def reward_functions(
         processing_classes = [processing_classes]
     if len(processing_classes) != len(funcs):
         raise ValueError(
-            f"the number of reward processing classes ({len(processing_classes)}) must match "
-            f"the number of reward functions ({len(funcs)}): give one per reward function, by "
-            "position (None for plain functions)"
+            f"The number of reward processing classes ({len(processing_classes)}) must match "
+            f"the number of reward functions ({len(funcs)}). Give one per reward function, by "
+            "position (None for plain functions)."
         )
     kwargs = model_kwargs or {}
     named = [_named(f, pc, kwargs) for f, pc in zip(funcs, processing_classes, strict=True)]
@@ -368,9 +372,11 @@ def _checked_rewards(func: RewardFunction, value: Any, batch: RewardBatch) -> li
             f"return a list with one float (or None) per completion. First row: {first_row}"
         )
     if len(value) != n:
-        raise RewardFunctionError(
-            f"reward function {func.name!r} returned {len(value)} rewards for {n} completions; "
-            f"return one per completion (None where it does not apply). First row: {first_row}"
+        raise RewardCountError(
+            f"The reward function {func.name!r} returned {len(value)} rewards, but {n} were "
+            "expected (one per prompt-completion pair). Make sure the reward function returns "
+            f"exactly one reward per completion (None where it does not apply). First row: "
+            f"{first_row}"
         )
     return [_checked_reward(func, value[i], batch, i) for i in range(n)]
 
