@@ -12,6 +12,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
+from transformers import LogitsProcessorList
 
 from rollout.sampling import counter_uniform, sample_tokens
 from rollout.types import Completion, SamplingParams
@@ -44,6 +45,8 @@ class Row:
             sampling path, through `counter_uniform(seed, draw number)` on the device path.
         fed: The ids whose keys and values are in the cache, prompt first.
         tokens: The sampled ids; `logprobs` their sampler logprobs.
+        processors: transformers' logits processors the row draws through
+            (`generation_settings.row_processors`), or None: `sampling` alone decides.
     """
 
     request: Request
@@ -53,6 +56,7 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finished: bool = False
+    processors: LogitsProcessorList | None = None
     _generator: torch.Generator | None = None
 
     @property
@@ -66,9 +70,14 @@ class Row:
     def plain(self) -> bool:
         """Whether the row samples from softmax(logits / T) alone (no filter, no penalty)."""
         s = self.sampling
-        return (
-            s["top_k"] == 0 and s["top_p"] >= 1 and s["min_p"] == 0 and s["repetition_penalty"] == 1
-        )
+        unfiltered = s["top_k"] == 0 and s["top_p"] >= 1 and s["min_p"] == 0
+        return unfiltered and s["repetition_penalty"] == 1 and self.processors is None
+
+    def processed(self, logits_1_V: torch.Tensor) -> torch.Tensor:
+        """The logits the row draws from: `processors` applied to its ids so far, (1, V)."""
+        assert self.processors is not None  # asked only of rows that have them
+        ids_1_L = torch.tensor([self.request.prompt_ids + self.tokens], device=logits_1_V.device)
+        return self.processors(ids_1_L, logits_1_V.float())  # type: ignore[arg-type]  # legacy LongTensor/FloatTensor hints
 
     def take(self, token: int, logprob: float, stop_token_ids: Collection[int]) -> None:
         """Append a sampled token; finish (with the request's result) if the row stops there."""
@@ -105,8 +114,13 @@ def sample_rows(
     def column(name: str, dtype=torch.float32) -> torch.Tensor:
         return torch.tensor([row.sampling[name] for row in rows], dtype=dtype, device=device)
 
+    processed_B_V = None
+    if rows[0].processors is not None:  # a backend's rows all have processors, or none
+        processed_B_V = torch.cat(
+            [row.processed(logits_B_V[b : b + 1]) for b, row in enumerate(rows)]
+        )
     penalty_B = column("repetition_penalty")
-    penalized = bool((penalty_B != 1).any())
+    penalized = processed_B_V is None and bool((penalty_B != 1).any())  # else a processor
     if counter_based:
         uniform_B = counter_uniform(
             torch.tensor([row.seed for row in rows], device=device),
@@ -123,6 +137,7 @@ def sample_rows(
         min_p_B=column("min_p"),
         penalty_B=penalty_B if penalized else None,
         seen_B_V=seen_tokens(rows, logits_B_V.shape[-1], device) if penalized else None,
+        processed_B_V=processed_B_V,
     )
 
 

@@ -21,6 +21,7 @@ def sample_tokens(
     min_p_B: torch.Tensor | None = None,
     penalty_B: torch.Tensor | None = None,
     seen_B_V: torch.Tensor | None = None,
+    processed_B_V: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and return it with its logprob.
 
@@ -45,6 +46,9 @@ def sample_tokens(
         min_p_B: Per-row min-p, or None (off).
         penalty_B: Per-row repetition penalty, or None (off); needs `seen_B_V`.
         seen_B_V: True at the tokens each row has seen (its prompt and its samples so far).
+        processed_B_V: The logits each row draws from, already penalised, scaled and filtered
+            (transformers' logits processors, `generation_settings.row_processors`), in place
+            of the penalty and filters above; greedy rows take its argmax.
 
     Returns:
         tokens_B (long) and logprobs_B (float32).
@@ -61,11 +65,14 @@ def sample_tokens(
     unpenalized_B_V = logits_B_V / divisor_B_1
     logprobs_B_V = torch.log_softmax(unpenalized_B_V, dim=-1)
     scaled_B_V = unpenalized_B_V
-    if penalty_B is not None and seen_B_V is not None:
-        scaled_B_V = _penalize(logits_B_V, penalty_B, seen_B_V) / divisor_B_1
-    filtered_B_V = _filter_top_p(_filter_top_k(scaled_B_V, top_k_B), top_p_B)
-    if min_p_B is not None:
-        filtered_B_V = _filter_min_p(filtered_B_V, min_p_B)
+    if processed_B_V is not None:
+        scaled_B_V = filtered_B_V = processed_B_V.float()
+    else:
+        if penalty_B is not None and seen_B_V is not None:
+            scaled_B_V = _penalize(logits_B_V, penalty_B, seen_B_V) / divisor_B_1
+        filtered_B_V = _filter_top_p(_filter_top_k(scaled_B_V, top_k_B), top_p_B)
+        if min_p_B is not None:
+            filtered_B_V = _filter_min_p(filtered_B_V, min_p_B)
     # A batch drawn from the plain distribution reuses the logprobs: no second softmax.
     unchanged = filtered_B_V is unpenalized_B_V
     probs_B_V = logprobs_B_V.exp() if unchanged else torch.softmax(filtered_B_V, dim=-1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -33,11 +33,19 @@ from transformers import DynamicCache
 from rollout import kv_cache
 from rollout.dynamic_batch import DynamicBatch, left_padded_ones
 from rollout.generation_rows import Request, Row, draw_rows
+from rollout.generation_settings import generation_settings, row_processors
 from rollout.kv_cache import KV, PrefixCache
 from rollout.slot_batch import SlotBatch
 from rollout.types import Completion, SamplingParams
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# What a row samples with when neither its request nor the backend's settings say otherwise.
+_SAMPLING_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 @dataclass
@@ -70,9 +78,10 @@ class TransformersBackend:
         max_batch_size: The most rows decoded together.
         seed: Seeds the requests that carry no seed of their own.
         prefix_cache_tokens: The most positions of keys and values kept for reuse (0: none).
-        sampling_overrides: `min_p`, `repetition_penalty`, `temperature`, `top_p` or `top_k`
-            for every request (TRL's `generation_kwargs`); they win over the request's own.
-            The sampler logprobs stay those of softmax(logits / T), before any of them.
+        sampling_overrides: TRL's `generation_kwargs` (transformers' `GenerationConfig`
+            fields) for every request, winning over the request's own sampling: see
+            `generation_settings` for what applies and what is refused. The sampler logprobs
+            stay those of softmax(logits / T), before any penalty, processor or filter.
         static_cache: Decode in a `SlotBatch` (True) or a `DynamicBatch` (False); None: a
             `SlotBatch` when the model is on a CUDA device. Only models whose every layer is
             full attention decode in slots.
@@ -103,8 +112,10 @@ class TransformersBackend:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
-        self.sampling_overrides = _checked_overrides(sampling_overrides or {})
+        self.settings = generation_settings(sampling_overrides or {}, self.stop_token_ids)
+        self.sampling_overrides = self.settings.sampling
         self.context_limit: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.vocab_size: int = _text_config(model).vocab_size
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.reuses_keys_and_values = _has_plain_attention_cache(model)
         self.batches_prefills = _layer_types(model) == {"full_attention"}
@@ -116,6 +127,8 @@ class TransformersBackend:
         self._arriving: list[Request] = []
         self._batch: DynamicBatch | SlotBatch | None = None
         self._lock = anyio.Lock()
+        # transformers checks the processors' values when they are built: fail now, not mid-round
+        self._processors([pad_token_id], SamplingParams(max_tokens=1), self.sampling_overrides)
 
     @classmethod
     def from_tokenizer(cls, model: torch.nn.Module, tokenizer, **kwargs) -> TransformersBackend:
@@ -164,6 +177,7 @@ class TransformersBackend:
             )
         if not prompt_ids:
             raise ValueError("the prompt is empty: there is nothing to continue")
+        params = replace(params, max_tokens=self.settings.turn_budget(params.max_tokens))
         request = Request(list(prompt_ids), params)
         self._arriving.append(request)
         try:
@@ -306,18 +320,31 @@ class TransformersBackend:
 
     def _new_row(self, request: Request) -> Row:
         params = request.params
-        sampling = {
+        sampling = _SAMPLING_DEFAULTS | {
             "temperature": params.temperature,
             "top_p": params.top_p,
             "top_k": params.top_k,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
         }
         sampling |= self.sampling_overrides
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self._seeds))
-        return Row(request, sampling, seed, fed=list(request.prompt_ids))
+        processors = self._processors(request.prompt_ids, params, sampling)
+        return Row(request, sampling, seed, fed=list(request.prompt_ids), processors=processors)
+
+    def _processors(
+        self, prompt_ids: list[int], params: SamplingParams, sampling: Mapping[str, Any]
+    ) -> Any:
+        """The request's transformers logits processors (`row_processors`), or None."""
+        return row_processors(
+            self.settings,
+            _SAMPLING_DEFAULTS | dict(sampling),
+            prompt_ids,
+            params.max_tokens,
+            self.stop_token_ids,
+            self.vocab_size,
+            self._device(),
+        )
 
     def _draw(self, rows: list[Row], logits_B_V: torch.Tensor) -> None:
         """Sample each row's first token, as the decoding batch samples the others."""
@@ -328,24 +355,6 @@ class TransformersBackend:
         return next(self.model.parameters()).device  # what transformers' `model.device` reads
 
 
-def _checked_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """`generation_kwargs` this backend applies; anything else is refused by name.
-
-    `do_sample=False` means greedy (temperature 0), `do_sample=True` changes nothing.
-    """
-    overrides = dict(overrides)
-    if overrides.pop("do_sample", True) is False:
-        overrides["temperature"] = 0.0
-    unknown = sorted(set(overrides) - set(SAMPLING_FIELDS))
-    if unknown:
-        raise ValueError(
-            f"generation_kwargs {unknown} are not supported by the transformers backend, which "
-            f"applies {['do_sample', *SAMPLING_FIELDS]}; remove them, or generate with vLLM "
-            "(use_vllm=True), which takes any vllm.SamplingParams field"
-        )
-    return overrides
-
-
 def _has_plain_attention_cache(model: Any) -> bool:
     """Whether the model's cache is attention keys and values only (no recurrent state)."""
     attention = {"full_attention", "sliding_attention", "chunked_attention"}
@@ -354,8 +363,11 @@ def _has_plain_attention_cache(model: Any) -> bool:
 
 
 def _layer_types(model: Any) -> set[str]:
-    config = model.config.get_text_config(decoder=True)
-    return set(getattr(config, "layer_types", None) or ["full_attention"])
+    return set(getattr(_text_config(model), "layer_types", None) or ["full_attention"])
+
+
+def _text_config(model: Any) -> Any:
+    return model.config.get_text_config(decoder=True)
 
 
 def _cache_of_prefixes(plans: list[_Plan], kept: list[int]) -> DynamicCache:

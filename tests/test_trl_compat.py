@@ -442,12 +442,12 @@ def shout_tool(text: str) -> str:
 def test_generation_kwargs_and_generation_config_are_what_transformers_generation_gets(
     tokenizer, tmp_path
 ):
-    args = config(tmp_path, top_k=5, generation_kwargs={"top_k": 20})
+    args = config(tmp_path, top_k=5, generation_kwargs={"top_k": 20, "no_repeat_ngram_size": 3})
     rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"]})
     trainer = trainer_for(tokenizer, args, reward_funcs=one, train_dataset=rows)
     kwargs = trainer.generation_kwargs
     assert kwargs["max_new_tokens"] == 8 and kwargs["do_sample"] is True
-    assert kwargs["top_k"] == 20  # generation_kwargs win
+    assert kwargs["top_k"] == 20 and kwargs["no_repeat_ngram_size"] == 3  # generation_kwargs win
     assert kwargs["eos_token_id"] == trainer.eos_token_ids
     assert trainer.generation_config.top_k == 20
     trainer.args.use_vllm = True  # what a vLLM run's trainer reads; TRL has no such attribute

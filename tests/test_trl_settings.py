@@ -601,13 +601,33 @@ def test_sampling_settings_reach_the_transformers_backend_and_train(tokenizer, t
     assert backend.prefixes.tokens == 0  # emptied after each round: the weights changed
 
 
-def test_generation_kwargs_the_transformers_backend_cannot_apply_are_refused(tokenizer, tmp_path):
+def test_generation_kwargs_trl_passes_to_generate_apply_and_train(tokenizer, tmp_path):
+    # What transformers' generate takes for sampling: beam-only settings that change nothing
+    # with one beam, transformers' own processors, and a per-turn token limit.
+    generation_kwargs = {
+        "num_beams": 1,
+        "length_penalty": -0.1,
+        "no_repeat_ngram_size": 2,
+        "typical_p": 0.95,
+        "max_new_tokens": 4,
+    }
+    args = config(tmp_path, max_steps=1, generation_kwargs=generation_kwargs)
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
+    )
+    backend = trainer.engine.context.backend
+    assert backend.settings.processing == {"no_repeat_ngram_size": 2, "typical_p": 0.95}
+    trainer.train()
+    lengths = [len(record.episode.completion_ids) for record in trainer.last_records]
+    assert lengths and max(lengths) <= 4  # max_new_tokens bounds the turn
+
+
+def test_generation_kwargs_that_cannot_give_sampler_logprobs_are_refused_naming_them(
+    tokenizer, tmp_path
+):
     args = config(tmp_path, generation_kwargs={"num_beams": 2, "length_penalty": -0.1})
-    with pytest.raises(ValueError, match=r"\['length_penalty', 'num_beams'\] are not supported"):
-        GRPOTrainer(
-            tiny_llama(tokenizer),
-            rank_in_call,
-            args=args,
-            train_dataset=PROMPTS,
-            processing_class=tokenizer,
-        )
+    with pytest.raises(ValueError) as refused:
+        GRPOTrainer(tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer)
+    message = str(refused.value)
+    assert message.startswith("generation_kwargs={'num_beams': 2} cannot be used for GRPO")
+    assert "no per-token sampler logprobs" in message and "num_generations" in message
