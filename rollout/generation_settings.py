@@ -233,6 +233,12 @@ def _refuse_what_cannot_apply(kwargs: Mapping[str, Any], stop_token_ids: Collect
                 f"generation_kwargs={{{name!r}: {kwargs[name]!r}}} cannot be used for GRPO: "
                 f"{reason}. Remove it from generation_kwargs."
             )
+    turn = kwargs.get("max_new_tokens")
+    if turn is not None and (not isinstance(turn, int) or turn < 1):
+        raise ValueError(
+            f"generation_kwargs={{'max_new_tokens': {turn!r}}}: the most tokens one turn samples "
+            "must be a whole number >= 1"
+        )
     eos = kwargs.get("eos_token_id")
     if eos is not None and not set(_ids(eos)) <= set(stop_token_ids):
         raise ValueError(

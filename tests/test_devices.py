@@ -203,7 +203,9 @@ def test_bf16_mixed_precision_corrects_the_transformers_samplers_numerics(tmp_pa
 
 
 def test_vespo_refuses_a_sequence_correction_of_bf16_generation(tmp_path):
-    with pytest.raises(ValueError, match="VESPO loss requires vllm_importance_sampling_mode"):
+    with pytest.raises(
+        ValueError, match="VESPO loss requires `vllm_importance_sampling_mode` to be either"
+    ):
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True, loss_type="vespo")
 
 

@@ -155,6 +155,8 @@ def test_max_new_tokens_bounds_each_turn_within_the_episodes_budget(tokenizer, m
     prompt_ids = tokenizer.encode(PROMPT)
     assert len(backend_generate(model, prompt_ids, [2], 8, max_new_tokens=3).token_ids) == 3
     assert len(backend_generate(model, prompt_ids, [2], 2, max_new_tokens=3).token_ids) == 2
+    with pytest.raises(ValueError, match=r"\{'max_new_tokens': 0\}: the most tokens one turn"):
+        TransformersBackend(model, [2], 0, sampling_overrides={"max_new_tokens": 0})
 
 
 @pytest.mark.parametrize(
