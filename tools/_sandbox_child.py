@@ -8,7 +8,8 @@ new session. Linux only. With `"isolate": true` it builds, in this order:
 2. a supervisor, PID 1 of the new PID namespace, that dies with this process
    (`PR_SET_PDEATHSIG`) and whose exit makes the kernel kill every process left in the
    namespace. It builds the new root: a size-limited tmpfs mounted on the empty folder `"root"`
-   (made by the parent) holding the code (`/tmp/main.py`) and the working folder (`/tmp/work`),
+   (made by the parent) holding the code (`/tmp/main.py`) and the writable folders in
+   `_WRITABLE` (the working folder `/tmp/work`, `/dev/shm`),
    the paths in `"visible"` (system folders, the interpreter's prefixes) and the devices in
    `_DEVICES` bound in, and a fresh `/proc`; then `pivot_root(2)` into it, the old root
    detached, and every mount made read-only (`mount_setattr(2)`, recursive) except the
@@ -46,6 +47,7 @@ _MOUNT_ATTR_RDONLY = 0x1
 _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
 _SECUREBITS_ALL_LOCKED = 0x3F  # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS, each with its lock bit
 _DEVICES = ("null", "zero", "full", "random", "urandom")
+_WRITABLE = ("/tmp/work", "/dev/shm")  # /dev/shm: POSIX semaphores, for multiprocessing
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -113,17 +115,18 @@ def _enter_namespaces() -> None:
 
 
 def _build_root(root: str, code: bytes, config: dict) -> None:
-    """Fill a tmpfs on `root` with the code, its working folder, the visible paths and /proc.
+    """Fill a tmpfs on `root` with the code, its writable folders, the visible paths and /proc.
 
     Runs as PID 1 of the new PID namespace, so the `/proc` mounted here shows only its processes
     (the kernel allows it because the old `/proc` is still visible in this mount namespace).
     """
     disk_bytes = config["disk_bytes"]
     _mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={disk_bytes},mode=0755")
-    os.makedirs(f"{root}/tmp/work")
+    for folder in _WRITABLE:  # each its own mount, so it alone stays writable
+        os.makedirs(root + folder)
+        _mount(root + folder, root + folder, None, _MS_BIND)
     with open(f"{root}/tmp/main.py", "wb") as file:
         file.write(code)
-    _mount(f"{root}/tmp/work", f"{root}/tmp/work", None, _MS_BIND)  # its own mount: stays writable
     for path in config["visible"]:
         _bind(path, root + path)
     for name in _DEVICES:
@@ -159,7 +162,8 @@ def _pivot_into(root: str) -> None:
     _check(_libc.umount2(dot, _MNT_DETACH), "umount the old root")
     os.chdir("/")
     _mount_setattr("/", _AT_RECURSIVE, set_=_MOUNT_ATTR_RDONLY)
-    _mount_setattr("/tmp/work", 0, clear=_MOUNT_ATTR_RDONLY)
+    for folder in _WRITABLE:
+        _mount_setattr(folder, 0, clear=_MOUNT_ATTR_RDONLY)
 
 
 def _run_supervised(config: dict, code: bytes) -> int:

@@ -20,11 +20,11 @@ What holds on every Linux machine, per call:
 Isolation (`isolation="namespaces"`, the default; see `tools/_sandbox_child.py` for the steps),
 through Linux user namespaces:
 
-- a new root holding only the working folder `/tmp/work` (a tmpfs of `disk_mb`, gone after the
-  call, the only writable place), the code, a few devices, a fresh `/proc`, and read-only
-  system folders (`_SYSTEM_PATHS`) and the interpreter's prefixes and site-packages, bound at
-  their own paths (so a venv under `/tmp` works). The rest of the host's files, sockets on the
-  filesystem (`docker.sock`, a trainer's) included, is not there;
+- a new root holding only the working folder `/tmp/work` and `/dev/shm` (the only writable
+  places, on a tmpfs of `disk_mb` gone after the call), the code, a few devices, a fresh `/proc`,
+  and read-only system folders (`_SYSTEM_PATHS`) and the interpreter's prefixes and
+  site-packages, bound at their own paths (so a venv under `/tmp` works). The rest of the
+  host's files, sockets on the filesystem (`docker.sock`, a trainer's) included, is not there;
 - no network: a new network namespace with no device up, which also cuts off abstract UNIX
   sockets;
 - a fresh PID namespace: no other process can be seen or signalled, and all of the call's die
