@@ -169,7 +169,11 @@ async def run_python(code: str, limits: SandboxLimits, isolation: str = "namespa
         ValueError: `isolation` is neither of those.
 
     """
-    isolated = await _isolation_required(isolation)
+    return await _run(code, limits, isolated=await _isolation_required(isolation))
+
+
+async def _run(code: str, limits: SandboxLimits, isolated: bool) -> SandboxRun:
+    """Run `code` in a sandbox of its own: a pids cgroup when root, a folder, the child."""
     async with _pids_cgroup(limits.max_processes + 2) as cgroup:  # + the 2 supervisors
         with _call_folder(isolated, code) as folder:
             config = _child_config(isolated, cgroup, limits, folder)
@@ -377,10 +381,7 @@ async def _isolation_failure_here() -> str:
     global _isolation_failure
     if _isolation_failure is None:
         limits = SandboxLimits(timeout_s=60, memory_mb=1024, max_processes=16, disk_mb=1)
-        async with _pids_cgroup(limits.max_processes + 2) as cgroup:
-            with _call_folder(True, "") as folder:
-                config = _child_config(True, cgroup, limits, folder)
-                probe = await _execute(b"", config, limits, cgroup)
+        probe = await _run("", limits, isolated=True)
         failure = probe.stderr.strip() or f"exit status {probe.exit_code}"
         _isolation_failure = "" if probe.exit_code == 0 else failure
     return _isolation_failure
