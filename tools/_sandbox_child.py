@@ -20,16 +20,19 @@ new session. Linux only. With `"isolate": true` it builds, in this order:
 
 This process then exits the way the code's process did: the same exit status, or killed by the
 same signal, so the parent reads it from its own child. A failure while isolating exits with
-`SETUP_FAILED` and a message on stderr. With `"isolate": false` it only sets the rlimits and
-`exec`s the interpreter on the code file the parent wrote into its working folder.
+`SETUP_FAILED` and a message on stderr. With `"isolate": false` it runs the code file the
+parent wrote into its working folder, under the rlimits, as the child of a subreaper that kills
+whatever the code left running (see `_run_reaping`).
 """
 
+import contextlib
 import ctypes
 import json
 import os
 import resource
 import signal
 import sys
+import time
 
 SETUP_FAILED = 125
 
@@ -45,6 +48,7 @@ _SYS_MOUNT_SETATTR = 442  # the same number on every architecture
 _AT_FDCWD, _AT_RECURSIVE = -100, 0x8000
 _MOUNT_ATTR_RDONLY = 0x1
 _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
+_PR_SET_CHILD_SUBREAPER = 36
 _SECUREBITS_ALL_LOCKED = 0x3F  # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS, each with its lock bit
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 _WRITABLE = ("/tmp/work", "/dev/shm")  # /dev/shm: POSIX semaphores, for multiprocessing
@@ -63,7 +67,7 @@ def main() -> None:
     if config["cgroup_procs"]:
         _write(config["cgroup_procs"], "0")  # this process and all it starts
     if not config["isolate"]:
-        _exec_code(config, config["script"], config["workdir"])
+        _relay(_run_reaping(config))
     try:
         _enter_namespaces()
     except OSError as exc:
@@ -200,6 +204,56 @@ def _supervise(config: dict, code: bytes, status_fd: int) -> None:
         os._exit(SETUP_FAILED)
 
 
+def _run_reaping(config: dict) -> int:
+    """Without isolation: run the code as a child, then kill all it left; return its status.
+
+    As a child subreaper this process inherits the orphans the code leaves, those that left its
+    session included, so it can find and kill them; on SIGTERM (the parent's deadline) it does
+    the same, then dies by SIGKILL.
+    """
+    _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+    signal.signal(signal.SIGTERM, _on_deadline)
+    code_pid = os.fork()
+    if code_pid == 0:
+        _exec_code(config, config["script"], config["workdir"])
+    _, status = os.waitpid(code_pid, 0)
+    _kill_descendants()
+    return status
+
+
+def _on_deadline(*_: object) -> None:
+    _kill_descendants()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_descendants() -> None:
+    """SIGKILL and reap this process's children until none is left; their orphans come here."""
+    while True:
+        for pid in _children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            reaped, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if reaped == 0:
+            time.sleep(0.01)
+
+
+def _children() -> list[int]:
+    """Pids of this process's children, read from /proc."""
+    children = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as file:
+                parent = int(file.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # not a process, or gone
+            continue
+        if parent == os.getpid():
+            children.append(int(name))
+    return children
+
+
 def _drop_capabilities() -> None:
     """Give up every capability, now and across exec, with no way back."""
     with open("/proc/sys/kernel/cap_last_cap") as file:
@@ -229,6 +283,7 @@ def _exec_code(config: dict, script: str, workdir: str) -> None:
 def _relay(status: int) -> None:
     """Exit the way a process with wait status `status` ended."""
     if os.WIFSIGNALED(status):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU and others would dump core
         signum = os.WTERMSIG(status)
         if signum not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(signum, signal.SIG_DFL)

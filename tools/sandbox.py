@@ -14,8 +14,9 @@ What holds on every Linux machine, per call:
   the rest is read and thrown away, so the host's memory stays bounded;
 - environment: only the variables in `_CODE_ENV` (no tokens or keys leak through it); stdin is
   empty;
-- when the code's process ends, everything it started ends too: as root, every process in the
-  call's pids cgroup (those that left its session included) is killed and the cgroup removed.
+- when the code's process ends, or the call does, everything it started ends too, processes
+  that left its session included: with the PID namespace when isolated, by a subreaper when
+  not, and as root also by killing every process in the call's pids cgroup, then removed.
 
 Isolation (`isolation="namespaces"`, the default; see `tools/_sandbox_child.py` for the steps),
 through Linux user namespaces:
@@ -37,7 +38,8 @@ Whether isolation works is probed once per process. Where it does not, every cal
 `SandboxUnavailableError` saying why; it never runs the code with less than was asked for.
 `isolation="none"` runs it with the limits above only, and only when asked for by name: the
 code then reads and writes what this process's user can, uses the network, and signals this
-user's processes; not as root, a child that leaves its session can outlive the call.
+user's processes (its subreaper among them: killing that first lets its children outlive the
+call, unless root's cgroup finds them).
 
 Not guaranteed: reading the visible paths (`/etc` among them). Memory is limited per process,
 so up to `max_processes * memory_mb` in all. A kernel bug is not defended against: this is a
@@ -78,6 +80,7 @@ _CODE_ENV = {
 _SYSTEM_PATHS = {"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"}
 _CGROUP_PREFIX = "agentgrpo-sandbox"
 _KILL_ROUNDS = 1000  # rounds of killing a cgroup's processes; each round has fewer to kill
+_TERM_GRACE_S = 10.0  # a child told to end takes milliseconds; this only bounds a stuck one
 _call_numbers = itertools.count()
 
 
@@ -240,7 +243,7 @@ async def _execute(
                 await _kill_tree(process.pid, cgroup)  # what it left would hold the pipes open
     finally:
         with anyio.CancelScope(shield=True):
-            await _kill_tree(process.pid, cgroup)
+            await _stop(process, cgroup)
             await process.aclose()
     assert process.returncode is not None  # aclose() waited for the process to exit
     stdout_text, stdout_cut, stderr_text, stderr_cut = _fit(stdout, stderr, limits.max_output_chars)
@@ -261,6 +264,20 @@ async def _feed(process: anyio.abc.Process, code: bytes) -> None:
     with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
         await process.stdin.send(code)
     await process.stdin.aclose()
+
+
+async def _stop(process: anyio.abc.Process, cgroup: Path | None) -> None:
+    """End the child and all the code started: SIGTERM first, then SIGKILL to every one.
+
+    SIGTERM lets an unisolated child kill what the code left (see `_sandbox_child`); an
+    isolated one just dies, and its PID namespace with it.
+    """
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        with anyio.move_on_after(_TERM_GRACE_S):
+            await process.wait()
+    await _kill_tree(process.pid, cgroup)
 
 
 async def _kill_tree(pgid: int, cgroup: Path | None) -> None:
