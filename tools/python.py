@@ -11,7 +11,9 @@ prints gigabytes, raises) the tool returns text for the model, never an exceptio
     [exit status 1] | [killed: wall-clock limit 10 s] | [killed: CPU-time limit 10 s] | ...
 
 A clean run (exit status 0) with output returns just the output; one with no output at all
-returns `[no output, exit status 0]`.
+returns `[no output, exit status 0]`. The one exception is the user's, not the program's: on a
+machine where the sandbox cannot isolate, every call raises `SandboxUnavailableError`, unless
+the tool was made with `isolation="none"`.
 """
 
 from __future__ import annotations
