@@ -6,9 +6,10 @@ timeout_s)` validates the model's arguments and calls the tool, and never raises
 the model caused: it returns a `ToolResult` with `error` set and a message the model can act on.
 
 Built-in tools: `calculator` (safe arithmetic) and `python` (runs model-written Python in a
-sandbox: wall-clock, CPU, memory, process, file-size and output limits; no network and a
-read-only filesystem except a private working folder where Linux namespaces allow; see
-`tools.sandbox` for exactly what is and is not guaranteed). `python_tool(timeout_s=...,
+sandbox: wall-clock, CPU, memory, process, file-size and output limits; no network, and only
+a private working folder plus read-only system paths in view, through Linux namespaces; where
+those do not work it refuses with `SandboxUnavailableError` unless made with `isolation="none"`;
+see `tools.sandbox` for exactly what is and is not guaranteed). `python_tool(timeout_s=...,
 memory_mb=..., ...)` makes a `python` tool with other limits.
 
 `run_in_daemon_thread` runs user code where a call that never returns cannot hold the process.
@@ -18,10 +19,12 @@ This package imports nothing from `environments`, `rollout` or `agentgrpo`.
 from tools.calculator import calculator
 from tools.call import ToolErrorKind, ToolResult, call_tool
 from tools.python import python, python_tool
+from tools.sandbox import SandboxUnavailableError
 from tools.schema import Tool, ToolDefinitionError, as_tool
 from tools.threads import StuckCallsError, UserCodeAborted, run_in_daemon_thread
 
 __all__ = [
+    "SandboxUnavailableError",
     "StuckCallsError",
     "Tool",
     "ToolDefinitionError",

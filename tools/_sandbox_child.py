@@ -4,28 +4,35 @@ Run by `tools.sandbox` as `python -I _sandbox_child.py CONFIG_JSON` with the cod
 new session. Linux only. With `"isolate": true` it builds, in this order:
 
 1. a new user, mount, network and PID namespace (`unshare(2)`), the caller's uid and gid mapped
-   to 0 inside;
-2. a size-limited tmpfs on `/tmp` holding the code (`/tmp/main.py`) and the working folder
-   (`/tmp/work`), then every mount made read-only (`mount_setattr(2)`, recursive) except the
-   working folder; the network namespace has only a loopback device, left down;
-3. a supervisor, PID 1 of the new PID namespace, that mounts a fresh `/proc`, dies with this
-   process (`PR_SET_PDEATHSIG`), and whose exit makes the kernel kill every process left in
-   the namespace;
-4. the code's process: rlimits set, every capability dropped for good (bounding set emptied,
+   to 0 inside; the network namespace has only a loopback device, left down;
+2. a supervisor, PID 1 of the new PID namespace, that dies with this process
+   (`PR_SET_PDEATHSIG`) and whose exit makes the kernel kill every process left in the
+   namespace. It builds the new root: a size-limited tmpfs mounted on the empty folder `"root"`
+   (made by the parent) holding the code (`/tmp/main.py`) and the writable folders in
+   `_WRITABLE` (the working folder `/tmp/work`, `/dev/shm`),
+   the paths in `"visible"` (system folders, the interpreter's prefixes) and the devices in
+   `_DEVICES` bound in, and a fresh `/proc`; then `pivot_root(2)` into it, the old root
+   detached, and every mount made read-only (`mount_setattr(2)`, recursive) except the
+   working folder. What is not bound in (the rest of `/tmp`, `/run`, home folders, sockets on
+   the filesystem) is not there;
+3. the code's process: rlimits set, every capability dropped for good (bounding set emptied,
    securebits locked, `no_new_privs`), stdin from `/dev/null`, then `exec` of the interpreter.
 
 This process then exits the way the code's process did: the same exit status, or killed by the
 same signal, so the parent reads it from its own child. A failure while isolating exits with
-`SETUP_FAILED` and a message on stderr. With `"isolate": false` it only sets the rlimits and
-`exec`s the interpreter on the code file the parent wrote into its working folder.
+`SETUP_FAILED` and a message on stderr. With `"isolate": false` it runs the code file the
+parent wrote into its working folder, under the rlimits, as the child of a subreaper that kills
+whatever the code left running (see `_run_reaping`).
 """
 
+import contextlib
 import ctypes
 import json
 import os
 import resource
 import signal
 import sys
+import time
 
 SETUP_FAILED = 125
 
@@ -35,11 +42,16 @@ _CLONE_NEWPID = 0x20000000
 _CLONE_NEWNET = 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x2, 0x4, 0x8
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
+_MNT_DETACH = 0x2
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 _SYS_MOUNT_SETATTR = 442  # the same number on every architecture
 _AT_FDCWD, _AT_RECURSIVE = -100, 0x8000
 _MOUNT_ATTR_RDONLY = 0x1
 _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
+_PR_SET_CHILD_SUBREAPER = 36
 _SECUREBITS_ALL_LOCKED = 0x3F  # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS, each with its lock bit
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+_WRITABLE = ("/tmp/work", "/dev/shm")  # /dev/shm: POSIX semaphores, for multiprocessing
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -55,13 +67,13 @@ def main() -> None:
     if config["cgroup_procs"]:
         _write(config["cgroup_procs"], "0")  # this process and all it starts
     if not config["isolate"]:
-        _exec_code(config, config["script"], config["workdir"])
+        _relay(_run_reaping(config))
     try:
-        _isolate(code, config["disk_bytes"])
+        _enter_namespaces()
     except OSError as exc:
         print(f"sandbox setup failed: {exc}", file=sys.stderr)
         sys.exit(SETUP_FAILED)
-    _relay(_run_supervised(config))
+    _relay(_run_supervised(config, code))
 
 
 def _check(result: int, what: str) -> None:
@@ -95,8 +107,8 @@ def _mount_setattr(path: str, flags: int, set_: int = 0, clear: int = 0) -> None
     _check(result, f"mount_setattr {path}")
 
 
-def _isolate(code: bytes, disk_bytes: int) -> None:
-    """Enter new namespaces and make everything but /tmp/work read-only."""
+def _enter_namespaces() -> None:
+    """Enter new user, mount, network and PID namespaces; mounts made from now on stay ours."""
     uid, gid = os.geteuid(), os.getegid()
     flags = _CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID
     _check(_libc.unshare(flags), "unshare")
@@ -104,21 +116,66 @@ def _isolate(code: bytes, disk_bytes: int) -> None:
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/gid_map", f"0 {gid} 1")
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-    _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={disk_bytes},mode=0755")
-    os.mkdir("/tmp/work")
-    with open("/tmp/main.py", "wb") as file:
+
+
+def _build_root(root: str, code: bytes, config: dict) -> None:
+    """Fill a tmpfs on `root` with the code, its writable folders, the visible paths and /proc.
+
+    Runs as PID 1 of the new PID namespace, so the `/proc` mounted here shows only its processes
+    (the kernel allows it because the old `/proc` is still visible in this mount namespace).
+    """
+    disk_bytes = config["disk_bytes"]
+    _mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={disk_bytes},mode=0755")
+    for folder in _WRITABLE:  # each its own mount, so it alone stays writable
+        os.makedirs(root + folder)
+        _mount(root + folder, root + folder, None, _MS_BIND)
+    with open(f"{root}/tmp/main.py", "wb") as file:
         file.write(code)
-    _mount("/tmp/work", "/tmp/work", None, _MS_BIND)
+    for path in config["visible"]:
+        _bind(path, root + path)
+    for name in _DEVICES:
+        _bind(f"/dev/{name}", f"{root}/dev/{name}")
+    os.mkdir(f"{root}/proc")
+    _mount("proc", f"{root}/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    _write(f"{root}/proc/sys/user/max_user_namespaces", "0")  # no nested namespace to mount in
+
+
+def _bind(source: str, target: str) -> None:
+    """Make `source` appear at `target`: a symlink copied as is, a folder or file bind-mounted."""
+    if not os.path.lexists(source):
+        return
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), target)
+        return
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    else:
+        open(target, "w").close()  # a mount point for a file (a device) is a file
+    _mount(source, target, None, _MS_BIND | _MS_REC)
+
+
+def _pivot_into(root: str) -> None:
+    """Make `root` the root of this mount namespace and drop the old root from it entirely."""
+    machine = os.uname().machine
+    if machine not in _SYS_PIVOT_ROOT:
+        raise OSError(38, f"pivot_root: no known system call number on {machine}")
+    os.chdir(root)
+    dot = ctypes.c_char_p(b".")
+    _check(_libc.syscall(ctypes.c_long(_SYS_PIVOT_ROOT[machine]), dot, dot), "pivot_root")
+    _check(_libc.umount2(dot, _MNT_DETACH), "umount the old root")
+    os.chdir("/")
     _mount_setattr("/", _AT_RECURSIVE, set_=_MOUNT_ATTR_RDONLY)
-    _mount_setattr("/tmp/work", 0, clear=_MOUNT_ATTR_RDONLY)
+    for folder in _WRITABLE:
+        _mount_setattr(folder, 0, clear=_MOUNT_ATTR_RDONLY)
 
 
-def _run_supervised(config: dict) -> int:
+def _run_supervised(config: dict, code: bytes) -> int:
     """Fork PID 1 of the new PID namespace; return the code's wait status it reports."""
     read_fd, write_fd = os.pipe()
     if os.fork() == 0:
         os.close(read_fd)
-        _supervise(config, write_fd)
+        _supervise(config, code, write_fd)
     os.close(write_fd)
     with os.fdopen(read_fd) as pipe:
         reported = pipe.read()
@@ -126,13 +183,12 @@ def _run_supervised(config: dict) -> int:
     return int(reported) if reported else supervisor_status
 
 
-def _supervise(config: dict, status_fd: int) -> None:
-    """As PID 1: mount /proc, start the code, reap until it ends, report its wait status."""
+def _supervise(config: dict, code: bytes, status_fd: int) -> None:
+    """As PID 1: build the new root, start the code, reap until it ends, report its status."""
     try:
         _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
-        _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-        _write("/proc/sys/user/max_user_namespaces", "0")  # no nested namespace to mount in
-        _mount_setattr("/proc", 0, set_=_MOUNT_ATTR_RDONLY)
+        _build_root(config["root"], code, config)
+        _pivot_into(config["root"])
         code_pid = os.fork()
         if code_pid == 0:
             os.close(status_fd)
@@ -146,6 +202,56 @@ def _supervise(config: dict, status_fd: int) -> None:
     except BaseException as exc:  # a forked child must never return into the caller
         os.write(2, f"sandbox setup failed: {exc}\n".encode())
         os._exit(SETUP_FAILED)
+
+
+def _run_reaping(config: dict) -> int:
+    """Without isolation: run the code as a child, then kill all it left; return its status.
+
+    As a child subreaper this process inherits the orphans the code leaves, those that left its
+    session included, so it can find and kill them; on SIGTERM (the parent's deadline) it does
+    the same, then dies by SIGKILL.
+    """
+    _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+    signal.signal(signal.SIGTERM, _on_deadline)
+    code_pid = os.fork()
+    if code_pid == 0:
+        _exec_code(config, config["script"], config["workdir"])
+    _, status = os.waitpid(code_pid, 0)
+    _kill_descendants()
+    return status
+
+
+def _on_deadline(*_: object) -> None:
+    _kill_descendants()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_descendants() -> None:
+    """SIGKILL and reap this process's children until none is left; their orphans come here."""
+    while True:
+        for pid in _children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            reaped, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if reaped == 0:
+            time.sleep(0.01)
+
+
+def _children() -> list[int]:
+    """Pids of this process's children, read from /proc."""
+    children = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as file:
+                parent = int(file.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # not a process, or gone
+            continue
+        if parent == os.getpid():
+            children.append(int(name))
+    return children
 
 
 def _drop_capabilities() -> None:
@@ -177,6 +283,7 @@ def _exec_code(config: dict, script: str, workdir: str) -> None:
 def _relay(status: int) -> None:
     """Exit the way a process with wait status `status` ended."""
     if os.WIFSIGNALED(status):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU and others would dump core
         signum = os.WTERMSIG(status)
         if signum not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(signum, signal.SIG_DFL)

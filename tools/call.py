@@ -8,8 +8,8 @@ Contract of `call_tool`:
   itself. "An exception" is anything the tool raises, `SystemExit` and `KeyboardInterrupt`
   included: a tool's failure is never a signal to the framework. What does propagate is
   anyio's cancellation from outside, a `KeyboardInterrupt` on the main thread (a real Ctrl-C;
-  see `tools.threads.is_signal`) and `StuckCallsError` (too many of the user's sync tools
-  ignore their timeout).
+  see `tools.threads.is_signal`), `StuckCallsError` (too many of the user's sync tools
+  ignore their timeout) and `SandboxUnavailableError` (the python tool cannot isolate here).
 - Arguments are checked against the schema's `parameters` before the call: required ones are
   present, no unknown ones, and each value has its JSON type (see `_coerce`). Integral floats
   given for an `integer` become `int`; arrays given for a `tuple[...]` hint become tuples.
@@ -36,6 +36,7 @@ from typing import Any
 
 import anyio
 
+from tools.sandbox import SandboxUnavailableError
 from tools.schema import Tool
 from tools.threads import StuckCallsError, describe_error, is_signal, run_in_daemon_thread
 
@@ -115,7 +116,7 @@ async def call_tool(
             value = await _invoke(tool, kwargs)
         return result(_to_text(value))
     except BaseException as exc:
-        if isinstance(exc, StuckCallsError) or is_signal(exc):
+        if isinstance(exc, StuckCallsError | SandboxUnavailableError) or is_signal(exc):
             raise
         if isinstance(exc, TimeoutError) and scope is not None and scope.cancelled_caught:
             message = f"Error: {name}() timed out after {float(timeout_s or 0)} s"

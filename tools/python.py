@@ -11,7 +11,9 @@ prints gigabytes, raises) the tool returns text for the model, never an exceptio
     [exit status 1] | [killed: wall-clock limit 10 s] | [killed: CPU-time limit 10 s] | ...
 
 A clean run (exit status 0) with output returns just the output; one with no output at all
-returns `[no output, exit status 0]`.
+returns `[no output, exit status 0]`. The one exception is the user's, not the program's: on a
+machine where the sandbox cannot isolate, every call raises `SandboxUnavailableError`, unless
+the tool was made with `isolation="none"`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Awaitable, Callable
 
-from tools.sandbox import SandboxLimits, SandboxRun, run_python
+from tools.sandbox import SandboxLimits, SandboxRun, check_isolation, run_python
 
 _DESCRIPTION = """Run a Python 3 program in a sandbox and return what it printed.
 
@@ -43,6 +45,7 @@ def python_tool(
     max_processes: int = 64,
     disk_mb: int = 64,
     max_output_chars: int = 10_000,
+    isolation: str = "namespaces",
 ) -> Callable[[str], Awaitable[str]]:
     """Make a `python` tool with these limits (see `SandboxLimits` for each).
 
@@ -53,19 +56,23 @@ def python_tool(
         max_processes: Processes and threads the program may have at once.
         disk_mb: Size of the working folder, and of any one file, in MiB.
         max_output_chars: Characters of output returned to the model.
+        isolation: `"namespaces"`: isolate each call (see `tools.sandbox`), and raise
+            `SandboxUnavailableError` from the first call on a machine where that does not
+            work. `"none"`: the limits only; the code can read your files and secrets.
 
     Returns:
         An async tool function named `python` taking `code: str`; its description (what the
         model reads) states the limits.
 
     Raises:
-        ValueError: If a limit is not a positive number.
+        ValueError: If a limit is not a positive number, or `isolation` is neither value.
 
     """
     limits = SandboxLimits(timeout_s, cpu_s, memory_mb, max_processes, disk_mb, max_output_chars)
+    check_isolation(isolation)
 
     async def python(code: str) -> str:
-        return format_run(await run_python(code, limits), limits)
+        return format_run(await run_python(code, limits, isolation), limits)
 
     python.__doc__ = _DESCRIPTION.format(
         timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars

@@ -1,4 +1,4 @@
-"""Run untrusted Python in a child process under limits, isolated where the OS allows.
+"""Run untrusted Python in a child process under limits, isolated or refused.
 
 `await run_python(code, limits)` never raises for anything the code does: a limit hit, a crash
 or a traceback is reported in the returned `SandboxRun`. It is async, so waiting never blocks
@@ -13,23 +13,37 @@ What holds on every Linux machine, per call:
 - output: at most `max_output_chars` characters come back, with a marker saying what was cut;
   the rest is read and thrown away, so the host's memory stays bounded;
 - environment: only the variables in `_CODE_ENV` (no tokens or keys leak through it); stdin is
-  empty.
+  empty;
+- when the code's process ends, or the call does, everything it started ends too, processes
+  that left its session included: with the PID namespace when isolated, by a subreaper when
+  not, and as root also by killing every process in the call's pids cgroup, then removed.
 
-Isolation, when user namespaces work (probed once per process; see `tools/_sandbox_child.py`
-for the steps): no network (a new network namespace with no device up), every mount read-only
-except the private working folder `/tmp/work` (a tmpfs of `disk_mb`, gone after the call;
-`/tmp` itself is another, empty, read-only tmpfs), no capabilities and no nested namespaces,
-a fresh PID namespace whose processes all die with the call, and at most `max_processes`
-processes: through a pids cgroup when running as root (root ignores RLIMIT_NPROC), through
-RLIMIT_NPROC otherwise (counted per user namespace since Linux 5.14). Without user namespaces
-the code still runs, with only the limits above and a private working folder, and a one-time
-warning says what is missing.
+Isolation (`isolation="namespaces"`, the default; see `tools/_sandbox_child.py` for the steps),
+through Linux user namespaces:
 
-Not guaranteed: reading. The code runs as the training process's user and can read every file
-that user can (datasets, checkpoints, keys under the home folder) and see the host's mounts.
-Memory is limited per process, so up to `max_processes * memory_mb` in all. A kernel bug is
-not defended against: this is a guard against mistakes and runaway code, not a jail for a
-determined attacker.
+- a new root holding only the working folder `/tmp/work` and `/dev/shm` (the only writable
+  places, on a tmpfs of `disk_mb` gone after the call), the code, a few devices, a fresh `/proc`,
+  and read-only system folders (`_SYSTEM_PATHS`) and the interpreter's prefixes and
+  site-packages, bound at their own paths (so a venv under `/tmp` works). The rest of the
+  host's files, sockets on the filesystem (`docker.sock`, a trainer's) included, is not there;
+- no network: a new network namespace with no device up, which also cuts off abstract UNIX
+  sockets;
+- a fresh PID namespace: no other process can be seen or signalled, and all of the call's die
+  with it;
+- no capabilities, no nested namespaces, and at most `max_processes` processes: through a pids
+  cgroup when running as root (root ignores RLIMIT_NPROC), through RLIMIT_NPROC otherwise
+  (counted per user namespace since Linux 5.14).
+
+Whether isolation works is probed once per process. Where it does not, every call raises
+`SandboxUnavailableError` saying why; it never runs the code with less than was asked for.
+`isolation="none"` runs it with the limits above only, and only when asked for by name: the
+code then reads and writes what this process's user can, uses the network, and signals this
+user's processes (its subreaper among them: killing that first lets its children outlive the
+call, unless root's cgroup finds them).
+
+Not guaranteed: reading the visible paths (`/etc` among them). Memory is limited per process,
+so up to `max_processes * memory_mb` in all. A kernel bug is not defended against: this is a
+guard against mistakes and runaway code, not a jail for a determined attacker.
 """
 
 from __future__ import annotations
@@ -40,10 +54,10 @@ import json
 import math
 import os
 import signal
+import site
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +77,10 @@ _CODE_ENV = {
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }
+_SYSTEM_PATHS = {"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"}
 _CGROUP_PREFIX = "agentgrpo-sandbox"
+_KILL_ROUNDS = 1000  # rounds of killing a cgroup's processes; each round has fewer to kill
+_TERM_GRACE_S = 10.0  # a child told to end takes milliseconds; this only bounds a stuck one
 _call_numbers = itertools.count()
 
 
@@ -130,53 +147,103 @@ class SandboxRun:
     seconds: float
 
 
-async def run_python(code: str, limits: SandboxLimits) -> SandboxRun:
+class SandboxUnavailableError(RuntimeError):
+    """The sandbox cannot isolate code on this machine and isolation was not turned off.
+
+    A setup problem of the user's, not of the model's: `tools.call_tool` lets it propagate.
+    """
+
+
+async def run_python(code: str, limits: SandboxLimits, isolation: str = "namespaces") -> SandboxRun:
     """Run `code` as a Python program in a sandbox and report how it ended.
 
     Args:
         code: The program's source.
         limits: What it may use.
+        isolation: `"namespaces"` (isolate as the module docstring says, or refuse) or `"none"`
+            (the limits only: the code can read and write what this process's user can, use
+            the network and signal this user's processes).
 
     Returns:
         Its output and how it ended; a limit hit is a normal result, never an exception.
 
+    Raises:
+        SandboxUnavailableError: `isolation="namespaces"` on a machine where it does not work.
+        ValueError: `isolation` is neither of those.
+
     """
-    isolated = await _isolation_works()
-    async with _pids_cgroup(limits.max_processes + 2) as cgroup_procs:  # + the 2 supervisors
-        with _fallback_folder(isolated, code) as (workdir, script):
-            config = {
-                "isolate": isolated,
-                "cgroup_procs": cgroup_procs,
-                "cpu_s": limits.cpu_limit_s,
-                "memory_bytes": limits.memory_mb << 20,
-                "max_processes": limits.max_processes + 2,
-                "disk_bytes": limits.disk_mb << 20,
-                "python": sys.executable,
-                "env": _CODE_ENV,
-                "workdir": workdir,
-                "script": script,
-            }
-            return await _execute(code.encode(), config, limits)
+    return await _run(code, limits, isolated=await _isolation_required(isolation))
 
 
-async def _execute(code: bytes, config: dict[str, Any], limits: SandboxLimits) -> SandboxRun:
-    """Start the child, feed it the code, collect capped output until it ends or times out."""
+async def _run(code: str, limits: SandboxLimits, isolated: bool) -> SandboxRun:
+    """Run `code` in a sandbox of its own: a pids cgroup when root, a folder, the child."""
+    async with _pids_cgroup(limits.max_processes + 2) as cgroup:  # + the 2 supervisors
+        with _call_folder(isolated, code) as folder:
+            config = _child_config(isolated, cgroup, limits, folder)
+            return await _execute(code.encode(), config, limits, cgroup)
+
+
+def _child_config(
+    isolated: bool, cgroup: Path | None, limits: SandboxLimits, folder: str
+) -> dict[str, Any]:
+    """What `_sandbox_child.py` reads: the limits, and where the code lives (see `_call_folder`)."""
+    return {
+        "isolate": isolated,
+        "cgroup_procs": None if cgroup is None else str(cgroup / "cgroup.procs"),
+        "cpu_s": limits.cpu_limit_s,
+        "memory_bytes": limits.memory_mb << 20,
+        "max_processes": limits.max_processes + 2,
+        "disk_bytes": limits.disk_mb << 20,
+        "python": sys.executable,
+        "env": _CODE_ENV,
+        "root": folder,
+        "visible": _visible_paths(),
+        "workdir": os.path.join(folder, "work"),
+        "script": os.path.join(folder, "main.py"),
+    }
+
+
+def _visible_paths() -> list[str]:
+    """The host paths bound read-only into an isolated run: system folders and the interpreter.
+
+    The interpreter's prefixes and site-packages may live anywhere (a venv under `/tmp`, pyenv
+    under the home folder); each is bound at its own path, so `sys.executable` runs as is.
+    """
+    interpreter = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    interpreter |= set(site.getsitepackages())
+    if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
+        interpreter.add(site.getusersitepackages())
+    paths = sorted(_SYSTEM_PATHS | {os.path.abspath(path) for path in interpreter})
+    inside = lambda path, folder: path.startswith(folder.rstrip("/") + "/")  # noqa: E731
+    return [path for path in paths if not any(inside(path, other) for other in paths)]
+
+
+async def _execute(
+    code: bytes, config: dict[str, Any], limits: SandboxLimits, cgroup: Path | None
+) -> SandboxRun:
+    """Start the child, feed it the code, collect capped output until it ends or times out.
+
+    When the code's process ends, everything it started is killed (`_kill_tree`), so a child
+    that left its session can neither outlive the call nor hold the output pipes open.
+    """
     start_s = time.perf_counter()
     command = [sys.executable, "-I", _CHILD_SCRIPT, json.dumps(config)]
     process = await anyio.open_process(command, env=_CODE_ENV, start_new_session=True)
     limit_bytes = 4 * limits.max_output_chars  # enough bytes for that many UTF-8 characters
     stdout, stderr = _Capture(limit_bytes, keep_tail=False), _Capture(limit_bytes, keep_tail=True)
+    exited = False
     try:
-        with anyio.move_on_after(limits.timeout_s) as deadline:
+        with anyio.move_on_after(limits.timeout_s):
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(_feed, process, code)
                 tasks.start_soon(stdout.drain, process.stdout)
                 tasks.start_soon(stderr.drain, process.stderr)
                 await process.wait()
-                _kill_group(process.pid)  # what it left running would hold the pipes open
+                exited = True
+                await _kill_tree(process.pid, cgroup)  # what it left would hold the pipes open
     finally:
-        _kill_group(process.pid)
         with anyio.CancelScope(shield=True):
+            await _stop(process, cgroup)
             await process.aclose()
     assert process.returncode is not None  # aclose() waited for the process to exit
     stdout_text, stdout_cut, stderr_text, stderr_cut = _fit(stdout, stderr, limits.max_output_chars)
@@ -186,7 +253,7 @@ async def _execute(code: bytes, config: dict[str, Any], limits: SandboxLimits) -
         stdout_cut_bytes=stdout_cut,
         stderr_cut_bytes=stderr_cut,
         exit_code=process.returncode,
-        timed_out=deadline.cancelled_caught,
+        timed_out=not exited,
         seconds=time.perf_counter() - start_s,
     )
 
@@ -199,10 +266,46 @@ async def _feed(process: anyio.abc.Process, code: bytes) -> None:
     await process.stdin.aclose()
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGKILL every process still in the child's process group (it leads a new session)."""
+async def _stop(process: anyio.abc.Process, cgroup: Path | None) -> None:
+    """End the child and all the code started: SIGTERM first, then SIGKILL to every one.
+
+    SIGTERM lets an unisolated child kill what the code left (see `_sandbox_child`); an
+    isolated one just dies, and its PID namespace with it.
+    """
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        with anyio.move_on_after(_TERM_GRACE_S):
+            await process.wait()
+    await _kill_tree(process.pid, cgroup)
+
+
+async def _kill_tree(pgid: int, cgroup: Path | None) -> None:
+    """SIGKILL the child's process group (it leads a new session) and everything in `cgroup`.
+
+    The cgroup holds every process the code started, those that left the session included;
+    new ones may be forked while we kill, so this repeats until the cgroup is empty.
+    """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+    if cgroup is None:
+        return
+    for _ in range(_KILL_ROUNDS):
+        pids = _cgroup_pids(cgroup)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        await anyio.sleep(0.01)
+
+
+def _cgroup_pids(cgroup: Path) -> list[int]:
+    """The processes in `cgroup`; none if it is gone."""
+    try:
+        return [int(pid) for pid in (cgroup / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
 
 
 class _Capture:
@@ -248,52 +351,62 @@ def _fit(stdout: _Capture, stderr: _Capture, budget_chars: int) -> tuple[str, in
 
 
 @contextlib.contextmanager
-def _fallback_folder(isolated: bool, code: str) -> Iterator[tuple[str | None, str | None]]:
-    """Without isolation: a temporary working folder holding the code, removed afterwards."""
-    if isolated:
-        yield None, None
-        return
+def _call_folder(isolated: bool, code: str) -> Iterator[str]:
+    """A temporary folder for one call, removed afterwards.
+
+    Isolated, it stays empty here: the child mounts its new root on it, in its own mount
+    namespace. Not isolated, it holds the code (`main.py`) and the working folder (`work`).
+    """
     with tempfile.TemporaryDirectory(prefix="agentgrpo-python-") as folder:
-        workdir = os.path.join(folder, "work")
-        os.mkdir(workdir)
-        script = os.path.join(folder, "main.py")
-        Path(script).write_text(code)
-        yield workdir, script
+        if not isolated:
+            os.mkdir(os.path.join(folder, "work"))
+            Path(folder, "main.py").write_text(code)
+        yield folder
 
 
-_isolation_checked: bool | None = None
+_ISOLATIONS = ("namespaces", "none")
+_isolation_failure: str | None = None  # why isolation does not work here; "" when it does
 
 
-async def _isolation_works() -> bool:
-    """Whether the sandbox can isolate on this machine; probed once, warned about once."""
-    global _isolation_checked
-    if _isolation_checked is None:
-        config: dict[str, Any] = {"isolate": True, "cgroup_procs": None}
-        config |= {"cpu_s": 10, "memory_bytes": 1 << 30}
-        config |= {"max_processes": 16, "disk_bytes": 1 << 20, "python": sys.executable}
-        config |= {"env": _CODE_ENV, "workdir": None, "script": None}
-        probe = await _execute(b"", config, SandboxLimits(timeout_s=60))
-        works = probe.exit_code == 0
-        if not works and _isolation_checked is None:  # concurrent first calls warn once
-            _warn_unisolated(probe.stderr.strip() or f"exit status {probe.exit_code}")
-        _isolation_checked = works
-    return _isolation_checked
+def check_isolation(isolation: str) -> None:
+    """Raise ValueError unless `isolation` is one of `"namespaces"` and `"none"`."""
+    if isolation not in _ISOLATIONS:
+        raise ValueError(f"isolation must be one of {_ISOLATIONS}, got {isolation!r}")
 
 
-def _warn_unisolated(reason: str) -> None:
-    warnings.warn(
-        "tools.python: the sandbox cannot isolate code on this machine "
-        f"({reason}). Code will run with time, memory, file-size and output limits only: "
-        "network isolation is unavailable, it can write wherever this process's user can, "
-        "and the number of processes it starts is limited only when running as root.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+async def _isolation_required(isolation: str) -> bool:
+    """Whether to isolate this call; raise if isolation is asked for and cannot be had."""
+    check_isolation(isolation)
+    if isolation == "none":
+        return False
+    failure = await _isolation_failure_here()
+    if failure:
+        raise SandboxUnavailableError(
+            f"the Python sandbox cannot isolate code on this machine ({failure}). It needs "
+            "Linux user namespaces (check `unshare --user --map-root-user --mount --net --pid "
+            "--fork true`; on Ubuntu, AppArmor's kernel.apparmor_restrict_unprivileged_userns "
+            "may forbid them). To run model-written code with time, memory and output limits "
+            "only, knowing it can then read this process's files and secrets, write anywhere "
+            "this user can and use the network, pass isolation='none' (e.g. "
+            "python_tool(isolation='none'))."
+        )
+    return True
+
+
+async def _isolation_failure_here() -> str:
+    """Why the sandbox cannot isolate on this machine, or "" if it can; probed once."""
+    global _isolation_failure
+    if _isolation_failure is None:
+        limits = SandboxLimits(timeout_s=60, memory_mb=1024, max_processes=16, disk_mb=1)
+        probe = await _run("", limits, isolated=True)
+        failure = probe.stderr.strip() or f"exit status {probe.exit_code}"
+        _isolation_failure = "" if probe.exit_code == 0 else failure
+    return _isolation_failure
 
 
 @contextlib.asynccontextmanager
-async def _pids_cgroup(max_tasks: int) -> AsyncIterator[str | None]:
-    """As root, a fresh pids cgroup allowing `max_tasks` tasks; yields its `cgroup.procs`.
+async def _pids_cgroup(max_tasks: int) -> AsyncIterator[Path | None]:
+    """As root, a fresh pids cgroup allowing `max_tasks` tasks; yields its folder.
 
     Root is exempt from RLIMIT_NPROC, so this is what limits a fork bomb run by root. Yields
     None when not root or when no writable pids hierarchy exists.
@@ -310,7 +423,7 @@ async def _pids_cgroup(max_tasks: int) -> AsyncIterator[str | None]:
         yield None
         return
     try:
-        yield str(folder / "cgroup.procs")
+        yield folder
     finally:
         await _remove_cgroup(folder)
 
