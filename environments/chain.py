@@ -50,7 +50,7 @@ class Chain(NumberAnswer):
     submitted. ``submit`` ends the episode; only the first submission counts. Rows have
     ``prompt``, ``start``, ``steps`` (the operations as text) and ``answer`` columns.
 
-    Example:
+    Examples:
         >>> env = Chain()
         >>> env.reset(answer=226)
         >>> env.add(37, 48), env.multiply(85, 3), env.subtract(255, 29)

@@ -56,7 +56,7 @@ class GuessNumberGame(gymnasium.Env):
     ``max_guesses`` guesses, by default just enough for a binary search. ``open_low`` and
     ``open_high`` are the range the answers so far leave open.
 
-    Example:
+    Examples:
         >>> game = GuessNumberGame(low=1, high=3)
         >>> game.reset(seed=0)[0]
         "I'm thinking of a whole number from 1 to 3. You have 2 guesses."
@@ -128,7 +128,7 @@ class GuessNumber(gym_environment(GuessNumberGame, name="GuessNumberGym", **_TOO
     def reward(self) -> float:
         """1.0 when the number was found, else `LOST_SHARE` times the share of the range ruled out.
 
-        Example:
+        Examples:
             >>> env = GuessNumber()
             >>> _ = env.reset(seed=0)  # the secret is 86
             >>> env.guess(50), env.reward()  # 1 to 50 ruled out: half the range

@@ -78,7 +78,7 @@ def as_tool(fn: Callable[..., Any], name: str | None = None) -> Tool:
         ToolDefinitionError: If `fn` lacks a docstring, a type hint or an argument
             description, takes `*args`/`**kwargs`, or has a hint with no JSON type.
 
-    Example:
+    Examples:
         >>> def add(a: int, b: int) -> int:
         ...     '''Add two integers.
         ...

@@ -181,7 +181,7 @@ def parse_value(name: str, value: Any) -> Any:
     Raises:
         UsageError: Naming the option and what it takes.
 
-    Example:
+    Examples:
         >>> parse_value("learning_rate", "1e-5"), parse_value("use_vllm", "true")
         (1e-05, True)
         >>> parse_value("max_turns", "none"), parse_value("reward_weights", "[1, 0.5]")
