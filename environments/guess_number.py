@@ -122,7 +122,7 @@ class GuessNumber(gym_environment(GuessNumberGame, name="GuessNumberGym", **_TOO
     # A binary search takes up to 7 guesses, about 57 tokens each with the tool's answer.
     episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 416, "max_turns": 8}
     # More warm-start steps than the run's 24: the demonstrations are games of seven sizes. GRPO
-    # keeps the run's lr of 1e-5: at 3e-5 it broke the call format from its fifth step (README).
+    # keeps the run's lr of 1e-5: at 3e-5 it broke the call format (docs/measurements.md).
     run_defaults: ClassVar[dict[str, float]] = {"warm_start_steps": 64}
 
     def reward(self) -> float:
