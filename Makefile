@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: install test lint
+.PHONY: install test lint docs
 
 install:
 	# torch first, pinned, so nothing can pull a CUDA build in its place.
@@ -38,5 +38,9 @@ lint:
 	# Types of tools, environments, rollout and agentgrpo ([tool.mypy] in pyproject.toml).
 	$(PYTHON) -m mypy
 
-test: install lint
+# The documentation site into site/, offline; --strict: a broken link or API reference fails.
+docs:
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --quiet --site-dir site
+
+test: install lint docs
 	$(PYTHON) -m pytest

@@ -71,7 +71,7 @@ class GRPOConfig(TrainingArguments):
         ValueError: For a value or a combination of values that cannot work; the message says
             what to change.
 
-    Example:
+    Examples:
         >>> config = GRPOConfig(
         ...     output_dir="runs/doctest", report_to="none",
         ...     per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,

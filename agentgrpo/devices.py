@@ -30,7 +30,7 @@ def parse_device(text: str) -> torch.device:
     Raises:
         ValueError: Not one of `DEVICE_FORMS`.
 
-    Example:
+    Examples:
         >>> parse_device("cuda"), parse_device("cuda:1"), parse_device("cpu")
         (device(type='cuda', index=0), device(type='cuda', index=1), device(type='cpu'))
 
@@ -92,7 +92,7 @@ def resolve_device(text: str | None) -> torch.device:
 def visible_devices(index: int, visible: str | None) -> str:
     """The `CUDA_VISIBLE_DEVICES` value that leaves only GPU `index` of those now visible.
 
-    Example:
+    Examples:
         >>> visible_devices(1, None), visible_devices(1, "4,6"), visible_devices(0, "GPU-5a1c")
         ('1', '6', 'GPU-5a1c')
 

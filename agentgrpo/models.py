@@ -25,7 +25,7 @@ def policy_init_kwargs(args: Any, quantization_config: Any = None) -> dict[str, 
     Raises:
         ValueError: `quantization_config` is given both ways.
 
-    Example:
+    Examples:
         >>> from types import SimpleNamespace
         >>> args = SimpleNamespace(model_init_kwargs={"revision": "v1"}, trust_remote_code=True)
         >>> policy_init_kwargs(args)

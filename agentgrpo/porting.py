@@ -70,7 +70,7 @@ TOKEN_SUMMED_LOSSES = ("bnpo", "dr_grpo", "dapo", "cispo")
 def loss_setting_warnings(loss_type: str, importance_sampling_level: str) -> list[str]:
     """The warnings TRL 1.16's trainer logs about a loss type and a ratio level, in its words.
 
-    Example:
+    Examples:
         >>> loss_setting_warnings("grpo", "sequence")
         []
         >>> [text] = loss_setting_warnings("luspo", "token")

@@ -20,7 +20,7 @@ import torch
 def mixed_precision_dtype(args: Any) -> torch.dtype | None:
     """The autocast dtype of a `GRPOConfig` (bf16 resolved): bfloat16, float16, or None.
 
-    Example:
+    Examples:
         >>> from types import SimpleNamespace
         >>> mixed_precision_dtype(SimpleNamespace(bf16=True, fp16=False))
         torch.bfloat16
@@ -48,7 +48,7 @@ def corrects_sampler_mismatch(args: Any) -> bool:
 def describe_precision(weights: torch.dtype, autocast: torch.dtype | None) -> str:
     """One line for a start-up summary: the weights' dtype and the autocast dtype, if any.
 
-    Example:
+    Examples:
         >>> describe_precision(torch.float32, torch.bfloat16)
         'bf16 mixed precision (float32 weights, bfloat16 compute)'
         >>> describe_precision(torch.float32, None)

@@ -151,7 +151,7 @@ class RoundPlan:
 def prompts_per_process(completions: int, num_generations: int, processes: int) -> int:
     """Prompts each process plays per round; groups are never split across processes.
 
-    Example:
+    Examples:
         >>> prompts_per_process(completions=16, num_generations=4, processes=2)
         2
     """

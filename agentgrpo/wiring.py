@@ -140,7 +140,7 @@ def reward_weights_of(
     Raises:
         ValueError: There is no reward at all, or `weights` has another length.
 
-    Example:
+    Examples:
         >>> reward_weights_of(["correct", "Counter"], 1, [0.5])
         [0.5, 1.0]
         >>> reward_weights_of(["short", "exact", "format"], 1, None, own=[2.0, 0.5])

@@ -21,8 +21,8 @@ The contract (`Environment`, checked by `check_environment`). An environment is 
 
 Built-ins: `Counter` (one tool), `Arithmetic` (calculate, then submit an answer), `Chain`
 (three dependent one-operation calls, then submit) and `GuessNumber` (a gymnasium game through
-`gym_environment`, the adapter for any ``gymnasium.Env`` with text observations). README.md
-beside this file has a runnable example of each shape.
+`gym_environment`, the adapter for any ``gymnasium.Env`` with text observations).
+docs/environments.md has a runnable example of each shape.
 
 Specs name a class: ``env:Counter`` (built-in), ``gym:FrozenLake-v1`` (a registered gymnasium
 env with a text observation, see `environments.gym_ids`), ``package.module:Class`` or
@@ -30,7 +30,7 @@ env with a text observation, see `environments.gym_ids`), ``package.module:Class
 `EnvironmentResetError`, `EnvironmentRewardError` or `EnvironmentCloseError`, each naming the
 class, the method and what to fix.
 
-Example:
+Examples:
     >>> class Echo:
     ...     def reset(self, word: str) -> str:
     ...         self.word, self.said = word, None

@@ -36,7 +36,7 @@ class Arithmetic(NumberAnswer):
     counts. Rows have an ``answer`` column read by `reset`, an ``expression`` column (the
     question's expression, for logs and reward functions) and a ``prompt`` column.
 
-    Example:
+    Examples:
         >>> env = Arithmetic()
         >>> env.reset(answer=1647)
         >>> env.calculate("37 * 48 - 129")

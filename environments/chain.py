@@ -12,9 +12,9 @@ if TYPE_CHECKING:
     import datasets
 
 # Eval phrasings are held out: a policy must not just memorise the train wording. Eight train
-# phrasings, not three: with three, the warm-started model solved almost every train row, GRPO's
-# groups mostly scored alike and held-out success rose less (48% to 62% in 8 steps); with eight it
-# meets wordings it still fumbles, and 4 GRPO steps took held-out success to 88% (seed 0).
+# phrasings, not three: with three, the warm-started model solved almost every train row and
+# GRPO's groups mostly scored alike; with eight it meets wordings it still fumbles, so groups
+# disagree and held-out success rises more (docs/measurements.md).
 _PHRASINGS = {
     "train": (
         "Start with {start}. Then {steps}. Use a tool for each step, then submit the result.",
@@ -50,7 +50,7 @@ class Chain(NumberAnswer):
     submitted. ``submit`` ends the episode; only the first submission counts. Rows have
     ``prompt``, ``start``, ``steps`` (the operations as text) and ``answer`` columns.
 
-    Example:
+    Examples:
         >>> env = Chain()
         >>> env.reset(answer=226)
         >>> env.add(37, 48), env.multiply(85, 3), env.subtract(255, 29)
@@ -64,7 +64,7 @@ class Chain(NumberAnswer):
 
     # Four tool turns (3 steps, submit) of about 45 tokens each, tool results included.
     episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 224, "max_turns": 4}
-    # With these the 135M default model learns it (README, "What the default run does"): a
+    # With these the 135M default model learns it (docs/measurements.md): a
     # longer warm start than the run's 24 steps, a higher GRPO lr, and 4 prompts a step, not 2,
     # so fewer steps have every group scoring alike.
     run_defaults: ClassVar[dict[str, float]] = {

@@ -75,7 +75,7 @@ class Environment(Protocol):
       run`` uses them unless the command line or the config file sets them (see
       `run_defaults`).
 
-    Example:
+    Examples:
         >>> from environments import Counter
         >>> isinstance(Counter(), Environment), isinstance(object(), Environment)
         (True, False)
@@ -200,7 +200,7 @@ def episode_limits(cls: Any) -> dict[str, int]:
         EnvironmentSpecError: It is not a dict, has a key other than `EPISODE_LIMITS`, or a
             value that is not a whole number >= 1.
 
-    Example:
+    Examples:
         >>> from environments import Arithmetic, Counter
         >>> episode_limits(Arithmetic), episode_limits(Counter)
         ({'max_completion_length': 192, 'max_turns': 3}, {})
@@ -238,7 +238,7 @@ def run_defaults(cls: Any) -> dict[str, float]:
         EnvironmentSpecError: It is not a dict, has a key other than `RUN_DEFAULT_KEYS`, or a
             value that is not a positive number of the key's type.
 
-    Example:
+    Examples:
         >>> from environments import Chain, Counter
         >>> sorted(run_defaults(Chain)), run_defaults(Counter)
         (['learning_rate', 'max_steps', 'per_device_train_batch_size', 'warm_start_steps'], {})

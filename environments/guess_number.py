@@ -56,7 +56,7 @@ class GuessNumberGame(gymnasium.Env):
     ``max_guesses`` guesses, by default just enough for a binary search. ``open_low`` and
     ``open_high`` are the range the answers so far leave open.
 
-    Example:
+    Examples:
         >>> game = GuessNumberGame(low=1, high=3)
         >>> game.reset(seed=0)[0]
         "I'm thinking of a whole number from 1 to 3. You have 2 guesses."
@@ -122,13 +122,13 @@ class GuessNumber(gym_environment(GuessNumberGame, name="GuessNumberGym", **_TOO
     # A binary search takes up to 7 guesses, about 57 tokens each with the tool's answer.
     episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 416, "max_turns": 8}
     # More warm-start steps than the run's 24: the demonstrations are games of seven sizes. GRPO
-    # keeps the run's lr of 1e-5: at 3e-5 it broke the call format from its fifth step (README).
+    # keeps the run's lr of 1e-5: at 3e-5 it broke the call format (docs/measurements.md).
     run_defaults: ClassVar[dict[str, float]] = {"warm_start_steps": 64}
 
     def reward(self) -> float:
         """1.0 when the number was found, else `LOST_SHARE` times the share of the range ruled out.
 
-        Example:
+        Examples:
             >>> env = GuessNumber()
             >>> _ = env.reset(seed=0)  # the secret is 86
             >>> env.guess(50), env.reward()  # 1 to 50 ruled out: half the range

@@ -218,7 +218,7 @@ def gym_environment(
         ValueError: ``action_tool`` or ``argument`` is not a usable name, or
             ``max_episode_steps`` is below 1.
 
-    Example:
+    Examples:
         >>> from environments.guess_number import GuessNumberGame
         >>> Guess = gym_environment(
         ...     lambda: GuessNumberGame(high=4), action_tool="guess", action_doc="Guess."

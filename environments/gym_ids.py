@@ -130,7 +130,7 @@ def gym_id_environment(spec: str) -> type[GymEnvironment]:
             arguments are malformed or refused by the env, the observation is not text, or the
             action space is neither `Discrete` nor `Text`.
 
-    Example:
+    Examples:
         >>> FrozenLake = gym_id_environment("FrozenLake-v1,is_slippery=false")
         >>> env = FrozenLake()
         >>> print(env.reset(seed=0))

@@ -8,7 +8,7 @@ from typing import Any
 def tool_turn(name: str, arguments: dict[str, Any], result: str) -> list[dict[str, Any]]:
     """An assistant message calling one tool, and the tool's result.
 
-    Example:
+    Examples:
         >>> [m["role"] for m in tool_turn("add", {"a": 1, "b": 2}, "3")]
         ['assistant', 'tool']
 
@@ -23,7 +23,7 @@ def tool_turn(name: str, arguments: dict[str, Any], result: str) -> list[dict[st
 def number_text(value: float) -> str:
     """A number as the calculator prints it: ``12`` for 12.0, ``3.5`` otherwise.
 
-    Example:
+    Examples:
         >>> number_text(12.0), number_text(3.5)
         ('12', '3.5')
 

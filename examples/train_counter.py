@@ -1,6 +1,6 @@
 """Train SmolLM2 to play Counter with the Python API: a warm start, then GRPO.
 
-Run (the same recipe as `agentgrpo run env:Counter`; see the README for its measured time):
+Run (the same recipe as `agentgrpo run env:Counter`; docs/measurements.md has its measured time):
 
     python examples/train_counter.py [--model PATH] [--max-steps 16] [--output-dir runs/counter]
 

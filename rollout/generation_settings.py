@@ -197,7 +197,7 @@ def generation_settings(
         ValueError: A refused field with a value that changes something (the message says why
             and names the field), or a name that is no `GenerationConfig` field.
 
-    Example:
+    Examples:
         >>> settings = generation_settings({"do_sample": False, "typical_p": 0.9}, [2])
         >>> settings.sampling, settings.processing
         ({'temperature': 0.0}, {'typical_p': 0.9})

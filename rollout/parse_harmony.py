@@ -43,7 +43,7 @@ def parse_harmony(text: str) -> ParsedTurn:
     Args:
         text: One assistant turn as decoded text, without the end-of-turn token.
 
-    Example:
+    Examples:
         >>> turn = parse_harmony(
         ...     ' to=functions.add<|channel|>commentary json<|message|>{"a": 1}'
         ... )

@@ -107,7 +107,7 @@ def parse_deepseek_v3(text: str) -> ParsedTurn:
     Returns:
         The content, the tool calls, and one error message per block that could not be read.
 
-    Example:
+    Examples:
         >>> call = '<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"a": 1}\n```'
         >>> parse_deepseek_v3(f"Ok.<｜tool▁calls▁begin｜>{call}<｜tool▁call▁end｜>").tool_calls
         [ToolCall(name='add', arguments={'a': 1})]
@@ -242,7 +242,7 @@ def parse_gemma4(text: str) -> ParsedTurn:
     Returns:
         The content, the tool calls, and one error message per block that could not be read.
 
-    Example:
+    Examples:
         >>> parse_gemma4('<|tool_call>call:add{a:1,text:<|"|>hi<|"|>}<tool_call|>').tool_calls
         [ToolCall(name='add', arguments={'a': 1, 'text': 'hi'})]
 
@@ -375,7 +375,7 @@ def parse_lfm2(text: str) -> ParsedTurn:
     Returns:
         The content, the tool calls, and one error message per call that could not be read.
 
-    Example:
+    Examples:
         >>> turn = parse_lfm2("On it.<|tool_call_start|>[add(a=1, b=-2)]<|tool_call_end|>")
         >>> turn.content, turn.tool_calls
         ('On it.', [ToolCall(name='add', arguments={'a': 1, 'b': -2})])

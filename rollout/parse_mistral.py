@@ -33,7 +33,7 @@ def parse_mistral(text: str) -> ParsedTurn:
     Args:
         text: One assistant turn as decoded text, without the end-of-turn token.
 
-    Example:
+    Examples:
         >>> parse_mistral('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]').tool_calls
         [ToolCall(name='add', arguments={'a': 1})]
         >>> parse_mistral('[TOOL_CALLS]add[ARGS]{"a": 1}').tool_calls

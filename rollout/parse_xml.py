@@ -92,7 +92,7 @@ def parse_qwen3_xml(text: str, tools: ToolSchemas | None = None) -> ParsedTurn:
         text: One assistant turn as decoded text, without the end-of-turn token.
         tools: The tool schemas offered (`{"type": "function", "function": {...}}`), or None.
 
-    Example:
+    Examples:
         >>> call = "<function=add>\n<parameter=a>\n1\n</parameter>\n</function>"
         >>> text = f"Sure.\n<tool_call>\n{call}\n</tool_call>"
         >>> parse_qwen3_xml(text).tool_calls
@@ -128,7 +128,7 @@ def parse_glm4(text: str, tools: ToolSchemas | None = None) -> ParsedTurn:
         text: One assistant turn as decoded text, without the end-of-turn token.
         tools: The tool schemas offered (`{"type": "function", "function": {...}}`), or None.
 
-    Example:
+    Examples:
         >>> text = "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>"
         >>> parse_glm4(text).tool_calls
         [ToolCall(name='add', arguments={'a': '1'})]

@@ -76,7 +76,7 @@ def parse_hermes(text: str) -> ParsedTurn:
     Returns:
         The content, the tool calls, and one error message per block that could not be read.
 
-    Example:
+    Examples:
         >>> text = 'Ok. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
         >>> turn = parse_hermes(text)
         >>> turn.content, turn.tool_calls, turn.errors

@@ -386,9 +386,8 @@ def _similar_lengths(plans: list[_Plan], batched: bool) -> list[list[_Plan]]:
     """The plans in batches that read together, longest first (one each unless `batched`).
 
     Every row of a batch reads as many tokens as its longest, so a plan joins a batch only
-    while it needs at least half of that, or no more than 16 tokens less: a pass costs about
-    as much as reading a few dozen tokens more (SmolLM2-135M, one CPU thread: 60 ms for one
-    token, 150 ms for 30).
+    while it needs at least half of that, or no more than 16 tokens less: one more pass costs
+    about as much as reading a few dozen more tokens in a pass (docs/measurements.md).
     """
     batches: list[list[_Plan]] = []
     for plan in sorted(plans, key=lambda plan: plan.reads, reverse=True):

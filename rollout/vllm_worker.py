@@ -8,8 +8,8 @@ broadcast from the trainer. Both must:
 - go through the worker's `reload_weights`: on CPU vLLM packs each linear layer into a oneDNN
   handle and leaves the parameter empty, so a plain `model.load_weights` fails there;
 - re-process a tied `lm_head`: on CPU it keeps its own packed copy of the embeddings, which a
-  reload without an `lm_head.weight` entry (a saved tied checkpoint has none) leaves stale:
-  measured on SmolLM2, sampled logprobs off by 0.49 on average instead of 1e-5 (a no-op on GPU);
+  reload without an `lm_head.weight` entry (a saved tied checkpoint has none) leaves stale, and
+  the sampled logprobs then drift far from the trainer's (a no-op on GPU);
 - treat a failure as fatal: a reload that stops half-way leaves layers on the `meta` device.
 
 The prefix cache is reset by the caller (the engine owns it), after every push.

@@ -1,6 +1,6 @@
 """env:Chain learns on the CPU: a shortened default run beats its own warm start on held-out rows.
 
-The full claim (README, "What the default run does") is the default `agentgrpo run env:Chain`
+The full claim (docs/measurements.md) is the default `agentgrpo run env:Chain`
 over three seeds; this is the same run cut to 8 of its 12 GRPO steps, on the real
 SmolLM2-135M, with both of its models scored by `agentgrpo eval` on all 64 held-out rows. Its
 seed is fixed, so on one machine it plays the same episodes on every run; on seed 1 the 8-step

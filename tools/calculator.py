@@ -68,7 +68,7 @@ def calculator(expression: str) -> str:
         ValueError: If the expression is not plain arithmetic, divides by zero, or its
             result is too large.
 
-    Example:
+    Examples:
         >>> calculator("(3 + 4) * 2 ** 3 / 7")
         '8'
         >>> calculator("7 / 2")

@@ -78,7 +78,7 @@ def as_tool(fn: Callable[..., Any], name: str | None = None) -> Tool:
         ToolDefinitionError: If `fn` lacks a docstring, a type hint or an argument
             description, takes `*args`/`**kwargs`, or has a hint with no JSON type.
 
-    Example:
+    Examples:
         >>> def add(a: int, b: int) -> int:
         ...     '''Add two integers.
         ...
@@ -93,7 +93,7 @@ def as_tool(fn: Callable[..., Any], name: str | None = None) -> Tool:
         ['a', 'b']
 
     """
-    # Imported here, not at the top: importing transformers takes ~0.7 s, and `import tools`
+    # Imported here, not at the top: importing transformers is slow, and `import tools`
     # (hence `import agentgrpo`) should stay fast.
     from transformers.utils import get_json_schema
 

@@ -57,9 +57,8 @@ DEVICE_HELP = (
 )
 # Above this many completion tokens a step (batch size x max_completion_length), `agentgrpo run`
 # turns gradient checkpointing on unless told otherwise: the activations the backward pass keeps
-# grow with every token, and gym:FrozenLake-v1's 8 x 1,420 tokens on SmolLM2-135M were killed
-# for memory at 23 GB RSS without it; with it the step peaked at 16 GB (the rest is mostly the
-# full-vocabulary logits of every row).
+# grow with every token, enough to run a long-episode step out of memory on a CPU machine
+# (docs/measurements.md, "Figures behind the code").
 CHECKPOINT_ABOVE_TOKENS = 4096
 # Defaults `agentgrpo run` works out for each run (commands._run_settings), as `--help` says them.
 RUN_DEFAULTS_PER_RUN: dict[str, str] = {
@@ -181,7 +180,7 @@ def parse_value(name: str, value: Any) -> Any:
     Raises:
         UsageError: Naming the option and what it takes.
 
-    Example:
+    Examples:
         >>> parse_value("learning_rate", "1e-5"), parse_value("use_vllm", "true")
         (1e-05, True)
         >>> parse_value("max_turns", "none"), parse_value("reward_weights", "[1, 0.5]")

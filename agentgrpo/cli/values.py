@@ -6,7 +6,7 @@ an enum, a `Literal`); `FieldType.read(value)` turns a value into that type or r
 name. Text is read as the first allowed type that reads it: none, a bool, an int, a float, a
 JSON list or dict (a list also as `a,b`), then text.
 
-Example:
+Examples:
     >>> FieldType.of(float | None).read("1e-5"), FieldType.of(list[float]).read("1, 0.5")
     (1e-05, [1.0, 0.5])
     >>> FieldType.of(int, limit=(lambda n: n >= 1, "a whole number >= 1")).read("0")

@@ -61,7 +61,7 @@ def check_environment_runs(
     )
 
 
-_ENVIRONMENT_FIX = "see environments/README.md for the contract; the message names what broke"
+_ENVIRONMENT_FIX = "see docs/environments.md for the contract; the message names what broke"
 
 
 async def _reset_and_close(env_class: type, row: Mapping[str, Any]) -> str | None:

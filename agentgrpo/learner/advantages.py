@@ -53,7 +53,7 @@ def group_std(rewards_N: torch.Tensor, num_generations: int) -> torch.Tensor:
     Returns:
         std_M: One std per group, shape (N // G,); the (n - 1) estimator, as ``torch.std``.
 
-    Example:
+    Examples:
         >>> group_std(torch.tensor([1.0, 1.0, 0.0, 2.0]), 2).tolist()
         [0.0, 1.4142135381698608]
 
@@ -103,7 +103,7 @@ def group_advantages(
     Raises:
         ValueError: On an unknown ``scale`` or a batch that is not whole groups.
 
-    Example:
+    Examples:
         >>> group_advantages(torch.tensor([1.0, 0, 0, 1]), 4, scale="none").tolist()
         [0.5, -0.5, -0.5, 0.5]
 
@@ -159,7 +159,7 @@ def combine_rewards(
         rewards_N: Shape (N,). NaN exactly where every function gave NaN, so the trainer can
         report the episode instead of training on a made-up reward.
 
-    Example:
+    Examples:
         >>> nan = float("nan")
         >>> combine_rewards(torch.tensor([[1.0, nan], [nan, nan]]), [1.0, 2.0], 2).tolist()
         [1.0, nan]

@@ -22,7 +22,7 @@ def next_entropy_coef(
 ) -> float:
     """The coefficient after one optimizer step that measured `entropy` (nats).
 
-    Example:
+    Examples:
         >>> next_entropy_coef(0.01, entropy=0.1, target=0.2, delta=0.005, coef_min=0.0,
         ...                   coef_max=1.0)  # too little entropy: raise the bonus
         0.015

@@ -48,7 +48,7 @@ def clip_metrics(
 
     ``low_min`` and ``high_max`` are NaN when no episode has an active token.
 
-    Example:
+    Examples:
         >>> from types import SimpleNamespace
         >>> flags = SimpleNamespace(clipped_low_B_T=torch.tensor([[True, False], [False, False]]),
         ...                         clipped_high_B_T=torch.tensor([[False, False], [True, True]]))
@@ -100,7 +100,7 @@ def reduce_over_processes(names: list[str], values_P_M: torch.Tensor) -> list[fl
     A name ending in ``_min`` takes the minimum, ``_max`` the maximum, any other the mean; NaN
     values are left out (NaN when a metric has no value anywhere).
 
-    Example:
+    Examples:
         >>> values_P_M = torch.tensor([[0.1, 0.5, 2.0], [float("nan"), 0.7, 4.0]])
         >>> reduce_over_processes(["clip_ratio/low_min", "clip_ratio/high_max", "kl"], values_P_M)
         [0.10000000149011612, 0.699999988079071, 3.0]

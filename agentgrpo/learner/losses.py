@@ -84,7 +84,7 @@ def log_importance_ratio(
     Returns:
         log_ratio_B_T: Shape (B, T).
 
-    Example:
+    Examples:
         >>> lp, old = torch.tensor([[-1.0, -2.0, 0.0]]), torch.tensor([[-1.2, -2.4, 5.0]])
         >>> log_importance_ratio(lp, old, torch.tensor([[1, 1, 0]]), "sequence")
         tensor([[0.3000, 0.3000, 0.3000]])
@@ -141,7 +141,7 @@ def clipped_surrogate_loss(
         The per-token loss; ``clipped_low`` is r < 1 - eps_low with A < 0, ``clipped_high`` is
         r > 1 + eps_high with A > 0.
 
-    Example:
+    Examples:
         >>> log_ratio, advantage = torch.tensor([[1.5]]).log(), torch.tensor([[1.0]])
         >>> term = clipped_surrogate_loss(log_ratio, advantage, 0.2, 0.2)
         >>> term.loss_B_T, term.clipped_high_B_T
@@ -212,7 +212,7 @@ def sapo_loss(
     Returns:
         The per-token loss; no hard clip, so both clip indicators are all False.
 
-    Example:
+    Examples:
         >>> sapo_loss(torch.zeros(1, 1), torch.tensor([[1.0]]), 1.0, 1.05).loss_B_T
         tensor([[-2.]])
 
@@ -271,7 +271,7 @@ def vespo_weights(
     Returns:
         phi_B_1: Detached weights, (B, 1).
 
-    Example:
+    Examples:
         >>> phi = vespo_weights(torch.zeros(1, 2), torch.ones(1, 1), torch.ones(1, 2),
         ...                     VespoShape(2.0, 3.0), VespoShape(3.0, 2.0))
         >>> phi  # on-policy: w = 1, phi(1) = 1
@@ -320,7 +320,7 @@ def vespo_loss(
         The per-token loss; no hard clip, so both clip indicators are all False. Its
         ``sequence_weight_B_1`` is phi.
 
-    Example:
+    Examples:
         >>> term = vespo_loss(torch.zeros(1, 1), torch.tensor([[2.0]]),
         ...                   torch.tensor([[-0.5]]), torch.ones(1, 1))
         >>> term.loss_B_T  # on-policy: phi = 1, loss = -A * logprob
@@ -345,7 +345,7 @@ def kl_k3(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.T
     Returns:
         kl_B_T: Shape (B, T).
 
-    Example:
+    Examples:
         >>> kl_k3(torch.tensor([0.5, 0.25]).log(), torch.tensor([0.5, 0.5]).log())
         tensor([0.0000, 0.3069])
 
@@ -640,7 +640,7 @@ def aggregate(
     Raises:
         ValueError: On an unknown loss_type or a missing argument it needs.
 
-    Example:
+    Examples:
         >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
         >>> mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
         >>> aggregate(loss, mask, "grpo"), aggregate(loss, mask, "dapo", num_items=10)

@@ -61,7 +61,7 @@ def sampler_correction(
     Returns:
         weights_B_T: Detached, 0 at masked positions.
 
-    Example:
+    Examples:
         >>> old, sampler = torch.tensor([[0.0, 0.0]]), torch.tensor([[-2.0, 0.0]])
         >>> sampler_correction(old, sampler, torch.tensor([[1, 0]]), "token_mask", clip_max=3.0)
         tensor([[0., 0.]])
@@ -112,7 +112,7 @@ def sampler_ratios(
     order of the episode ids (`sampler_correction`'s sequence ratio). These are the values
     `sampler_correction` clips or masks, before it spreads them over the tokens.
 
-    Example:
+    Examples:
         >>> old, sampler = torch.zeros(2, 2), torch.tensor([[0.0, -2.0], [0.0, 5.0]])
         >>> mask = torch.tensor([[1, 1], [0, 0]])
         >>> sampler_ratios(old, sampler, mask, "sequence", torch.tensor([3, 8]))  # e ** 1
@@ -201,7 +201,7 @@ def entropy_from_logits(logits_B_T_V: torch.Tensor, chunk_size: int = 4) -> torc
     Returns:
         entropy_B_T: float32, (B, T); differentiable.
 
-    Example:
+    Examples:
         >>> entropy_from_logits(torch.zeros(1, 1, 4))
         tensor([[1.3863]])
 
@@ -230,7 +230,7 @@ def top_entropy_mask(
     Returns:
         mask_B_T: The narrower mask, in ``mask_B_T``'s dtype.
 
-    Example:
+    Examples:
         >>> top_entropy_mask(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.ones(1, 4), 0.5)
         tensor([[0., 0., 1., 1.]])
 
@@ -265,7 +265,7 @@ def high_entropy_mask(
     Returns:
         Bool (B, T); all False when `pool` is empty.
 
-    Example:
+    Examples:
         >>> high_entropy_mask(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.ones(1, 4), 0.5)
         tensor([[False, False,  True,  True]])
 

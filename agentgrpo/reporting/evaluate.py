@@ -58,7 +58,7 @@ def report(
 ) -> EvalReport:
     """Summarise episodes and their total rewards (one per episode, same order).
 
-    Example:
+    Examples:
         >>> from rollout import EpisodeRow, EpisodeStats, Finish
         >>> def episode(calls, failures):
         ...     stats = EpisodeStats(2, calls, {"exception": failures} if failures else {})

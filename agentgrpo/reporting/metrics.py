@@ -133,7 +133,7 @@ def reward_metrics(
     left out). `frac_reward_zero_std` is the share of episodes whose advantage was divided by
     a zero std: its group's std of `rewards_N`, or the batch's when `layout.batch_scaled`.
 
-    Example:
+    Examples:
         >>> nan = float("nan")
         >>> rewards_N_F = torch.tensor([[1.0, 0.0], [1.0, nan], [0.0, 1.0], [1.0, 1.0]])
         >>> layout = RewardLayout(["a", "b"], [1.0, 0.5], num_generations=2)

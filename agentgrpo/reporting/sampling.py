@@ -51,7 +51,7 @@ def sampling_stats(
         mask_B_T: 1 where the token counts in the loss, (B, T).
         ratios_U: The ratios to log, 1-D (see the module docstring).
 
-    Example:
+    Examples:
         >>> trainer, sampler = torch.tensor([[-1.0, -2.0, 0.0]]), torch.tensor([[-1.5, -1.0, 9.0]])
         >>> sampling_stats(trainer, sampler, torch.tensor([[1, 1, 0]]), torch.tensor([1.0, 0.5]))
         tensor([1.5000, 2.0000, 0.5000, 1.0000, 1.5000, 2.0000, 0.5000, 1.0000])
@@ -95,7 +95,7 @@ def sampling_metrics(stats_P_8: torch.Tensor) -> dict[str, float]:
 
     A metric with no value to summarise is left out.
 
-    Example:
+    Examples:
         >>> stats_P_8 = torch.tensor([[1.5, 2, 0.5, 1, 1.5, 2, 0.5, 1], [3, 1, 3, 3, 4, 1, 4, 4]])
         >>> for name, value in sampling_metrics(stats_P_8).items():
         ...     print(f"{name} {value:.4f}")

@@ -67,7 +67,7 @@ def accuracy_reward(
         Per sample: 1.0 or 0.0; None where the gold solution holds no readable answer (the
         sample is not one this reward applies to). An unreadable completion scores 0.0.
 
-    Example:
+    Examples:
         >>> accuracy_reward(
         ...     [r"So $x = \boxed{\frac{1}{2}}$.", "I think it is 3.", "Tea time."],
         ...     solution=["0.5", r"The answer is $\dfrac{1}{2}$", "0.5"],
@@ -99,7 +99,7 @@ def think_format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float
         completions: One completion per sample: text, or a list of messages.
         **kwargs: The other reward arguments; ignored.
 
-    Example:
+    Examples:
         >>> think_format_reward([
         ...     "<think>2 + 2 = 4</think>The answer is 4.",
         ...     "The answer is 4.",
@@ -135,7 +135,7 @@ def get_soft_overlong_punishment(
     Returns:
         A reward function ``soft_overlong_punishment(completion_ids, **kwargs)``.
 
-    Example:
+    Examples:
         >>> reward = get_soft_overlong_punishment(max_completion_len=100, soft_punish_cache=20)
         >>> reward(completion_ids=[[7] * 80, [7] * 90, [7] * 100, [7] * 120])
         [0.0, -0.5, -1.0, -1.0]
@@ -193,7 +193,7 @@ _TEXT_COMMAND = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\{([^{}]
 def extract_answer(text: str) -> str | None:
     r"""The final answer written in `text`, read as the module docstring says; None if none.
 
-    Example:
+    Examples:
         >>> extract_answer(r"We get \boxed{\frac{1}{2}} in the end.")
         '\\frac{1}{2}'
         >>> extract_answer("<answer>x = 5</answer>"), extract_answer("Add 2 and 3: 5 apples.")
@@ -277,7 +277,7 @@ def _strip_math_delimiters(text: str) -> str:
 def normalize_answer(answer: str) -> str:
     r"""The answer as a canonical string: the first, exact, comparison.
 
-    Example:
+    Examples:
         >>> normalize_answer(r"$\left( \dfrac{3}{4}, 1{,}000 \right)$")
         '(\\frac{3}{4},1000)'
         >>> [normalize_answer(a) for a in [r"90^\circ", "1,000.", r"5\text{ cm}", "50\\%"]]
@@ -309,7 +309,7 @@ def answers_match(answer: str, gold: str) -> bool:
     minutes on are compared as strings only: longer than `MAX_SYMPY_CHARS`, a power inside an
     exponent (``10^{10^{10}}``), or an exponent of four digits or more.
 
-    Example:
+    Examples:
         >>> answers_match(r"2\sqrt{3}", r"\sqrt{12}"), answers_match("(1, 2)", "(2, 1)")
         (True, False)
 

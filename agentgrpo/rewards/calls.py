@@ -278,7 +278,7 @@ def reward_functions(
         ValueError: `processing_classes` does not match `funcs` in length, or a reward model's
             tokenizer cannot be found.
 
-    Example:
+    Examples:
         >>> def correct(completions, answer):
         ...     return [float(c == a) for c, a in zip(completions, answer)]
         >>> [f.name for f in reward_functions([correct, correct, len])]
