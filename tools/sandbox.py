@@ -67,7 +67,6 @@ import anyio
 import anyio.abc
 
 _CHILD_SCRIPT = str(Path(__file__).with_name("_sandbox_child.py"))
-_SETUP_FAILED = 125  # _sandbox_child.SETUP_FAILED; that module is a script, not imported
 _CODE_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
