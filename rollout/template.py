@@ -295,6 +295,16 @@ class ChatRenderer:
         """`max_token_chars` of the tokenizer, read from its vocabulary when first needed."""
         return max_token_chars(self.tokenizer)
 
+    def surely_longer_than(self, texts: Sequence[str], tokens: int) -> bool:
+        """Whether `texts`, however the template wraps them, are more than `tokens` tokens.
+
+        Counts characters only (see `fit_tool_messages`), so a request too long to take can be
+        refused without tokenizing it; always False when the tokenizer has no such bound.
+        """
+        if self._max_token_chars is None:
+            return False
+        return sum(map(len, texts)) > tokens * self._max_token_chars
+
     def fit_tool_messages(
         self, messages: Sequence[Mapping[str, Any]], budget_tokens: int
     ) -> list[dict[str, Any]]:
