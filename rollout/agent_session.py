@@ -15,6 +15,7 @@ get their own row).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,16 +108,22 @@ class SessionContext:
         self.template_kwargs = template_kwargs
         self._parser_for = parser_for
         self._by_tools: dict[str, tuple[ChatRenderer, Parser]] = {}
+        self._building = threading.Lock()  # sessions ask from worker threads
 
     def renderer_and_parser(self, tools: list[dict[str, Any]]) -> tuple[ChatRenderer, Parser]:
-        """The renderer showing `tools` and the parser reading calls to them (built once)."""
+        """The renderer showing `tools` and the parser reading calls to them (built once).
+
+        Once, even when sessions ask from several threads at a time: a row continues only
+        under the very renderer it started with.
+        """
         key = json.dumps(tools, sort_keys=True)
-        if key not in self._by_tools:
-            renderer = ChatRenderer(self.tokenizer, self.template, tools, self.template_kwargs)
-            if tools:
-                renderer.check_tool_support()
-            self._by_tools[key] = (renderer, self._parser_for(tools))
-        return self._by_tools[key]
+        with self._building:
+            if key not in self._by_tools:
+                renderer = ChatRenderer(self.tokenizer, self.template, tools, self.template_kwargs)
+                if tools:
+                    renderer.check_tool_support()
+                self._by_tools[key] = (renderer, self._parser_for(tools))
+            return self._by_tools[key]
 
 
 @dataclass
@@ -196,12 +203,12 @@ class AgentSession:
             completion = await self.context.backend.generate(
                 prompt_ids, self.context.config.sampling(budget, seed)
             )
+            row.tokens.append_sampled(completion.token_ids, completion.logprobs)
+            reply = self._reply(completion.token_ids, completion.stopped, parser)
+            row.messages = [*request.messages, reply.message]
+            row.stop_text = self._decode(completion.token_ids[-1:]) if completion.stopped else None
         finally:
-            row.busy = False
-        row.tokens.append_sampled(completion.token_ids, completion.logprobs)
-        reply = self._reply(completion.token_ids, completion.stopped, parser)
-        row.messages = [*request.messages, reply.message]
-        row.stop_text = self._decode(completion.token_ids[-1:]) if completion.stopped else None
+            row.busy = False  # last: a request placed meanwhile (in a thread) sees the row whole
         self.messages = row.messages
         return ChatReply(
             reply.message,

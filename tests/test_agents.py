@@ -20,8 +20,10 @@ from conftest import COUNTER_ROW, COUNTER_TURNS, scripted_backend, scripted_epis
 from environments import Counter
 from environments.contract import class_tools
 from rollout import EpisodeConfig, Finish, RolloutEngine, ScriptedBackend
+from rollout.agent_session import SessionContext
 from rollout.agents import Agent, AgentError
 from rollout.template import load_template
+from rollout.types import ParsedTurn
 
 COUNTER_TOOLS = [tool.schema for tool in class_tools(Counter).values()]
 
@@ -551,3 +553,35 @@ def test_requests_are_rendered_and_tokenized_off_the_event_loop(tokenizer):
     play(engine, rows=[{}])
     [(_, loop), *rendered] = threads
     assert rendered and all(kind == "render" and ident != loop for kind, ident in rendered)
+
+
+def test_sessions_asking_from_several_threads_share_one_renderer_per_tool_set(tokenizer):
+    building, second_asked = threading.Event(), threading.Event()
+    built = []
+
+    def parser_for(schemas):
+        built.append(schemas)
+        building.set()
+        second_asked.wait(timeout=2)  # the other thread's chance to build a renderer of its own
+        return lambda text: ParsedTurn(text)
+
+    template = load_template(tokenizer, "chatml_tools")
+    context = SessionContext(
+        scripted_backend(tokenizer, ["ok"]), tokenizer, template, parser_for, EpisodeConfig()
+    )
+    found = []
+
+    def ask(asked=None):
+        if asked is not None:
+            asked.set()
+        found.append(context.renderer_and_parser(COUNTER_TOOLS)[0])
+
+    first = threading.Thread(target=ask)
+    first.start()
+    assert building.wait(timeout=60)
+    second = threading.Thread(target=ask, args=(second_asked,))
+    second.start()
+    first.join(timeout=60)
+    second.join(timeout=60)
+    assert len(found) == 2 and found[0] is found[1]  # a row continues under its own renderer
+    assert len(built) == 1
