@@ -200,14 +200,15 @@ def parse_request(raw: bytes) -> tuple[dict[str, Any], ChatRequest]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise RequestError(f"the request body is not UTF-8 text: {error}") from None
+    too_deep = RequestError(f"the request body is JSON nested over {MAX_JSON_DEPTH} levels deep")
     try:
         body = json.loads(text)
     except json.JSONDecodeError as error:
         raise RequestError(f"the request body is not JSON: {error}") from None
-    except RecursionError:
-        body = None  # deeper than the parser goes, so surely deeper than MAX_JSON_DEPTH
-    if body is None or _deeper_than(body, MAX_JSON_DEPTH):
-        raise RequestError(f"the request body is JSON nested over {MAX_JSON_DEPTH} levels deep")
+    except RecursionError:  # deeper than the parser goes, so deeper than MAX_JSON_DEPTH
+        raise too_deep from None
+    if _deeper_than(body, MAX_JSON_DEPTH):
+        raise too_deep
     return body, chat_request(body)
 
 
