@@ -15,9 +15,12 @@ get their own row).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import anyio
 
 from rollout.backend import GenerationBackend
 from rollout.episode import EpisodeConfig
@@ -105,16 +108,22 @@ class SessionContext:
         self.template_kwargs = template_kwargs
         self._parser_for = parser_for
         self._by_tools: dict[str, tuple[ChatRenderer, Parser]] = {}
+        self._building = threading.Lock()  # sessions ask from worker threads
 
     def renderer_and_parser(self, tools: list[dict[str, Any]]) -> tuple[ChatRenderer, Parser]:
-        """The renderer showing `tools` and the parser reading calls to them (built once)."""
+        """The renderer showing `tools` and the parser reading calls to them (built once).
+
+        Once, even when sessions ask from several threads at a time: a row continues only
+        under the very renderer it started with.
+        """
         key = json.dumps(tools, sort_keys=True)
-        if key not in self._by_tools:
-            renderer = ChatRenderer(self.tokenizer, self.template, tools, self.template_kwargs)
-            if tools:
-                renderer.check_tool_support()
-            self._by_tools[key] = (renderer, self._parser_for(tools))
-        return self._by_tools[key]
+        with self._building:
+            if key not in self._by_tools:
+                renderer = ChatRenderer(self.tokenizer, self.template, tools, self.template_kwargs)
+                if tools:
+                    renderer.check_tool_support()
+                self._by_tools[key] = (renderer, self._parser_for(tools))
+            return self._by_tools[key]
 
 
 @dataclass
@@ -164,7 +173,9 @@ class AgentSession:
         self.context = context
         self.sample_seed = sample_seed
         self._rows: list[_Row] = []
-        self.received = 0  # requests that reached the session, answered or not
+        self.received = 0  # requests to the session's URL, answered or not
+        self.refusals = 0  # requests answered with a 4xx (the endpoint counts them)
+        self.last_refusal = ""  # why the latest refused request was refused
         self.requests = 0  # requests answered by the model
         self.failure: Exception | None = None  # the first error that was not the request's fault
         self.tool_calls = 0
@@ -172,40 +183,32 @@ class AgentSession:
         self.refused: Finish | None = None  # the limit a refused request hit
         self.cut_off = False  # a reply ran out of tokens
         self.messages: list[dict[str, Any]] = []  # the latest request's conversation and reply
+        self._placing = anyio.Lock()  # one request at a time finds (or starts) its row
 
     async def complete(self, request: ChatRequest) -> ChatReply:
         """Generate the model's reply to `request` and record it in the row it continues.
+
+        Rendering and tokenizing run in a worker thread (one request of the session at a
+        time), so a long conversation never holds up the event loop the other episodes share.
 
         Raises:
             RequestError: The episode has used all its turns, a reply was cut off at the token
                 budget, the conversation leaves no token of the budget or the context, or the
                 template cannot render it.
         """
-        config = self.context.config
-        self.received += 1
-        if self.requests >= config.max_turns:
-            self._refuse(Finish.MAX_TURNS, f"the episode used all max_turns={config.max_turns}")
-        if self.cut_off:
-            self._refuse(Finish.LENGTH, "a reply used up the episode's token budget")
-        renderer, parser = self.context.renderer_and_parser(request.tools)
-        row = self._place(request.messages, renderer)
-        budget = self._budget(row, request.max_tokens)
-        self.requests += 1
+        async with self._placing:
+            row, parser, budget, seed = await anyio.to_thread.run_sync(self._prepare, request)
         prompt_ids = row.tokens.context_ids
-        seed = hash((self.sample_seed, self.requests)) % 2**62
-        row.busy = True
         try:
             completion = await self.context.backend.generate(
-                prompt_ids, config.sampling(budget, seed)
+                prompt_ids, self.context.config.sampling(budget, seed)
             )
+            row.tokens.append_sampled(completion.token_ids, completion.logprobs)
+            reply = self._reply(completion.token_ids, completion.stopped, parser)
+            row.messages = [*request.messages, reply.message]
+            row.stop_text = self._decode(completion.token_ids[-1:]) if completion.stopped else None
         finally:
-            row.busy = False
-        row.tokens.append_sampled(completion.token_ids, completion.logprobs)
-        reply = self._reply(
-            completion.token_ids, completion.stopped, parser if request.tools else None
-        )
-        row.messages = [*request.messages, reply.message]
-        row.stop_text = self._decode(completion.token_ids[-1:]) if completion.stopped else None
+            row.busy = False  # last: a request placed meanwhile (in a thread) sees the row whole
         self.messages = row.messages
         return ChatReply(
             reply.message,
@@ -215,6 +218,44 @@ class AgentSession:
             list(completion.logprobs),
             [self._decode([token]) for token in completion.token_ids],
         )
+
+    def _prepare(self, request: ChatRequest) -> tuple[_Row, Parser | None, int, int]:
+        """The busy row the reply goes on, the parser of its tool calls, its budget and seed."""
+        config = self.context.config
+        if self.requests >= config.max_turns:
+            self._refuse(Finish.MAX_TURNS, f"the episode used all max_turns={config.max_turns}")
+        if self.cut_off:
+            self._refuse(Finish.LENGTH, "a reply used up the episode's token budget")
+        renderer, parser = self.context.renderer_and_parser(request.tools)
+        self._check_text(request.messages, renderer)
+        row = self._place(request.messages, renderer)
+        budget = self._budget(row, request.max_tokens)
+        self.requests += 1
+        row.busy = True
+        seed = hash((self.sample_seed, self.requests)) % 2**62
+        return row, parser if request.tools else None, budget, seed
+
+    def _check_text(self, messages: list[dict[str, Any]], renderer: ChatRenderer) -> None:
+        """Refuse, before tokenizing it, a conversation surely too long for any row.
+
+        A row holds at most its prompt (`max_prompt_length`, else the context) and the
+        completion budget; the text of the user, system and tool messages all lands in it
+        (templates may drop earlier reasoning of assistant turns, never these).
+        """
+        config = self.context.config
+        limits = [self.context.backend.context_limit]
+        if config.max_prompt_length:
+            limits.append(config.max_prompt_length + config.max_completion_length)
+        tokens = min((limit for limit in limits if limit), default=None)
+        text = [m["content"] for m in messages if m["role"] != "assistant"]
+        if tokens is not None and renderer.surely_longer_than(text, tokens):
+            self._refuse(
+                Finish.LENGTH,
+                f"the conversation's text is surely over {tokens} tokens, more than a row "
+                f"holds (max_prompt_length={config.max_prompt_length}, max_completion_length="
+                f"{config.max_completion_length}, model context="
+                f"{self.context.backend.context_limit})",
+            )
 
     def _refuse(self, finish: Finish, why: str) -> None:
         self.refused = finish
@@ -351,19 +392,20 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
     call it answers (templates that name results read it).
 
     Raises:
-        RequestError: Not a list of messages, an unknown role, or content that is not text.
+        RequestError: Not a list of messages, an unknown role, content that is not text, or a
+            field of the wrong type (the message names it).
     """
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of chat messages")
-    names: dict[Any, str] = {}
+    names: dict[str | None, str] = {}
     converted = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RequestError(f"messages[{index}] is a {type(message).__name__}, not an object")
-        role = message.get("role")
+        role = _string(message, "role", f"messages[{index}]", required=True)
         if role == "tool":
-            call_id = message.get("tool_call_id")
-            name = message.get("name") or names.get(call_id, "")
+            call_id = _string(message, "tool_call_id", f"messages[{index}]")
+            name = _string(message, "name", f"messages[{index}]") or names.get(call_id, "")
             converted.append(
                 {
                     "role": "tool",
@@ -378,8 +420,11 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
                 f"messages[{index}] has role {role!r}; expected one of {[*_ROLES, 'tool']}"
             )
         entry: dict[str, Any] = {"role": _ROLES[role], "content": _text(message, index)}
-        if role == "assistant" and message.get("tool_calls"):
-            entry["tool_calls"] = [_call(call, index) for call in message["tool_calls"]]
+        calls = message.get("tool_calls")
+        if role == "assistant" and calls:
+            if not isinstance(calls, list):
+                raise RequestError(f"messages[{index}].tool_calls must be a list of tool calls")
+            entry["tool_calls"] = [_call(call, index) for call in calls]
             names.update((c["id"], c["function"]["name"]) for c in entry["tool_calls"])
         converted.append(entry)
     return converted
@@ -398,11 +443,28 @@ def _text(message: Mapping[str, Any], index: int) -> str:
     raise RequestError(f"messages[{index}].content must be text (a string or text parts)")
 
 
+def _string(mapping: Mapping[str, Any], key: str, where: str, required: bool = False) -> str | None:
+    """`mapping[key]` when it is a string, None when absent (or null) and not `required`.
+
+    Raises:
+        RequestError: The field holds something else, or is missing though `required`.
+    """
+    value = mapping.get(key)
+    if isinstance(value, str) or (value is None and not required):
+        return value
+    got = "nothing" if value is None else type(value).__name__
+    raise RequestError(f"{where}.{key} must be a string, not {got}")
+
+
 def _call(call: Any, index: int) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise RequestError(f"messages[{index}].tool_calls holds a call without a function name")
+    where = f"messages[{index}].tool_calls[].function"
+    call_id = _string(call, "id", f"messages[{index}].tool_calls[]")
     arguments = function.get("arguments")
+    if not isinstance(arguments, str | dict | None):
+        raise RequestError(f"{where}.arguments must be a JSON string or an object")
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments) if arguments.strip() else {}
@@ -410,7 +472,7 @@ def _call(call: Any, index: int) -> dict[str, Any]:
             parsed = arguments
         arguments = parsed if isinstance(parsed, dict) else arguments
     return {
-        "id": call.get("id"),
+        "id": call_id,
         "type": "function",
         "function": {"name": function["name"], "arguments": arguments},
     }

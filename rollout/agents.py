@@ -16,7 +16,8 @@ An agent that raises, or runs past its timeout, ends its episode with `Finish.ER
 error as `Episode.error`: the run goes on. A request refused because the episode reached a limit
 ends it with `Finish.LENGTH` or `Finish.MAX_TURNS` instead. An `AgentError` the agent raises is
 the exception: it found a mistake in its own set-up, and the run stops with it. An agent that
-returns or raises without one request is a mistake in the agent, raised as `AgentError`; an
+returns or raises without one request answered (none made, or all refused: malformed, or a
+first prompt over the limits) is a mistake in the agent, raised as `AgentError` saying which; an
 error answering a request that is neither the request's fault nor a limit (a chat template that
 cannot show the agent's tools, say) is answered with status 500, and raised once the agent has
 returned.
@@ -114,8 +115,8 @@ async def run_agent_episode(
     """Play one episode of `row` with `agent` through its own session of `endpoint`.
 
     Raises:
-        AgentError: The agent made no request, returned something that is not a reward, or
-            raised `AgentError` itself.
+        AgentError: The agent made no request, or none the endpoint answered, returned
+            something that is not a reward, or raised `AgentError` itself.
     """
     session = AgentSession(context, sample_seed=hash((seed, index)))
     base_url = endpoint.open(session)
@@ -126,11 +127,17 @@ async def run_agent_episode(
     where = f"agent {agent.name} ({_where(agent.function)})"
     if session.failure is not None:  # not the model's doing, nor the agent's: say it loudly
         raise session.failure
+    what = f"raised {error}" if error else "returned"
     if session.received == 0:
-        what = f"raised {error}" if error else "returned"
         raise AgentError(
             f"{where} {what} without calling the endpoint; it must ask the model through "
             f"client.chat.completions.create(...) with the client it is given"
+        )
+    if not session.rows():
+        refused = f"{session.refusals} refused, the last with: {session.last_refusal}"
+        raise AgentError(
+            f"{where} {what} after {session.received} request(s) to the endpoint, none "
+            f"answered ({refused if session.refusals else 'none refused'})"
         )
     return Episode(
         rows=session.rows(),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -219,21 +220,27 @@ class EncodeCache:
         self.max_size = max_size
         self.size = 0
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        # Agent sessions encode in worker threads; the entries change under the lock, and the
+        # encoding runs outside it, so a text encoded twice at once is still kept once.
+        self._lock = threading.Lock()
 
     def __call__(self, text: str) -> tuple[int, ...]:
         """The ids of `text`, from the cache if it holds them."""
-        ids = self._entries.get(text)
-        if ids is not None:
-            self._entries.move_to_end(text)
-            return ids
+        with self._lock:
+            ids = self._entries.get(text)
+            if ids is not None:
+                self._entries.move_to_end(text)
+                return ids
         ids = self._encode(text)
         size = len(text) + len(ids)
         if size <= self.max_size // 16:
-            self._entries[text] = ids
-            self.size += size
-            while self.size > self.max_size:
-                old_text, old_ids = self._entries.popitem(last=False)
-                self.size -= len(old_text) + len(old_ids)
+            with self._lock:
+                if text not in self._entries:
+                    self._entries[text] = ids
+                    self.size += size
+                while self.size > self.max_size:
+                    old_text, old_ids = self._entries.popitem(last=False)
+                    self.size -= len(old_text) + len(old_ids)
         return ids
 
     def __contains__(self, text: str) -> bool:
@@ -294,6 +301,16 @@ class ChatRenderer:
     def _max_token_chars(self) -> int | None:
         """`max_token_chars` of the tokenizer, read from its vocabulary when first needed."""
         return max_token_chars(self.tokenizer)
+
+    def surely_longer_than(self, texts: Sequence[str], tokens: int) -> bool:
+        """Whether `texts`, however the template wraps them, are more than `tokens` tokens.
+
+        Counts characters only (see `fit_tool_messages`), so a request too long to take can be
+        refused without tokenizing it; always False when the tokenizer has no such bound.
+        """
+        if self._max_token_chars is None:
+            return False
+        return sum(map(len, texts)) > tokens * self._max_token_chars
 
     def fit_tool_messages(
         self, messages: Sequence[Mapping[str, Any]], budget_tokens: int

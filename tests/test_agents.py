@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import anyio
 import httpx
@@ -19,7 +20,10 @@ from conftest import COUNTER_ROW, COUNTER_TURNS, scripted_backend, scripted_epis
 from environments import Counter
 from environments.contract import class_tools
 from rollout import EpisodeConfig, Finish, RolloutEngine, ScriptedBackend
+from rollout.agent_session import SessionContext
 from rollout.agents import Agent, AgentError
+from rollout.template import load_template
+from rollout.types import ParsedTurn
 
 COUNTER_TOOLS = [tool.schema for tool in class_tools(Counter).values()]
 
@@ -428,3 +432,156 @@ def test_tool_call_text_round_trips_through_the_reply(tokenizer):
     [call] = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("increment", {"step": 2})
     assert episode.stats.tool_calls == 1
+
+
+def _post(client, body: bytes | dict, url: str | None = None) -> httpx.Response:
+    """POST `body` (raw bytes or a JSON object) to the chat route of `client`'s session."""
+    target = url or f"{client.base_url}chat/completions"
+    if isinstance(body, dict):
+        return httpx.post(target, json=body, timeout=60)
+    return httpx.post(target, content=body, timeout=60)
+
+
+def test_wrong_typed_fields_get_a_400_naming_them_and_the_run_goes_on(tokenizer):
+    user = {"role": "user", "content": "x"}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    bad = {
+        "tool_call_id": [user, {"role": "tool", "tool_call_id": {"a": 1}, "content": "r"}],
+        "role": [{"role": ["user"], "content": "x"}],
+        "tool_calls": [{"role": "assistant", "content": "", "tool_calls": "f"}, user],
+        "id": [{"role": "assistant", "content": "", "tool_calls": [{**call, "id": {}}]}, user],
+    }
+    answers = {}
+
+    def agent(client, row):
+        for field, messages in bad.items():
+            answers[field] = _post(client, {"messages": messages})
+        for field, value in {"n": True, "max_tokens": True, "logprobs": "yes"}.items():
+            answers[field] = _post(client, {"messages": [user], field: value})
+        answers["utf-8"] = _post(client, b'{"messages": [{"role": "user", "content": "\xff"}]}')
+        answers["deep"] = _post(client, b"[" * 100_000 + b"]" * 100_000)
+        answers["n: null"] = _post(client, {"messages": [user], "n": None})
+        return 0.0
+
+    [episode] = play(agent_engine(tokenizer, agent, turns=["ok"]), rows=[{}])
+    assert episode.finish is Finish.STOP and episode.stats.turns == 1
+    assert answers.pop("n: null").status_code == 200
+    messages = {field: answer.json()["error"]["message"] for field, answer in answers.items()}
+    assert {answer.status_code for answer in answers.values()} == {400}
+    assert all(field in messages[field] for field in ("tool_call_id", "role", "tool_calls", "n"))
+    assert "tool_calls[].id must be a string, not dict" in messages["id"]
+    assert "'max_tokens' must be a whole number" in messages["max_tokens"]
+    assert "'logprobs' must be true or false" in messages["logprobs"]
+    assert "not UTF-8" in messages["utf-8"] and "nested over 100 levels" in messages["deep"]
+
+
+def test_an_agent_whose_requests_were_all_refused_is_told_so(tokenizer):
+    async def refused(client, row):
+        for _ in range(2):
+            with pytest.raises(openai.BadRequestError):
+                await client.chat.completions.create(model="m", messages=[], n=2)
+        return 0.0
+
+    with pytest.raises(AgentError, match=r"returned after 2 request\(s\) .* none answered \(2 ref"):
+        play(agent_engine(tokenizer, refused, turns=["ok"]), rows=[{}])
+
+
+def test_session_urls_hold_a_secret_no_other_process_can_guess(tokenizer):
+    answers, urls = [], []
+
+    def agent(client, row):
+        mine = str(client.base_url)
+        urls.append(mine)
+        secret = mine.rstrip("/").split("/")[-2]
+        for guess in ("s0", "s1", secret[:-1]):
+            url = mine.replace(secret, guess) + "chat/completions"
+            answers.append(_post(client, {"messages": [{"role": "user", "content": "x"}]}, url))
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        return 0.0
+
+    play(agent_engine(tokenizer, agent, turns=["ok"]), rows=[{}, {}])
+    assert [answer.status_code for answer in answers] == [404] * 6
+    secrets = [url.rstrip("/").split("/")[-2] for url in urls]
+    assert len(set(secrets)) == 2 and all(len(secret) >= 32 for secret in secrets)
+
+
+def test_a_request_surely_over_the_limits_is_refused_before_it_is_tokenized(tokenizer):
+    async def verbose(client, row):
+        huge = [{"role": "user", "content": "word " * 1_000_000}]  # 5 MB
+        await client.chat.completions.create(model="m", messages=huge)
+
+    engine = agent_engine(tokenizer, verbose, turns=["ok"], max_prompt_length=256)
+    # 256 prompt and 512 completion tokens; its only request refused, the agent is at fault.
+    with pytest.raises(AgentError, match=r"1 refused, the last with: the conv.* surely over 768"):
+        play(engine, rows=[{}])
+
+
+def test_a_request_over_max_request_bytes_gets_a_413_unread(tokenizer):
+    answers = []
+
+    def agent(client, row):
+        big = {"messages": [{"role": "user", "content": "x" * 4000}]}
+        answers.append(_post(client, big))
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        return 0.0
+
+    engine = agent_engine(tokenizer, agent, turns=["ok"])
+    engine.endpoint.max_request_bytes = 1000
+    [episode] = play(engine, rows=[{}])
+    assert episode.finish is Finish.STOP
+    assert answers[0].status_code == 413
+    assert "over max_request_bytes=1000" in answers[0].json()["error"]["message"]
+
+
+def test_requests_are_rendered_and_tokenized_off_the_event_loop(tokenizer):
+    threads = []
+    template = load_template(tokenizer, "chatml_tools")
+    probe = "{%- set _ = probe() -%}"
+
+    async def agent(client, row):
+        threads.append(("loop", threading.get_ident()))
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        return 0.0
+
+    engine = RolloutEngine(
+        scripted_backend(tokenizer, ["ok"]),
+        tokenizer,
+        chat_template=probe + template,
+        chat_template_kwargs={"probe": lambda: threads.append(("render", threading.get_ident()))},
+        agent=Agent(agent),
+    )
+    play(engine, rows=[{}])
+    [(_, loop), *rendered] = threads
+    assert rendered and all(kind == "render" and ident != loop for kind, ident in rendered)
+
+
+def test_sessions_asking_from_several_threads_share_one_renderer_per_tool_set(tokenizer):
+    building, second_asked = threading.Event(), threading.Event()
+    built = []
+
+    def parser_for(schemas):
+        built.append(schemas)
+        building.set()
+        second_asked.wait(timeout=2)  # the other thread's chance to build a renderer of its own
+        return lambda text: ParsedTurn(text)
+
+    template = load_template(tokenizer, "chatml_tools")
+    context = SessionContext(
+        scripted_backend(tokenizer, ["ok"]), tokenizer, template, parser_for, EpisodeConfig()
+    )
+    found = []
+
+    def ask(asked=None):
+        if asked is not None:
+            asked.set()
+        found.append(context.renderer_and_parser(COUNTER_TOOLS)[0])
+
+    first = threading.Thread(target=ask)
+    first.start()
+    assert building.wait(timeout=60)
+    second = threading.Thread(target=ask, args=(second_asked,))
+    second.start()
+    first.join(timeout=60)
+    second.join(timeout=60)
+    assert len(found) == 2 and found[0] is found[1]  # a row continues under its own renderer
+    assert len(built) == 1

@@ -212,3 +212,18 @@ def test_a_text_too_big_for_the_cache_is_encoded_but_not_kept():
     assert cache("y" * 1000) == (ord("y"),) * 1000
     assert "y" * 1000 not in cache
     assert "x" * 60 in cache
+
+
+def test_a_text_encoded_twice_at_once_is_kept_once():
+    # Agent sessions encode in worker threads: a second encoding of a text can start before the
+    # first is kept. Here the encoder itself asks the cache again, which interleaves the same way.
+    def encode(text: str) -> tuple[int, ...]:
+        if not nested:
+            nested.append(text)
+            cache(text)
+        return tuple(map(ord, text))
+
+    nested: list[str] = []
+    cache = EncodeCache(encode, max_size=2000)
+    assert cache("ab" * 10) == tuple(map(ord, "ab" * 10))
+    assert cache.size == 40  # 20 characters and 20 ids, counted once

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import socket
@@ -108,7 +109,7 @@ def test_a_last_line_still_being_written_is_left_out_not_an_error(run_dir):
     assert len(view_data.read_step(run_dir, 2)) == 1
     metrics = run_dir / "metrics.jsonl"
     metrics.write_text(metrics.read_text() + '{"step": 3, "rew')
-    assert [entry["step"] for entry in view_data.read_metrics(run_dir)] == [1, 2]
+    assert [entry["step"] for entry in view_data.read_metrics(run_dir)[0]] == [1, 2]
 
 
 def test_a_whole_line_that_is_not_a_record_names_the_file_and_line(run_dir):
@@ -116,9 +117,40 @@ def test_a_whole_line_that_is_not_a_record_names_the_file_and_line(run_dir):
     path.write_text(path.read_text() + '{"format": 99}\n')
     with pytest.raises(ValueError, match=r"step-00002\.jsonl, line 2: not an episode record"):
         view_data.read_step(run_dir, 2)
-    (run_dir / "metrics.jsonl").write_text("{oops\n")
-    with pytest.raises(ValueError, match=r"metrics\.jsonl, line 1: not JSON"):
-        view_data.read_metrics(run_dir)
+
+
+def test_a_metrics_line_that_does_not_read_is_skipped_with_a_note(run_dir, tmp_path):
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text(metrics_line(1, 0.5) + "{oops\n[1]\n" + metrics_line(2, 1.0))
+    entries, skipped = view_data.read_metrics(run_dir)
+    assert [entry["step"] for entry in entries] == [1, 2]
+    assert [note.split(": ", 1)[1][:16] for note in skipped] == [
+        "not JSON (Expect",
+        "not a JSON objec",
+    ]
+    view = RunView(run_dir)
+    assert view.index()["metrics"].startswith("2 line(s) of metrics.jsonl skipped")
+    assert "metrics.jsonl, line 2: not JSON" in view.index()["metrics"]
+    page = view.page(live=False)  # was a ValueError, and a 500 from the server
+    assert page.count('<figure class="chart"') == 3
+
+
+def test_a_folder_without_metrics_shows_its_episodes_and_says_why_there_are_no_charts(
+    run_dir, tmp_path
+):
+    (run_dir / "metrics.jsonl").unlink()  # as a run through the Python API leaves its folder
+    assert main(["view", str(run_dir), "--html", str(tmp_path / "page.html")]) == 0  # KeyError
+    view = RunView(run_dir)
+    index = view.index()
+    assert index["metrics"].startswith(f"no metrics.jsonl in {run_dir}")
+    assert set(index["charts"]) == {"reward", "tools", "failures"}  # empty, filled once it is
+    assert "charts" not in view.index(index["metrics_key"])
+    page = view.page(live=False)
+    data = json.loads(page.split('id="data">')[1].split("</script>")[0])
+    assert sorted(data["step_data"]) == ["1", "2"] and data["metrics"] == index["metrics"]
+    (run_dir / "metrics.jsonl").write_text(metrics_line(1, 0.5))
+    later = view.index(index["metrics_key"])
+    assert "charts" in later and later["metrics"] == ""
 
 
 def test_a_folder_that_is_not_a_run_says_what_to_give(tmp_path, run_dir):
@@ -289,6 +321,27 @@ def test_the_server_follows_a_run_in_progress(served, run_dir):
     index = json.loads(get(served + f"/api/index?metrics={key}")[1])
     assert [s["step"] for s in index["steps"]] == [1, 2, 3]
     assert "charts" in index
+
+
+def test_the_server_answers_only_requests_for_its_own_host_names(served):
+    port = int(served.rsplit(":", 1)[1])
+
+    def status_for(host: str | None) -> int:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.putrequest("GET", "/api/index", skip_host=True)
+        if host is not None:
+            connection.putheader("Host", host)
+        connection.endheaders()
+        status = connection.getresponse().status
+        connection.close()
+        return status
+
+    ours = ["localhost", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "10.0.0.2"]
+    assert [status_for(host) for host in ours] == [200] * 5
+    # A page of evil.example whose name was rebound to 127.0.0.1 sends its own name.
+    theirs = ["evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "", None]
+    assert [status_for(host) for host in theirs] == [403] * 5
+    assert get(served + "/")[0] == 200  # urllib sends Host 127.0.0.1:PORT
 
 
 def test_a_step_that_does_not_read_answers_500_with_the_reason(served, run_dir):

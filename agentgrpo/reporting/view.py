@@ -7,7 +7,8 @@
   live, served by `view_server`, it embeds none and asks the server for each step it shows,
   and for `index` every few seconds to follow a run in progress;
 - `index(metrics_key)`: the recorded steps with a key that changes when a step's file does,
-  and the charts when `metrics.jsonl` changed since `metrics_key`;
+  a note on the metrics (none yet, or lines skipped) and the charts when `metrics.jsonl`
+  changed since `metrics_key`;
 - `step(n)`: one step's episodes, their summary and the text of their tokens.
 
 The charts are matplotlib SVG (`plot.line_chart_svg`): reward, tool calls and turns per episode,
@@ -53,7 +54,7 @@ class RunView:
         self.run_dir = view_data.check_run_folder(run_dir)
         self._lock = threading.Lock()
         self._steps: dict[int, tuple[str | None, dict[str, Any]]] = {}
-        self._charts: tuple[str | None, dict[str, str]] | None = None
+        self._charts: tuple[str, dict[str, str], str] | None = None
         self._tokens: view_data.TokenTexts | None = None
         if tokenizer is not None:
             self._tokens = view_data.TokenTexts.load(Path(tokenizer))
@@ -62,19 +63,21 @@ class RunView:
         """The recorded steps, the token note and, if `metrics.jsonl` changed, the charts.
 
         Keys: `steps` (each `{"step": n, "key": k}`, in order), `metrics_key`, `tokenizer`
-        (the token note), and `charts` (chart name -> SVG text) unless `metrics_key` is the
-        current one.
+        (the token note), `metrics` (a note: the folder has no `metrics.jsonl`, or lines of it
+        were skipped; "" when neither), and `charts` (chart name -> SVG text) unless
+        `metrics_key` is the current one.
         """
         with self._lock:
             steps = [
                 {"step": n, "key": view_data.file_key(episode_file(self.run_dir, n))}
                 for n in recorded_steps(self.run_dir)
             ]
-            key, charts = self._chart_svgs()
+            key, charts, note = self._chart_svgs()
             index: dict[str, Any] = {
                 "steps": steps,
                 "metrics_key": key,
                 "tokenizer": self._token_texts().note,
+                "metrics": note,
             }
             if metrics_key != key:
                 index["charts"] = charts
@@ -115,6 +118,7 @@ class RunView:
             "steps": index["steps"],
             "metrics_key": index["metrics_key"],
             "tokenizer": index["tokenizer"],
+            "metrics": index["metrics"],
             "step_data": {},
             "tokens": {},
         }
@@ -125,12 +129,28 @@ class RunView:
                 data["step_data"][entry["step"]] = payload
         return render_page(str(self.run_dir), index["charts"], data)
 
-    def _chart_svgs(self) -> tuple[str | None, dict[str, str]]:
-        key = view_data.file_key(self.run_dir / METRICS_FILE)
+    def _chart_svgs(self) -> tuple[str, dict[str, str], str]:
+        """The metrics file's key ("none" while there is none), the charts, and the note."""
+        key = view_data.file_key(self.run_dir / METRICS_FILE) or "none"
         if self._charts is None or self._charts[0] != key:
-            series = view_data.chart_series(view_data.read_metrics(self.run_dir))
-            self._charts = (key, {name: chart_svg(name, series[name]) for name in CHART_TITLES})
+            entries, skipped = view_data.read_metrics(self.run_dir)
+            series = view_data.chart_series(entries)
+            charts = {name: chart_svg(name, series[name]) for name in CHART_TITLES}
+            self._charts = (key, charts, self._metrics_note(key, skipped))
         return self._charts
+
+    def _metrics_note(self, key: str, skipped: list[str]) -> str:
+        if key == "none":
+            return (
+                f"no {METRICS_FILE} in {self.run_dir} (the command line writes it; a run "
+                "through the Python API does not): the charts are empty"
+            )
+        if not skipped:
+            return ""
+        shown = "; ".join(skipped[:3]) + ("; ..." if len(skipped) > 3 else "")
+        return (
+            f"{len(skipped)} line(s) of {METRICS_FILE} skipped, the charts show the rest: {shown}"
+        )
 
     def _token_texts(self) -> view_data.TokenTexts:
         if self._tokens is None or self._tokens.tokenizer is None:

@@ -68,16 +68,22 @@ def complete_lines(path: Path) -> list[str]:
     return [line for line in text.split("\n")[:-1] if line.strip()]
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The entries of a run's `metrics.jsonl` (none without the file).
+def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The entries of a run's `metrics.jsonl` (none without the file), and what was skipped.
 
-    Raises:
-        ValueError: A complete line is not a JSON object; names the file and the line.
+    A complete line that is not a JSON object is skipped, not an error: the charts show the
+    rest. Each skipped line gets a note naming the file, the line and what is wrong with it.
     """
     path = run_dir / METRICS_FILE
     if not path.is_file():
-        return []
-    return [_json_object(path, n, line) for n, line in enumerate(complete_lines(path), 1)]
+        return [], []
+    entries, skipped = [], []
+    for number, line in enumerate(complete_lines(path), 1):
+        try:
+            entries.append(_json_object(path, number, line))
+        except ValueError as error:
+            skipped.append(str(error))
+    return entries, skipped
 
 
 def read_step(run_dir: Path, step: int) -> list[EpisodeRecord]:

@@ -7,12 +7,16 @@ Routes, all GET:
 - `/api/step/N`: `RunView.step(N)` as JSON.
 
 A file the run has not written (a step it did not record) answers 404, a file that does not read
-500; both with `{"error": message}`. Each request runs in its own thread; the server logs
-nothing per request.
+500; both with `{"error": message}`. A request whose `Host` header names neither this machine's
+loopback (`localhost`, `127.0.0.1`, `[::1]`), nor the host the server is bound to, nor any IP
+address answers 403: a web page on another site, its name rebound to this machine (DNS
+rebinding), cannot read the run. Each request runs in its own thread; the server logs nothing
+per request.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from http import HTTPStatus
@@ -23,6 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 from agentgrpo.reporting.view import RunView
 
 _STEP_PATH = re.compile(r"/api/step/(\d+)")
+_HOST_HEADER = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^:\[\]@/\s]+)(?::\d*)?")  # name[:port]
 
 
 def make_server(view: RunView, host: str, port: int) -> ThreadingHTTPServer:
@@ -35,15 +40,49 @@ def make_server(view: RunView, host: str, port: int) -> ThreadingHTTPServer:
 
     class Handler(_Handler):
         run_view = view
+        host_names = frozenset({*_LOOPBACK_NAMES, host.lower().strip("[]")})
 
     return ThreadingHTTPServer((host, port), Handler)
 
 
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def host_allowed(header: str | None, names: frozenset[str]) -> bool:
+    """Whether a `Host` header names one of `names` or an IP address (any port).
+
+    A page can make a browser send only its own site's name, so a name of ours or an address
+    (which no site's name is) means the request was not sent on behalf of another site.
+
+    >>> names = frozenset({"localhost", "127.0.0.1", "::1"})
+    >>> [host_allowed(h, names) for h in ("localhost:8765", "[::1]:1", "10.0.0.2", "evil.com")]
+    [True, True, True, False]
+    """
+    match = _HOST_HEADER.fullmatch(header or "")
+    if match is None:
+        return False
+    name = match[1].strip("[]").lower()
+    if name in names:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 class _Handler(BaseHTTPRequestHandler):
     run_view: RunView
+    host_names: frozenset[str]
 
     def do_GET(self) -> None:
         """Answer one of the routes in the module docstring."""
+        host = self.headers.get("Host")
+        if not host_allowed(host, self.host_names):
+            names = ", ".join(sorted(self.host_names))
+            message = f"this viewer answers for {names} or an IP address, not Host {host!r}"
+            self._send_json(HTTPStatus.FORBIDDEN, {"error": message})
+            return
         url = urlsplit(self.path)
         step = _STEP_PATH.fullmatch(url.path)
         try:

@@ -7,7 +7,9 @@ const DATA = JSON.parse(document.getElementById("data").textContent);
 const TOKENS = DATA.tokens; // token id -> its text; empty without a tokenizer (ids are shown)
 const STEPS = new Map(Object.entries(DATA.step_data).map(([step, data]) => [Number(step), data]));
 const POLL_MS = 3000;
-let index = { steps: DATA.steps, metrics_key: DATA.metrics_key, tokenizer: DATA.tokenizer };
+let index = {
+  steps: DATA.steps, metrics_key: DATA.metrics_key, tokenizer: DATA.tokenizer, metrics: DATA.metrics,
+};
 
 function el(tag, props = {}, ...children) {
   const node = document.createElement(tag);
@@ -232,6 +234,11 @@ function refresh(tokensChanged) {
   }
 }
 
+function showNotes() {
+  document.getElementById("tokenizer").textContent = index.tokenizer;
+  document.getElementById("metrics").textContent = index.metrics; // "" when all is well
+}
+
 async function poll() {
   try {
     const response = await fetch(`api/index?metrics=${encodeURIComponent(index.metrics_key ?? "")}`);
@@ -243,7 +250,7 @@ async function poll() {
     const tokensChanged = fresh.tokenizer !== index.tokenizer;
     if (tokensChanged) STEPS.clear(); // refetched with their token texts
     index = fresh;
-    document.getElementById("tokenizer").textContent = index.tokenizer;
+    showNotes();
     refresh(tokensChanged);
     const time = new Date().toLocaleTimeString();
     setStatus(`following the run: ${index.steps.length} steps recorded (checked ${time})`);
@@ -264,7 +271,7 @@ function start() {
     document.getElementById("panes").classList.toggle("compare", comparing());
     refresh(false);
   });
-  document.getElementById("tokenizer").textContent = index.tokenizer;
+  showNotes();
   setStatus(DATA.live ? "following the run" : "a static page of the run as it was written; " +
     "`agentgrpo view RUN_DIR` follows a run in progress");
   refresh(false);
