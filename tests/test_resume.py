@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_model import tiny_llama
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from agentgrpo.checkpoints import (
@@ -281,3 +282,42 @@ def test_the_resume_command_keeps_the_options_as_typed_and_drops_the_resume_ones
         "agentgrpo", "run", "env:Counter", "--save-steps", "1", "--reward-weights", "1, 0.5",
         "--generation-kwargs", '{"min_p": 0.1}',
     ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------- what --resume continues
+
+
+def test_resume_refuses_a_command_that_differs_from_the_saved_run_naming_each_difference(
+    tiny_model_dir, tokenizer, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    reward_file = tmp_path / "scoring.py"
+    reward_file.write_text(textwrap.dedent(SCORING))
+    out = tmp_path / "out"
+    options = [
+        "--output-dir", str(out), "--max-steps", "1", "--save-steps", "1",
+        "--per-device-train-batch-size", "2", "--num-generations", "2",
+        "--max-completion-length", "8", "--chat-template", "chatml_tools",
+        "--warm-start-steps", "0", "--reward", f"{reward_file}:varied",
+    ]  # fmt: skip
+    assert main(["run", "env:Counter", "--model", str(tiny_model_dir), *options]) == 0
+    other_shape = tmp_path / "two-heads"
+    tiny_llama(tokenizer, num_attention_heads=2).save_pretrained(other_shape)
+    capsys.readouterr()
+
+    def refusal(env: str, model: Path, *more: str) -> str:
+        assert main(["run", env, "--model", str(model), *options, "--resume", *more]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert f"error: cannot resume {out / 'checkpoint-1'}: this command differs" in err
+        return err
+
+    assert "learning_rate 2e-05 (saved run: 1e-05)" in refusal(
+        "env:Counter", tiny_model_dir, "--learning-rate", "2e-5"
+    )
+    assert "environment 'env:Arithmetic' (saved run: 'env:Counter')" in refusal(
+        "env:Arithmetic", tiny_model_dir
+    )
+    assert "model num_attention_heads 2 (saved run: 4)" in refusal("env:Counter", other_shape)
+    assert main(["run", "env:Counter", "--model", str(tiny_model_dir), *options, "--resume"]) == 0
+    assert "nothing to train" in capsys.readouterr().out

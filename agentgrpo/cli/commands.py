@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 
 from agentgrpo import checkpoints, run_folder
-from agentgrpo.cli import sources
+from agentgrpo.cli import resume_check, sources
 from agentgrpo.cli.options import (
     CHECKPOINT_ABOVE_TOKENS,
     RUN_DEFAULTS,
@@ -82,11 +82,16 @@ def _run_in_folder(
     from agentgrpo.reporting.run_log import attach_run_callbacks, summary_table
 
     checkpoint = _resume_from(settings["resume"], config)
+    model = sources.model_path(settings["model"])
+    kept = resume_check.run_settings(namespace.env, settings["env_args"], config)
+    if checkpoint is not None:
+        resume_check.check_resume(checkpoint, config.output_dir, kept, model)
+    elif config.should_save:
+        resume_check.write_run_settings(config.output_dir, kept)
     train_rows = sources.rows(
         source, settings["dataset"], settings["dataset_split"], settings["dataset_size"]
     )
     rewards = sources.reward_functions(settings["reward"])
-    model = sources.model_path(settings["model"])
     evaluates = config.eval_strategy != "no"  # held-out rows, as `agentgrpo eval` plays them
     eval_rows = sources.rows(source, settings["dataset"], "eval") if evaluates else None
     trainer = GRPOTrainer(
