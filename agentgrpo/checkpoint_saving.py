@@ -56,7 +56,7 @@ class AtomicCheckpoints(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Trainer's `save_model`; a folder that refuses writes is one clear error."""
-        with explained_write_errors(output_dir or self.args.output_dir):
+        with explained_write_errors(output_dir or str(self.args.output_dir)):
             super().save_model(output_dir, _internal_call)
 
     def _get_output_dir(self, trial: Any) -> str:

@@ -123,7 +123,8 @@ def explained_write_errors(folder: str | os.PathLike) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        cause = error if _names_cause(error) else _probe(Path(folder))
+        cause = error if isinstance(error, OSError) and _names_cause(error) else None
+        cause = cause or _probe(Path(folder))
         if cause is None:
             raise
         raise OutputDirUnwritable(unwritable_message(folder, cause)) from error
@@ -132,8 +133,8 @@ def explained_write_errors(folder: str | os.PathLike) -> Iterator[None]:
 _PROBE_BYTES = 1 << 20  # a save needs at least this much room: far less is a full disk
 
 
-def _names_cause(error: BaseException) -> bool:
-    return isinstance(error, OSError) and error.errno in _ADVICE
+def _names_cause(error: OSError) -> bool:
+    return error.errno in _ADVICE
 
 
 def _probe(folder: Path) -> OSError | None:

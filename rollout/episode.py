@@ -424,7 +424,7 @@ def _call_records(
     Each result is the text of its tool message in `shown` (cut where the model was shown a
     cut text), with the whole text's length where it was cut.
     """
-    ran = [
+    ran: list[tuple[str | None, Mapping[str, Any], str, str | None]] = [
         (c.name, c.arguments, r.content, None if r.error is None else str(r.error))
         for c, r in zip(parsed.tool_calls, results, strict=True)
     ]
