@@ -634,7 +634,7 @@ class GRPOConfig(TrainingArguments):
         # bf16 must be a bool before TrainingArguments sees it: it rejects bf16 without a GPU.
         if self.bf16 is None:
             self.bf16 = default_bf16(self.fp16, self.use_cpu)
-        self._check_finite()  # before TrainingArguments computes anything from them
+        self._check_numbers()  # before TrainingArguments computes anything from them
         super().__post_init__()
         self._normalize()
         self._check_values()
@@ -688,11 +688,12 @@ class GRPOConfig(TrainingArguments):
             )
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
 
-    def _check_finite(self) -> None:
-        """Refuse NaN and infinity in every number field (lists of numbers included).
+    def _check_numbers(self) -> None:
+        """Refuse NaN, infinity, negative rates and a group too large to hold in memory.
 
-        Neither is a setting: `learning_rate=inf` or `beta=nan` would train every weight to NaN
-        and still exit cleanly. A limit that can be lifted is lifted with None, never inf.
+        Every number field is checked, and every number in a list field. Neither NaN nor
+        infinity is a setting: `learning_rate=inf` or `beta=nan` would train every weight to
+        NaN and still exit cleanly. A limit is lifted with None, never inf.
         """
         for item in fields(self):
             value = getattr(self, item.name, None)
@@ -959,8 +960,10 @@ sampler lists every row index of it; far larger batches than any published GRPO 
 
 def _not_finite(item: Any, number: float, alone: bool) -> str:
     """Why `number`, the value of field `item` (or an element of it), is refused."""
-    what = "not a number" if math.isnan(number) else "infinite (a number too large for a float"
-    what += "" if math.isnan(number) else ", such as 1e400, reads as inf)"
+    if math.isnan(number):
+        what = "not a number"
+    else:
+        what = "infinite (a number too large for a float, such as 1e400, reads as inf)"
     lifted = alone and "None" in str(item.type)
     return f"{item.name}={number} is {what}; give a finite value" + (
         ", or None for no limit." if lifted else "."
