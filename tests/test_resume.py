@@ -117,6 +117,33 @@ def test_a_run_killed_during_a_save_and_mid_step_resumes_to_the_same_weights(
     assert logged_steps(out) == logged_steps(reference_out) == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
+def test_a_run_killed_after_a_checkpoint_every_two_steps_resumes_to_the_same_weights(
+    tiny_model_dir, tmp_path
+):
+    """4 steps, a checkpoint every 2, killed as step 3 scores, resumed: bit-for-bit equal."""
+    reward_file = tmp_path / "scoring.py"
+    reward_file.write_text(textwrap.dedent(SCORING))
+    outs = {name: tmp_path / name / "out" for name in ("reference", "resumed")}
+    commands = {}
+    for name, out in outs.items():
+        out.parent.mkdir()
+        command = run_command(tiny_model_dir, reward_file, out)
+        command[command.index("--max-steps") + 1] = "4"
+        command[command.index("--save-steps") + 1] = "2"
+        commands[name] = command
+    reference = start(commands["reference"], outs["reference"].parent)
+    out = outs["resumed"]
+    status, output = finish(start(commands["resumed"], out.parent, "*/scoring-after-step-2"))
+    assert status == -9 and latest_checkpoint(out) == (out / "checkpoint-2", []), output
+    status, output = finish(start([*commands["resumed"], "--resume"], out.parent))
+    assert status == 0, output
+    assert finish(reference)[0] == 0
+    expected, resumed = weights(outs["reference"] / "model"), weights(out / "model")
+    assert all(torch.equal(expected[name], resumed[name]) for name in expected)
+    assert logged_steps(out) == logged_steps(outs["reference"]) == [1, 2, 3, 4]
+
+
 # ---------------------------------------------------------------------- which checkpoint
 
 
