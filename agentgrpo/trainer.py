@@ -277,15 +277,18 @@ class GRPOTrainer(AtomicCheckpoints):
         With `save_warm_start`, the warm-started model is saved to `output_dir/warm_start`
         before GRPO's first step. `resume_from_checkpoint` is a checkpoint folder, or True for
         the latest intact one in `output_dir` (incomplete ones are skipped with a warning);
-        anything else that is not a checkpoint is a ValueError before training starts. A
-        resumed run skips the warm start: its checkpoint already holds warm-started weights.
-        Temporary folders that a killed checkpoint save left are removed first. The output
-        folder is locked while training (`run_folder.hold`): a second run into it fails at once
-        with `run_folder.OutputDirBusy`. A Ctrl-C stops training at once (the KeyboardInterrupt
-        propagates); the checkpoints already saved stay intact.
+        anything else that is not a checkpoint, or a checkpoint of another architecture, is a
+        ValueError before training starts. A resumed run skips the warm start: its checkpoint
+        already holds warm-started weights. Temporary folders that a killed checkpoint save left
+        are removed first. The output folder is locked while training (`run_folder.hold`): a
+        second run into it fails at once with `run_folder.OutputDirBusy`. A Ctrl-C stops
+        training at once (the KeyboardInterrupt propagates); the checkpoints already saved stay
+        intact.
         """
         output_dir = str(self.args.output_dir)  # TrainingArguments always sets one
         checkpoint = checkpoints.resume_point(resume_from_checkpoint, output_dir)
+        if checkpoint is not None:
+            checkpoints.check_architecture(checkpoint, self.model.config.to_dict())
         with run_folder.hold(output_dir) if self.args.should_save else contextlib.nullcontext():
             if self.args.should_save:
                 checkpoints.remove_temporary(output_dir)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from datasets import Dataset
 from safetensors.torch import load_file
 from tiny_model import tiny_llama
 from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -348,3 +349,20 @@ def test_resume_refuses_a_command_that_differs_from_the_saved_run_naming_each_di
     assert "model num_attention_heads 2 (saved run: 4)" in refusal("env:Counter", other_shape)
     assert main(["run", "env:Counter", "--model", str(tiny_model_dir), *options, "--resume"]) == 0
     assert "nothing to train" in capsys.readouterr().out
+
+
+def test_resuming_in_python_with_another_architecture_names_the_difference(tokenizer, tmp_path):
+    from agentgrpo import GRPOConfig, GRPOTrainer
+
+    checkpoint = save_checkpoint(tmp_path, 3)
+    tiny_llama(tokenizer, num_attention_heads=2).config.to_json_file(checkpoint / "config.json")
+    args = GRPOConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_completion_length=8,
+        per_device_train_batch_size=2, num_generations=2, max_steps=4,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer), lambda completions, **_: [0.0] * len(completions), args,
+        Dataset.from_dict({"prompt": ["Hi"] * 4}), processing_class=tokenizer,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"model num_attention_heads 4 \(saved run: 2\)"):
+        trainer.train(resume_from_checkpoint=True)

@@ -16,21 +16,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from agentgrpo import checkpoints
 from agentgrpo.cli.options import UsageError
 
 RUN_FILE = "run.json"
-# The config.json fields that decide a model's tensors: any difference and weights cannot load.
-ARCHITECTURE = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "tie_word_embeddings",
-)
 
 
 def run_settings(env: str, env_args: Any, config: Any) -> dict[str, Any]:
@@ -83,16 +72,8 @@ def _setting_differences(saved_file: Path, settings: dict[str, Any]) -> list[str
 def _architecture_differences(checkpoint: Path, model: str) -> list[str]:
     from transformers import AutoConfig
 
-    saved_file = checkpoint / "config.json"
-    if not saved_file.is_file():  # a PEFT adapter checkpoint: the base model is not saved
-        return []
-    saved = json.loads(saved_file.read_text())
     try:
         new = AutoConfig.from_pretrained(model).to_dict()
     except (OSError, ValueError):  # custom code, say: loading the model will tell
         return []
-    return [
-        f"model {name} {new.get(name)!r} (saved run: {saved.get(name)!r})"
-        for name in ARCHITECTURE
-        if new.get(name) != saved.get(name)
-    ]
+    return checkpoints.architecture_differences(checkpoint, new)
