@@ -2,6 +2,9 @@
 
 A process killed mid-save leaves only a temporary folder (removed at the next start, see
 `checkpoints.remove_temporary`), never a `checkpoint-<step>` folder that looks whole but is not.
+A save that fails because the folder is full, read-only or not writable raises
+`run_folder.OutputDirUnwritable`, which says so; a failed checkpoint's temporary folder is
+removed at once, so a full disk gets back the room it took.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from agentgrpo import checkpoints
+from agentgrpo.run_folder import explained_write_errors
 
 
 class AtomicCheckpoints(Trainer):
@@ -36,7 +40,11 @@ class AtomicCheckpoints(Trainer):
         self.accelerator.wait_for_everyone()
         self._staging_dir = staging
         try:
-            super()._save_checkpoint(model, trial)
+            with explained_write_errors(run_dir):
+                super()._save_checkpoint(model, trial)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         finally:
             self._staging_dir = None
         self.accelerator.wait_for_everyone()
@@ -45,6 +53,11 @@ class AtomicCheckpoints(Trainer):
                 staging / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", run_dir
             )
         self.accelerator.wait_for_everyone()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's `save_model`; a folder that refuses writes is one clear error."""
+        with explained_write_errors(output_dir or str(self.args.output_dir)):
+            super().save_model(output_dir, _internal_call)
 
     def _get_output_dir(self, trial: Any) -> str:
         """The temporary folder while a checkpoint is being written, else the Trainer's."""

@@ -19,6 +19,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -30,6 +31,18 @@ WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
     "adapter_model.safetensors",
     "adapter_model.bin",
+)
+# The config.json fields that decide a model's tensors: any difference and weights cannot load.
+ARCHITECTURE = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
 )
 _TEMPORARY_PREFIX = "_tmp-"
 _STEP = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -154,3 +167,32 @@ def resume_point(resume: str | os.PathLike | bool | None, output_dir: str | Path
             f"resume_from_checkpoint to start a new run"
         )
     return str(latest)
+
+
+def architecture_differences(checkpoint: str | Path, model_config: dict[str, Any]) -> list[str]:
+    """`model NAME NEW (saved run: OLD)` for each `ARCHITECTURE` field that differs.
+
+    Args:
+        checkpoint: A checkpoint folder; one without `config.json` (a PEFT adapter's, whose
+            base model is not saved) has nothing to compare.
+        model_config: The model's `config.to_dict()`.
+    """
+    saved_file = Path(checkpoint) / "config.json"
+    if not saved_file.is_file():
+        return []
+    saved = json.loads(saved_file.read_text())
+    return [
+        f"model {name} {model_config.get(name)!r} (saved run: {saved.get(name)!r})"
+        for name in ARCHITECTURE
+        if model_config.get(name) != saved.get(name)
+    ]
+
+
+def check_architecture(checkpoint: str | Path, model_config: dict[str, Any]) -> None:
+    """Raise a ValueError naming every architecture field the model and checkpoint differ in."""
+    differences = architecture_differences(checkpoint, model_config)
+    if differences:
+        raise ValueError(
+            f"cannot resume {checkpoint} with this model: {'; '.join(differences)}; its weights "
+            "do not fit. Resume with the model the run started from"
+        )

@@ -16,6 +16,7 @@ Decisions that differ from TRL, each for a reason given where it is made:
 
 import difflib
 import functools
+import math
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -633,6 +634,7 @@ class GRPOConfig(TrainingArguments):
         # bf16 must be a bool before TrainingArguments sees it: it rejects bf16 without a GPU.
         if self.bf16 is None:
             self.bf16 = default_bf16(self.fp16, self.use_cpu)
+        self._check_numbers()  # before TrainingArguments computes anything from them
         super().__post_init__()
         self._normalize()
         self._check_values()
@@ -685,6 +687,30 @@ class GRPOConfig(TrainingArguments):
                 stacklevel=5,  # the caller of GRPOConfig(...)
             )
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+
+    def _check_numbers(self) -> None:
+        """Refuse NaN, infinity, negative rates and a group too large to hold in memory.
+
+        Every number field is checked, and every number in a list field. Neither NaN nor
+        infinity is a setting: `learning_rate=inf` or `beta=nan` would train every weight to
+        NaN and still exit cleanly. A limit is lifted with None, never inf.
+        """
+        for item in fields(self):
+            value = getattr(self, item.name, None)
+            numbers = value if isinstance(value, list | tuple) else [value]
+            for number in numbers:
+                if isinstance(number, float) and not math.isfinite(number):
+                    raise ValueError(_not_finite(item, number, alone=number is value))
+        for name in _NOT_NEGATIVE:
+            _require(
+                getattr(self, name) >= 0,
+                f"{name}={getattr(self, name)} is negative; it must be >= 0.",
+            )
+        _require(
+            self.num_generations is None or self.num_generations <= MAX_BATCH,
+            f"num_generations={self.num_generations} is above {MAX_BATCH}, the most episodes "
+            "agentgrpo holds in memory for one step; lower it.",
+        )
 
     def _check_values(self) -> None:
         """Check each field on its own: choices, ranges and unsupported features."""
@@ -874,6 +900,13 @@ class GRPOConfig(TrainingArguments):
                 self.steps_per_generation = self.gradient_accumulation_steps
             self.generation_batch_size = global_batch * self.steps_per_generation
         _require(
+            self.generation_batch_size <= MAX_BATCH,
+            f"the generation batch of {self.generation_batch_size} episodes "
+            f"(per_device_train_batch_size={self.per_device_train_batch_size} x world_size="
+            f"{self.world_size} x steps_per_generation={self.steps_per_generation}) is above "
+            f"{MAX_BATCH}, the most agentgrpo holds in memory for one step; lower them.",
+        )
+        _require(
             self.generation_batch_size % self.num_generations == 0,
             f"generation_batch_size ({self.generation_batch_size}) must be divisible by "
             f"num_generations ({self.num_generations}). It is per_device_train_batch_size="
@@ -898,6 +931,28 @@ class GRPOConfig(TrainingArguments):
 
 
 _SCALE_REWARDS_ALIASES = {"true": "group", "false": "none"}
+# Fields a negative value makes meaningless (a negative learning rate climbs the loss).
+_NOT_NEGATIVE = ("learning_rate", "beta", "temperature", "warm_start_learning_rate")
+MAX_BATCH = 2**16
+"""The most episodes one generation batch (one step's rounds) may hold.
+
+Every episode of the batch (its tokens, logprobs and messages) is in memory at once, and the
+sampler lists every row index of it; far larger batches than any published GRPO run uses
+(thousands of episodes per step) exhaust memory instead of failing.
+"""
+
+
+def _not_finite(item: Any, number: float, alone: bool) -> str:
+    """Why `number`, the value of field `item` (or an element of it), is refused."""
+    if math.isnan(number):
+        what = "not a number"
+    else:
+        what = "infinite (a number too large for a float, such as 1e400, reads as inf)"
+    lifted = alone and "None" in str(item.type)
+    return f"{item.name}={number} is {what}; give a finite value" + (
+        ", or None for no limit." if lifted else "."
+    )
+
 
 
 def default_bf16(fp16: bool, use_cpu: bool) -> bool:

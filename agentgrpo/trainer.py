@@ -10,6 +10,7 @@ Trainer does the rest: optimizer, schedule, accumulation, checkpoints (made atom
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -24,7 +25,7 @@ import anyio
 import torch
 from accelerate.utils import gather_object
 
-from agentgrpo import checkpoints, porting
+from agentgrpo import checkpoints, porting, run_folder
 from agentgrpo.config import GRPOConfig
 from agentgrpo.data import (
     adapt_to_iterable_datasets,
@@ -273,9 +274,11 @@ class GRPOTrainer(TRLAttributes):
         With `save_warm_start`, the warm-started model is saved to `output_dir/warm_start`
         before GRPO's first step. `resume_from_checkpoint` is a checkpoint folder, or True for
         the latest intact one in `output_dir` (incomplete ones are skipped with a warning);
-        anything else that is not a checkpoint is a ValueError before training starts. A
-        resumed run skips the warm start: its checkpoint already holds warm-started weights.
-        Temporary folders that a killed checkpoint save left are removed first. A Ctrl-C stops
+        anything else that is not a checkpoint, or a checkpoint of another architecture, is a
+        ValueError before training starts. A resumed run skips the warm start: its checkpoint
+        already holds warm-started weights. Temporary folders that a killed checkpoint save left
+        are removed first. The output folder is locked while training (`run_folder.hold`): a
+        second run into it fails at once with `run_folder.OutputDirBusy`. A Ctrl-C stops
         training at once (the KeyboardInterrupt propagates); the checkpoints already saved stay
         intact. With several environments, a row naming none or an unknown one is an error
         here, before any work (TRL's message; TRL raises it at the first batch).
@@ -283,13 +286,16 @@ class GRPOTrainer(TRLAttributes):
         check_environment_column(self.train_dataset, self.engine)
         output_dir = str(self.args.output_dir)  # TrainingArguments always sets one
         checkpoint = checkpoints.resume_point(resume_from_checkpoint, output_dir)
-        if self.args.should_save:
-            checkpoints.remove_temporary(output_dir)
-        if self.args.warm_start_steps and checkpoint is None:
-            self._warm_start()
-            if self.args.save_warm_start:
-                self.save_model(os.path.join(output_dir, WARM_START_DIR))
-        return super().train(checkpoint, *args, **kwargs)
+        if checkpoint is not None:
+            checkpoints.check_architecture(checkpoint, self.model.config.to_dict())
+        with run_folder.hold(output_dir) if self.args.should_save else contextlib.nullcontext():
+            if self.args.should_save:
+                checkpoints.remove_temporary(output_dir)
+            if self.args.warm_start_steps and checkpoint is None:
+                self._warm_start()
+                if self.args.save_warm_start:
+                    self.save_model(os.path.join(output_dir, WARM_START_DIR))
+            return super().train(checkpoint, *args, **kwargs)
 
     # ------------------------------------------------------------------ warm start
 

@@ -317,7 +317,10 @@ async def _turn(
     _count(state, parsed, results)
     tool_messages = [_tool_message(r.name, r.content) for r in results]
     tool_messages += [_tool_message("error", e) for e in parsed.errors]
-    return _add_tool_turn(ctx, state, tool_messages, decode(completion.token_ids[-1:]), env)
+    finish = _add_tool_turn(ctx, state, tool_messages, decode(completion.token_ids[-1:]), env)
+    shown = state.messages[len(state.messages) - len(tool_messages) :]
+    state.calls.extend(_call_records(parsed, results, shown))
+    return finish
 
 
 def _add_tool_turn(
@@ -325,20 +328,24 @@ def _add_tool_turn(
 ) -> Finish | None:
     """Record the tool results; append their tokens (mask 0) unless the episode ends here.
 
-    When the episode goes on, a result too long to fit the budget left is cut first
-    (`ChatRenderer.fit_tool_messages`), so it is never tokenized in full; the episode ends with
-    LENGTH all the same, and its messages hold the cut text. When it ends here (ENV_DONE,
-    MAX_TURNS), nothing is tokenized and the messages keep the results whole.
+    A result too long to fit the budget left is cut first (`ChatRenderer.fit_tool_messages`),
+    so it is never tokenized (nor recorded, nor logged) in full; the episode ends with LENGTH
+    all the same, and its messages hold the cut text. When it ends here (ENV_DONE, MAX_TURNS),
+    nothing is tokenized, and the messages hold the results cut as the next turn would have
+    shown them.
     """
     history = list(state.messages)
+    fitted = ctx.renderer.fit_tool_messages(
+        tool_messages, ctx.config.max_completion_length - state.spent
+    )
     ends = _ending(ctx, state, env)
     if ends is not None:
-        state.messages.extend(tool_messages)
+        state.messages.extend(fitted)
         return ends
     try:
         tool_messages, turn = _tool_turn(ctx, state, history, tool_messages, stop_text)
     except jinja2.TemplateError as error:  # the template cannot render what the model wrote
-        state.messages.extend(tool_messages)
+        state.messages.extend(fitted)
         state.error = f"the chat template could not render this turn: {error}"
         return Finish.ERROR
     state.messages.extend(tool_messages)
@@ -402,21 +409,41 @@ async def _run_calls(
 
 
 def _count(state: _State, parsed: ParsedTurn, results: list[ToolResult]) -> None:
-    """Count a turn's calls and their errors, and record each in the order of its message."""
+    """Count a turn's calls and their errors."""
     state.tool_calls += len(parsed.tool_calls) + len(parsed.errors)
     state.tool_errors.update(str(r.error) for r in results if r.error is not None)
     if parsed.errors:
         state.tool_errors["parse"] += len(parsed.errors)
-    state.calls.extend(_call_records(parsed, results))
 
 
-def _call_records(parsed: ParsedTurn, results: list[ToolResult]) -> list[ToolCallRecord]:
-    """The turn's calls with their results, then its unparseable calls (as `_turn` shows them)."""
-    ran = [
-        ToolCallRecord(c.name, c.arguments, r.content, None if r.error is None else str(r.error))
+def _call_records(
+    parsed: ParsedTurn, results: list[ToolResult], shown: list[dict]
+) -> list[ToolCallRecord]:
+    """The turn's calls with their results, then its unparseable calls, in message order.
+
+    Each result is the text of its tool message in `shown` (cut where the model was shown a
+    cut text), with the whole text's length where it was cut.
+    """
+    ran: list[tuple[str | None, Mapping[str, Any], str, str | None]] = [
+        (c.name, c.arguments, r.content, None if r.error is None else str(r.error))
         for c, r in zip(parsed.tool_calls, results, strict=True)
     ]
-    return ran + [ToolCallRecord(None, {}, message, "parse") for message in parsed.errors]
+    calls = ran + [(None, {}, message, "parse") for message in parsed.errors]
+    return [
+        ToolCallRecord(
+            name,
+            arguments,
+            shown_message["content"],
+            error,
+            _cut_from(whole, shown_message["content"]),
+        )
+        for (name, arguments, whole, error), shown_message in zip(calls, shown, strict=True)
+    ]
+
+
+def _cut_from(whole: str, shown: str) -> int | None:
+    """The length of `whole` when `shown` is a cut of it, else None."""
+    return len(whole) if len(shown) < len(whole) else None
 
 
 def _assistant_message(text: str, parsed: ParsedTurn) -> dict[str, Any]:

@@ -245,10 +245,15 @@ def _call_to_dict(call: ToolCallRecord) -> dict[str, Any]:
         "arguments": encode_value(call.arguments),
         "result": call.result,
         "error": call.error,
+        "result_chars": call.result_chars,
     }
 
 
 def _call_from_dict(data: Mapping[str, Any]) -> ToolCallRecord:
     return ToolCallRecord(
-        data["name"], decode_value(data["arguments"]), data["result"], data["error"]
+        data["name"],
+        decode_value(data["arguments"]),
+        data["result"],
+        data["error"],
+        data.get("result_chars"),  # absent from records written before results were cut
     )

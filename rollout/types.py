@@ -96,15 +96,19 @@ class ToolCallRecord:
     Attributes:
         name: The tool the model named; None when the call could not be parsed at all.
         arguments: The arguments the model gave, as parsed from its JSON ({} when unparsed).
-        result: The text the model was shown: the tool's output, or the error message.
+        result: The text the model was shown: the tool's output, or the error message; cut
+            where the token budget left no room for the whole text.
         error: Why the call failed (`parse`, or a `tools.ToolErrorKind` value: `unknown_tool`,
             `bad_arguments`, `exception`, `timeout`); None when it succeeded.
+        result_chars: The length of the tool's whole output when `result` is a cut of it;
+            None when `result` is whole.
     """
 
     name: str | None
     arguments: Mapping[str, Any]
     result: str
     error: str | None = None
+    result_chars: int | None = None
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from environments import Counter
-from rollout import EpisodeConfig, Finish, RolloutEngine
+from rollout import EpisodeConfig, EpisodeRecord, Finish, RolloutEngine, record_line
 from rollout.parsers import MAX_JSON_DEPTH, parse_hermes, parse_llama3_json
+from rollout.record import record_from_dict
 from rollout.template import EncodeCache, max_token_chars
 
 DEEP = "[" * 1000 + "]" * 1000
@@ -50,7 +51,7 @@ def raw_call(name: str, arguments_json: str) -> str:
     return f'<tool_call>{{"name": "{name}", "arguments": {arguments_json}}}</tool_call>'
 
 
-def play(tokenizer, turns: list[str], max_completion_length: int = 20_000):
+def play(tokenizer, turns: list[str], max_completion_length: int = 20_000, max_turns: int = 10):
     """One Counter episode, with plain tools too, where the model says `turns`."""
     engine = RolloutEngine(
         scripted_backend(tokenizer, turns),
@@ -58,7 +59,7 @@ def play(tokenizer, turns: list[str], max_completion_length: int = 20_000):
         environment_factory=Counter,
         tools=[echo, lone_surrogate, dump],
         chat_template="chatml_tools",
-        config=EpisodeConfig(max_completion_length=max_completion_length),
+        config=EpisodeConfig(max_completion_length=max_completion_length, max_turns=max_turns),
     )
     [episode] = anyio.run(engine.run, [COUNTER_ROW])
     return episode
@@ -139,12 +140,29 @@ def test_a_ten_megabyte_tool_result_is_cut_before_tokenizing_and_the_episode_end
     )  # nothing of the result was appended
 
 
+@pytest.mark.parametrize("max_turns", [10, 1])  # the result shown next turn / the last turn's
+def test_a_cut_tool_result_is_recorded_as_cut_with_its_whole_length(tokenizer, max_turns):
+    budget_tokens = 256
+    turns = [raw_call("dump", '{"size": 10000000}'), "Done."]
+    episode = play(tokenizer, turns, budget_tokens, max_turns)
+    [tool_message] = [m for m in episode.messages if m["role"] == "tool"]
+    [call] = episode.tool_calls
+    assert len(tool_message["content"]) <= budget_tokens * max_token_chars(tokenizer)
+    assert call.result == tool_message["content"] == dump(len(call.result))
+    assert call.result_chars == 10_000_000
+    line = record_line(EpisodeRecord(episode, {}, 0.0, 0.0, 0))
+    assert len(line) < 3 * budget_tokens * max_token_chars(tokenizer)  # not 10 MB twice
+    [read] = record_from_dict(json.loads(line)).episode.tool_calls
+    assert read == call
+
+
 @pytest.mark.parametrize("size", [100, 400, 900])
 def test_a_tool_result_that_fits_is_kept_whole_and_appended(tokenizer, size):
     episode = play(tokenizer, [raw_call("dump", json.dumps({"size": size})), "Done."], 2048)
     assert episode.finish == Finish.STOP
     [tool_message] = [m for m in episode.messages if m["role"] == "tool"]
     assert tool_message["content"] == dump(size)
+    assert [(c.result, c.result_chars) for c in episode.tool_calls] == [(dump(size), None)]
 
 
 def test_cutting_a_tool_result_decides_exactly_as_tokenizing_it_whole(tokenizer):

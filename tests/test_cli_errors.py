@@ -13,6 +13,8 @@ from agentgrpo.cli.commands import _run_settings
 from agentgrpo.cli.options import UsageError, parse_value
 from environments import Counter
 
+FINITE = "a finite number (1e400 reads as inf)"
+
 
 @pytest.fixture
 def user_error(capsys, monkeypatch, tmp_path):
@@ -50,6 +52,23 @@ def test_a_value_of_the_wrong_type_names_the_option_and_the_value(
     user_error, option, text, expected
 ):
     assert user_error("run", "env:Counter", option, text).startswith(f"error: {expected}")
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "text"),
+    [
+        ("run", "--learning-rate", "inf"),
+        ("run", "--learning-rate", "1e400"),
+        ("run", "--beta", "nan"),
+        ("run", "--temperature", "inf"),
+        ("run", "--reward-weights", "1,nan"),
+        ("eval", "--temperature", "inf"),
+        ("eval", "--top-p", "nan"),
+    ],
+)
+def test_nan_and_infinity_are_refused_as_option_values(user_error, command, option, text):
+    message = user_error(command, "env:Counter", option, text)
+    assert message.startswith(f"error: {option} takes {FINITE}, not")
 
 
 def test_max_steps_takes_minus_one_for_epochs_or_a_positive_count(user_error):
@@ -123,13 +142,17 @@ def test_config_file_values_are_typed_like_options(tmp_path):
         ("use_vllm: 3", "use_vllm takes true or false, not 3"),
         ("model: 5", "model takes text or none, not 5"),
         ("reward: [1]", "reward takes a list of texts, not 1"),
+        ("learning_rate: .inf", f"learning_rate takes {FINITE}, not inf"),
+        ("beta: .nan", f"beta takes {FINITE}, not nan"),
+        ("temperature: 1e400", f"temperature takes {FINITE}, not '1e400'"),
+        ("reward_weights: [1, .nan]", f"reward_weights takes {FINITE}"),
     ],
 )
 def test_a_bad_config_file_value_names_the_file_and_the_key(user_error, tmp_path, line, expected):
     config = tmp_path / "run.yaml"
     config.write_text(line + "\n")
     message = user_error("run", "env:Counter", "--config", str(config))
-    assert message == f"error: config file {config}: {expected}"
+    assert message.startswith(f"error: config file {config}: {expected}")
 
 
 # ---------------------------------------------------------------------- model and output folder

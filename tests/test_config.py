@@ -341,6 +341,38 @@ def test_a_value_that_cannot_work_is_a_value_error_that_says_what_to_fix(make, k
         make(**kwargs)
 
 
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(learning_rate=INF), r"learning_rate=inf is infinite .*1e400"),
+        (dict(learning_rate=float("1e400")), "learning_rate=inf is infinite"),
+        (dict(beta=NAN), "beta=nan is not a number; give a finite value"),
+        (dict(temperature=-INF), "temperature=-inf is infinite"),
+        (dict(epsilon=NAN), "epsilon=nan is not a number"),
+        (dict(max_grad_norm=INF), "max_grad_norm=inf is infinite"),
+        (dict(reward_weights=[1.0, NAN]), "reward_weights=nan is not a number"),
+        (dict(tool_timeout_s=INF), "tool_timeout_s=inf is infinite .* or None for no limit"),
+        (dict(learning_rate=-1e-6), "learning_rate=-1e-06 is negative; it must be >= 0"),
+        (dict(beta=-0.1), "beta=-0.1 is negative"),
+        (dict(temperature=-1.0), "temperature=-1.0 is negative"),
+    ],
+)
+def test_nan_infinity_and_negative_rates_are_refused_naming_the_field(make, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kwargs)
+
+
+def test_a_generation_batch_too_large_to_hold_is_refused_before_anything_is_allocated(make):
+    with pytest.raises(ValueError, match=r"num_generations=1000000000000 is above 65536"):
+        make(num_generations=10**12, per_device_train_batch_size=10**12)
+    with pytest.raises(ValueError, match=r"generation batch of 131072 episodes .* above 65536"):
+        make(per_device_train_batch_size=2**16, gradient_accumulation_steps=2, num_generations=2)
+    assert make(per_device_train_batch_size=2**16, num_generations=2**16).generation_batch_size
+
+
 @pytest.mark.parametrize(
     "flag",
     ["use_transformers_continuous_batching", "use_transformers_paged"],

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from datasets import Dataset
 from safetensors.torch import load_file
+from tiny_model import tiny_llama
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from agentgrpo.checkpoints import (
@@ -114,6 +116,33 @@ def test_a_run_killed_during_a_save_and_mid_step_resumes_to_the_same_weights(
     assert expected.keys() == resumed.keys()
     assert all(torch.equal(expected[name], resumed[name]) for name in expected)
     assert logged_steps(out) == logged_steps(reference_out) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_a_checkpoint_every_two_steps_resumes_to_the_same_weights(
+    tiny_model_dir, tmp_path
+):
+    """4 steps, a checkpoint every 2, killed as step 3 scores, resumed: bit-for-bit equal."""
+    reward_file = tmp_path / "scoring.py"
+    reward_file.write_text(textwrap.dedent(SCORING))
+    outs = {name: tmp_path / name / "out" for name in ("reference", "resumed")}
+    commands = {}
+    for name, out in outs.items():
+        out.parent.mkdir()
+        command = run_command(tiny_model_dir, reward_file, out)
+        command[command.index("--max-steps") + 1] = "4"
+        command[command.index("--save-steps") + 1] = "2"
+        commands[name] = command
+    reference = start(commands["reference"], outs["reference"].parent)
+    out = outs["resumed"]
+    status, output = finish(start(commands["resumed"], out.parent, "*/scoring-after-step-2"))
+    assert status == -9 and latest_checkpoint(out) == (out / "checkpoint-2", []), output
+    status, output = finish(start([*commands["resumed"], "--resume"], out.parent))
+    assert status == 0, output
+    assert finish(reference)[0] == 0
+    expected, resumed = weights(outs["reference"] / "model"), weights(out / "model")
+    assert all(torch.equal(expected[name], resumed[name]) for name in expected)
+    assert logged_steps(out) == logged_steps(outs["reference"]) == [1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------------- which checkpoint
@@ -281,3 +310,59 @@ def test_the_resume_command_keeps_the_options_as_typed_and_drops_the_resume_ones
         "agentgrpo", "run", "env:Counter", "--save-steps", "1", "--reward-weights", "1, 0.5",
         "--generation-kwargs", '{"min_p": 0.1}',
     ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------- what --resume continues
+
+
+def test_resume_refuses_a_command_that_differs_from_the_saved_run_naming_each_difference(
+    tiny_model_dir, tokenizer, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    reward_file = tmp_path / "scoring.py"
+    reward_file.write_text(textwrap.dedent(SCORING))
+    out = tmp_path / "out"
+    options = [
+        "--output-dir", str(out), "--max-steps", "1", "--save-steps", "1",
+        "--per-device-train-batch-size", "2", "--num-generations", "2",
+        "--max-completion-length", "8", "--chat-template", "chatml_tools",
+        "--warm-start-steps", "0", "--reward", f"{reward_file}:varied",
+    ]  # fmt: skip
+    assert main(["run", "env:Counter", "--model", str(tiny_model_dir), *options]) == 0
+    other_shape = tmp_path / "two-heads"
+    tiny_llama(tokenizer, num_attention_heads=2).save_pretrained(other_shape)
+    capsys.readouterr()
+
+    def refusal(env: str, model: Path, *more: str) -> str:
+        assert main(["run", env, "--model", str(model), *options, "--resume", *more]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert f"error: cannot resume {out / 'checkpoint-1'}: this command differs" in err
+        return err
+
+    assert "learning_rate 2e-05 (saved run: 1e-05)" in refusal(
+        "env:Counter", tiny_model_dir, "--learning-rate", "2e-5"
+    )
+    assert "environment 'env:Arithmetic' (saved run: 'env:Counter')" in refusal(
+        "env:Arithmetic", tiny_model_dir
+    )
+    assert "model num_attention_heads 2 (saved run: 4)" in refusal("env:Counter", other_shape)
+    assert main(["run", "env:Counter", "--model", str(tiny_model_dir), *options, "--resume"]) == 0
+    assert "nothing to train" in capsys.readouterr().out
+
+
+def test_resuming_in_python_with_another_architecture_names_the_difference(tokenizer, tmp_path):
+    from agentgrpo import GRPOConfig, GRPOTrainer
+
+    checkpoint = save_checkpoint(tmp_path, 3)
+    tiny_llama(tokenizer, num_attention_heads=2).config.to_json_file(checkpoint / "config.json")
+    args = GRPOConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_completion_length=8,
+        per_device_train_batch_size=2, num_generations=2, max_steps=4,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer), lambda completions, **_: [0.0] * len(completions), args,
+        Dataset.from_dict({"prompt": ["Hi"] * 4}), processing_class=tokenizer,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"model num_attention_heads 4 \(saved run: 2\)"):
+        trainer.train(resume_from_checkpoint=True)

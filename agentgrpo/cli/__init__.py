@@ -275,6 +275,7 @@ def _runtime_user_errors() -> tuple[type[BaseException], ...]:
     """Errors raised mid-run that a user's environment, reward function or server caused."""
     from agentgrpo.doctor import SetupCheckError
     from agentgrpo.rewards.calls import RewardFunctionError
+    from agentgrpo.run_folder import OutputDirBusy, OutputDirUnwritable
     from environments import (
         EnvironmentCloseError,
         EnvironmentInitError,
@@ -297,4 +298,6 @@ def _runtime_user_errors() -> tuple[type[BaseException], ...]:
         TemplateDriftError,
         SetupCheckError,  # a start-up check of the template, parser or stop tokens failed
         AgentError,  # an agent used wrongly (it never asked the model, or returned no reward)
+        OutputDirBusy,  # another run writes to --output-dir
+        OutputDirUnwritable,  # --output-dir is full, read-only or not ours to write
     )

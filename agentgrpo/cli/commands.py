@@ -7,6 +7,7 @@ rows, trainer) happens before anything slow, so user mistakes surface in seconds
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -17,8 +18,8 @@ from typing import Any
 
 import anyio
 
-from agentgrpo import checkpoints
-from agentgrpo.cli import sources
+from agentgrpo import checkpoints, run_folder
+from agentgrpo.cli import resume_check, sources
 from agentgrpo.cli.options import (
     CHECKPOINT_ABOVE_TOKENS,
     RUN_DEFAULTS,
@@ -58,25 +59,39 @@ def run(namespace: argparse.Namespace) -> int:
     """Train on an environment and save the model, logs, samples and plot in the output folder.
 
     Resumes from `--resume-from-checkpoint PATH`, or with `--resume` from the latest intact
-    checkpoint of `--output-dir`. Ctrl-C stops the run with one line saying how to resume it,
-    and status 130.
+    checkpoint of `--output-dir`. The output folder is locked for the whole command: a second
+    run into it fails at once, naming this one's pid. Ctrl-C stops the run with one line saying
+    how to resume it, and status 130.
     """
-    from agentgrpo import GRPOTrainer
-    from agentgrpo.doctor import startup_checks
-    from agentgrpo.reporting.run_log import attach_run_callbacks, summary_table
-
     env_args = _env_args(namespace)
     source = sources.task_source(namespace.env, env_args)
     settings = _run_settings(namespace, source)
     settings["config"] |= _device_fields(settings["device"], settings["config"])
     config = _grpo_config(settings["config"])
     sources.check_output_dir(config.output_dir)
+    with run_folder.hold(config.output_dir) if config.should_save else contextlib.nullcontext():
+        return _run_in_folder(namespace, source, settings | {"env_args": env_args}, config)
+
+
+def _run_in_folder(
+    namespace: argparse.Namespace, source: Any, settings: dict[str, Any], config: Any
+) -> int:
+    """`run`, once the output folder is this run's alone."""
+    from agentgrpo import GRPOTrainer
+    from agentgrpo.doctor import startup_checks
+    from agentgrpo.reporting.run_log import attach_run_callbacks, summary_table
+
     checkpoint = _resume_from(settings["resume"], config)
+    model = sources.model_path(settings["model"])
+    kept = resume_check.run_settings(namespace.env, settings["env_args"], config)
+    if checkpoint is not None:
+        resume_check.check_resume(checkpoint, config.output_dir, kept, model)
+    elif config.should_save:
+        resume_check.write_run_settings(config.output_dir, kept)
     train_rows = sources.rows(
         source, settings["dataset"], settings["dataset_split"], settings["dataset_size"]
     )
     rewards = sources.reward_functions(settings["reward"])
-    model = sources.model_path(settings["model"])
     evaluates = config.eval_strategy != "no"  # held-out rows, as `agentgrpo eval` plays them
     eval_rows = sources.rows(source, settings["dataset"], "eval") if evaluates else None
     trainer = GRPOTrainer(
@@ -105,7 +120,9 @@ def run(namespace: argparse.Namespace) -> int:
     if trainer.is_world_process_zero():
         print(summary_table(Path(config.output_dir) / "metrics.jsonl"))
         print(f"\ntrained in {time.monotonic() - started:.0f} s; final model: {final}")
-        _print_eval_commands(namespace.env, env_args, config, warm_started=checkpoint is None)
+        _print_eval_commands(
+            namespace.env, settings["env_args"], config, warm_started=checkpoint is None
+        )
     return 0
 
 

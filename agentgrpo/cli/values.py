@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import enum
 import json
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -84,10 +85,16 @@ class FieldType:
         return cls(frozenset(kinds), tuple(choices) if choices else None, item, **more)
 
     def read(self, value: Any) -> Any:
-        """`value` (text, or a YAML/JSON value) as this type, inside its choices and limit."""
+        """`value` (text, or a YAML/JSON value) as this type, inside its choices and limit.
+
+        NaN and infinity are never values: a rate or a weight of either trains to NaN.
+        """
         typed = self._from_text(value) if isinstance(value, str) else self._typed(value)
         if isinstance(typed, str) and self.choices and typed not in self.choices:
             raise InvalidValue(self.expected(), value)
+        numbers = typed if isinstance(typed, list) else [typed]
+        if any(isinstance(n, float) and not math.isfinite(n) for n in numbers):
+            raise InvalidValue("a finite number (1e400 reads as inf)", value)
         if self.limit is not None and _is_number(typed) and not self.limit[0](typed):
             raise InvalidValue(self.limit[1], value)
         return typed
