@@ -954,7 +954,6 @@ def _not_finite(item: Any, number: float, alone: bool) -> str:
     )
 
 
-
 def default_bf16(fp16: bool, use_cpu: bool) -> bool:
     """What `bf16=None` means: on when a CUDA GPU that supports it trains, off on CPU.
 
