@@ -25,6 +25,7 @@ from environments import (
     EnvironmentInitError,
     EnvironmentResetError,
     EnvironmentRewardError,
+    EnvironmentTimeoutError,
     reset_environment,
 )
 from rollout import EpisodeConfig, RolloutEngine
@@ -177,13 +178,19 @@ async def test_too_many_stuck_tools_stop_the_run_with_an_error_naming_the_tool(m
 # ---------------------------------------------------------------------- environment code
 
 
-def engine(tokenizer, factory, turns=("Done.",)) -> RolloutEngine:
+def engine(tokenizer, factory, turns=("Done.",), environment_timeout_s=None) -> RolloutEngine:
+    config = EpisodeConfig(
+        max_completion_length=256,
+        max_turns=3,
+        tool_timeout_s=0.5,
+        environment_timeout_s=environment_timeout_s,
+    )
     return RolloutEngine(
         scripted_backend(tokenizer, list(turns)),
         tokenizer,
         environment_factory=factory,
         chat_template="chatml_tools",
-        config=EpisodeConfig(max_completion_length=256, max_turns=3, tool_timeout_s=0.5),
+        config=config,
     )
 
 
@@ -237,6 +244,100 @@ async def test_system_exit_or_keyboard_interrupt_in_environment_code_is_that_met
 def test_a_real_ctrl_c_in_reset_called_on_the_main_thread_still_propagates():
     with pytest.raises(KeyboardInterrupt):
         reset_environment(InterruptedReset(), ROW, seed=0)
+
+
+# ---------------------------------------------------------------------- environment timeouts
+
+RELEASE = threading.Event()  # what a hung method waits for; set once its test is over
+
+
+class HungInit(Counter):
+    def __init__(self):
+        RELEASE.wait()
+        super().__init__()
+
+
+class HungReset(Counter):
+    def reset(self, target: int) -> str:
+        RELEASE.wait()
+        return super().reset(target)
+
+
+class HungReward(Counter):
+    def reward(self) -> float:
+        RELEASE.wait()
+        return 1.0
+
+
+class AsyncHungReward(Counter):
+    async def reward(self) -> float:
+        await anyio.sleep_forever()
+        return 1.0
+
+
+class HungClose(Counter):
+    def close(self) -> None:
+        RELEASE.wait()
+
+
+class BrokenResetHungClose(HungClose):
+    def reset(self, target: int) -> str:
+        raise ValueError("bad target")
+
+
+@pytest.fixture
+def release_hung_calls():
+    """Let the methods a test abandoned return, and wait until they have."""
+    RELEASE.clear()
+    yield
+    RELEASE.set()
+    anyio.run(until_none_stuck, USER_CODE)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("factory", "where"),
+    [
+        (HungInit, "HungInit.__init__()"),
+        (HungReset, "HungReset.reset()"),
+        (HungReward, "HungReward.reward()"),
+        (AsyncHungReward, "AsyncHungReward.reward()"),
+        (HungClose, "HungClose.close()"),
+    ],
+)
+async def test_environment_code_that_never_returns_stops_the_run_naming_class_and_method(
+    tokenizer, release_hung_calls, factory, where
+):
+    with anyio.fail_after(60), pytest.raises(EnvironmentTimeoutError) as caught:  # before: hung
+        await engine(tokenizer, factory, environment_timeout_s=0.5).run([ROW])
+    assert str(caught.value).startswith(
+        f"{where} did not return within 0.5 s (environment_timeout_s); it was abandoned"
+    )
+
+
+@pytest.mark.anyio
+async def test_a_close_that_hangs_after_reset_failed_is_a_note_on_resets_error(
+    tokenizer, release_hung_calls
+):
+    with anyio.fail_after(60), pytest.raises(EnvironmentResetError) as caught:
+        await engine(tokenizer, BrokenResetHungClose, environment_timeout_s=0.5).run([ROW])
+    assert str(caught.value).startswith("BrokenResetHungClose.reset() raised ValueError")
+    [note] = caught.value.__notes__
+    assert note.startswith("Closing the environment then failed too: BrokenResetHungClose.close()")
+
+
+@pytest.mark.anyio
+async def test_a_close_that_hangs_after_the_episode_failed_is_a_note_on_its_error(
+    tokenizer, release_hung_calls
+):
+    class RaisingRewardHungClose(HungClose):
+        def reward(self) -> float:
+            raise ValueError("no score")
+
+    with anyio.fail_after(60), pytest.raises(EnvironmentRewardError) as caught:
+        await engine(tokenizer, RaisingRewardHungClose, environment_timeout_s=0.5).run([ROW])
+    [note] = caught.value.__notes__
+    assert "RaisingRewardHungClose.close() did not return within 0.5 s" in note
 
 
 # ---------------------------------------------------------------------- the process exits

@@ -541,6 +541,7 @@ def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
             "top_p": namespace.top_p,
             "top_k": namespace.top_k,
             "tool_timeout_s": namespace.tool_timeout_s,
+            "environment_timeout_s": namespace.environment_timeout_s,
             "chat_template": template,
             "tool_call_parser": namespace.tool_call_parser,
             "seed": namespace.seed,
