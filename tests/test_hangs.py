@@ -9,6 +9,7 @@ naming them, and a process exits promptly whatever its tools still do. `SystemEx
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -30,7 +31,7 @@ from environments import (
 )
 from rollout import EpisodeConfig, RolloutEngine
 from tools import StuckCallsError, ToolErrorKind, UserCodeAborted, as_tool, call_tool
-from tools.threads import USER_CODE, DaemonThreads, is_signal
+from tools.threads import USER_CODE, DaemonThreads, is_signal, shield_unless_interrupted
 
 TESTS = Path(__file__).resolve().parent
 
@@ -400,3 +401,84 @@ def test_agentgrpo_run_exits_after_a_tool_that_blocks_for_ever(
     logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
     [step] = [entry for entry in logged if "reward" in entry]
     assert step["tools/failure_frequency/timeout"] > 0  # the model called the tool, which got stuck
+
+
+LEAKY_COUNTER = """
+import threading
+
+from environments import Counter
+
+
+class LeakyCounter(Counter):
+    def reset(self, target: int) -> str:
+        watcher = threading.Thread(
+            target=threading.Event().wait, name="leftover watcher", daemon=False
+        )
+        watcher.start()  # never stopped: Python would wait for it at exit for ever
+        return super().reset(target)
+"""
+
+
+def test_agentgrpo_run_exits_after_training_though_the_environment_left_a_thread_running(
+    tmp_path, tiny_model_dir
+):
+    (tmp_path / "leaky.py").write_text(LEAKY_COUNTER)
+    done = subprocess.run(
+        [sys.executable, "-m", "agentgrpo", "run", "leaky.py:LeakyCounter",
+         "--model", str(tiny_model_dir), "--chat-template", "chatml_tools", "--max-steps", "1",
+         "--per-device-train-batch-size", "2", "--num-generations", "2",
+         "--max-completion-length", "16", "--output-dir", "out"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,  # before: never exited
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "trained in" in done.stdout
+    assert "warning: exiting although threads still run" in done.stderr
+    assert "leftover watcher" in done.stderr
+
+
+def test_the_exit_watchdog_keeps_the_status_and_flushes_the_output():
+    script = (
+        "import threading\n"
+        "from agentgrpo.cli.exiting import exit_within\n"
+        "threading.Thread(target=threading.Event().wait, name='forever').start()\n"
+        "print('last line', end='')\n"
+        "exit_within(0.5, 3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout) == (3, "last line")
+    assert "forever" in done.stderr
+
+
+# ---------------------------------------------------------------------- Ctrl-C
+
+
+@pytest.mark.anyio
+async def test_a_shield_that_ctrl_c_ends_stands_in_front_of_the_sigint_handler_only_while_open():
+    before = signal.getsignal(signal.SIGINT)
+    with shield_unless_interrupted() as scope:
+        assert scope.shield and signal.getsignal(signal.SIGINT) is not before
+        with shield_unless_interrupted():
+            pass
+        assert signal.getsignal(signal.SIGINT) is not before  # the outer one is still open
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_first_ctrl_c_stops_a_run_whose_close_never_returns(smollm2_path):
+    run = subprocess.Popen(
+        [sys.executable, str(TESTS / "stuck_close.py"), str(smollm2_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for line in run.stdout:  # until the close has started (and hangs)
+            if line.strip() == "closing":
+                break
+        run.send_signal(signal.SIGINT)
+        output, _ = run.communicate(timeout=60)  # before: the first Ctrl-C was ignored for ever
+    finally:
+        run.kill()
+    assert run.returncode == 0, output
+    assert output.splitlines()[-1] == "interrupted; still running: ['StuckClose.close()']"
