@@ -355,8 +355,17 @@ def _train(trainer: Any, checkpoint: str | None, namespace: argparse.Namespace) 
         _close_progress_bar(trainer)
         if trainer.is_world_process_zero():
             print(_interrupted_line(trainer, namespace), file=sys.stderr, flush=True)
+            _print_abandoned_calls()
         return False
     return True
+
+
+def _print_abandoned_calls() -> None:
+    """Name the user's calls the interrupt walked away from (e.g. a `close()` that hangs)."""
+    from tools.threads import USER_CODE
+
+    if stuck := USER_CODE.stuck:
+        print(f"  left running (abandoned): {', '.join(stuck)}", file=sys.stderr, flush=True)
 
 
 def _close_progress_bar(trainer: Any) -> None:
