@@ -123,13 +123,15 @@ def test_config_file_values_are_typed_like_options(tmp_path):
         ("use_vllm: 3", "use_vllm takes true or false, not 3"),
         ("model: 5", "model takes text or none, not 5"),
         ("reward: [1]", "reward takes a list of texts, not 1"),
+        ("env_args: [1, 2]", "env_args takes a JSON object or text or none, not [1, 2]"),
+        ("env_args: '{\"a\": '", "env_args: --env-args takes a JSON object"),
     ],
 )
 def test_a_bad_config_file_value_names_the_file_and_the_key(user_error, tmp_path, line, expected):
     config = tmp_path / "run.yaml"
     config.write_text(line + "\n")
     message = user_error("run", "env:Counter", "--config", str(config))
-    assert message == f"error: config file {config}: {expected}"
+    assert message.startswith(f"error: config file {config}: {expected}")
 
 
 # ---------------------------------------------------------------------- model and output folder
