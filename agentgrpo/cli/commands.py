@@ -545,6 +545,7 @@ def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
     The token and turn limits are the command line's, else the environment's
     `episode_limits`, else `agentgrpo run`'s defaults: as the run that trained the model.
     """
+    template: str | None
     if namespace.chat_template:
         template = template_source(namespace.chat_template)
     else:
