@@ -268,6 +268,8 @@ def template_source(value: str) -> str:
         UsageError: `value` names a template file (`.jinja`, `.j2`, `.txt`) that does not exist.
 
     """
+    if "{{" in value or "{%" in value:  # jinja source (often too long to be a file name)
+        return value
     file = Path(value).expanduser()
     if file.is_file():
         return file.read_text(encoding="utf-8")
