@@ -33,26 +33,23 @@ _VALUE_CHARS = 60  # per column, when a row is shown in an error message
 T = TypeVar("T")
 
 
-async def run_environment_code(
-    fn: Callable[[], T], where: Callable[[], str], timeout_s: float | None
-) -> T:
+async def run_environment_code(fn: Callable[[], T], where: str, timeout_s: float | None) -> T:
     """Run `fn()` (environment code) in a daemon thread and give up on it after `timeout_s`.
 
     Args:
         fn: The call, e.g. ``functools.partial(close_environment, env)``.
-        where: Names the method running at the moment of a timeout, e.g. ``"Game.close()"``
-            (a callable, so a call that runs ``__init__`` then ``reset`` can say which hung).
+        where: Names the method in errors, e.g. ``"Game.close()"``.
         timeout_s: Seconds the call may take; None for no limit.
 
     Raises:
         EnvironmentTimeoutError: `fn` did not return in time; it is abandoned (it runs on in its
-            thread, counted as stuck until it returns) and the message names `where()`.
+            thread, counted as stuck until it returns) and the message names `where`.
         StuckCallsError: Too many calls of user code are stuck to start another.
 
     """
     with anyio.move_on_after(timeout_s):
-        return await run_in_daemon_thread(fn, label=where())
-    raise EnvironmentTimeoutError(timed_out(where(), timeout_s))
+        return await run_in_daemon_thread(fn, label=where)
+    raise EnvironmentTimeoutError(timed_out(where, timeout_s))
 
 
 def timed_out(where: str, timeout_s: float | None) -> str:

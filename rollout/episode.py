@@ -213,12 +213,12 @@ async def _create_and_reset(
 ) -> tuple[Any, str | None]:
     """Make and reset an environment, each in a daemon thread; close it if `reset` fails."""
     env = await run_environment_code(
-        functools.partial(create_environment, factory), lambda: _init_name(factory), timeout_s
+        functools.partial(create_environment, factory), _init_name(factory), timeout_s
     )
     where = f"{type(env).__qualname__}.reset()"
     try:
         reset = functools.partial(reset_environment, env, row, seed)
-        return env, await run_environment_code(reset, lambda: where, timeout_s)
+        return env, await run_environment_code(reset, where, timeout_s)
     except BaseException as failure:
         await _close(env, timeout_s, failure)
         raise
@@ -243,7 +243,7 @@ async def _close(env: Any, timeout_s: float | None, failure: BaseException | Non
         close = functools.partial(close_after_failure, env, failure)
     with shield_unless_interrupted():
         try:
-            await run_environment_code(close, lambda: where, timeout_s)
+            await run_environment_code(close, where, timeout_s)
         except EnvironmentTimeoutError as timeout:
             if failure is None:
                 raise
