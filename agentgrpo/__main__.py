@@ -1,7 +1,5 @@
 """`python -m agentgrpo` is the `agentgrpo` command."""
 
-import sys
+from agentgrpo.cli import command
 
-from agentgrpo.cli import main
-
-sys.exit(main())
+command()

@@ -582,6 +582,13 @@ class GRPOConfig(TrainingArguments):
             "None: no timeout."
         },
     )
+    environment_timeout_s: float | None = field(
+        default=120.0,
+        metadata={
+            "help": "Seconds each of an environment's __init__, reset, reward and close may take "
+            "before the run stops with an error naming the method. None: no timeout."
+        },
+    )
     max_concurrent_episodes: int = field(
         default=256, metadata={"help": "Most episodes in flight at once."}
     )
@@ -760,6 +767,11 @@ class GRPOConfig(TrainingArguments):
         _require(
             self.tool_timeout_s is None or self.tool_timeout_s > 0,
             f"tool_timeout_s={self.tool_timeout_s} must be positive (or None for no timeout).",
+        )
+        _require(
+            self.environment_timeout_s is None or self.environment_timeout_s > 0,
+            f"environment_timeout_s={self.environment_timeout_s} must be positive (or None for "
+            "no timeout).",
         )
         _require(
             self.max_concurrent_episodes >= 1,

@@ -79,20 +79,24 @@ from environments.contract import (
 from environments.counter import Counter
 from environments.errors import (
     EnvironmentCloseError,
+    EnvironmentDoneError,
     EnvironmentInitError,
     EnvironmentResetError,
     EnvironmentRewardError,
     EnvironmentSpecError,
+    EnvironmentTimeoutError,
 )
 from environments.guess_number import GuessNumber, GuessNumberGame
 from environments.gym_adapter import GymEnvironment, gym_environment
 from environments.lifecycle import (
+    add_close_note,
     close_after_failure,
     close_environment,
     create_environment,
     is_done,
     read_reward,
     reset_environment,
+    run_environment_code,
 )
 from environments.reasoning_gym_tasks import (
     ReasoningGymTask,
@@ -109,14 +113,17 @@ __all__ = [
     "Counter",
     "Environment",
     "EnvironmentCloseError",
+    "EnvironmentDoneError",
     "EnvironmentInitError",
     "EnvironmentResetError",
     "EnvironmentRewardError",
     "EnvironmentSpecError",
+    "EnvironmentTimeoutError",
     "GuessNumber",
     "GuessNumberGame",
     "GymEnvironment",
     "ReasoningGymTask",
+    "add_close_note",
     "check_environment",
     "class_tools",
     "close_after_failure",
@@ -129,6 +136,7 @@ __all__ = [
     "reasoning_gym_environment",
     "reset_environment",
     "resolve_environment",
+    "run_environment_code",
     "task_names",
     "tool_names",
 ]

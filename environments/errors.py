@@ -2,7 +2,8 @@
 
 All are loud, user-caused failures (STYLE.md principle 7): a bad spec or class definition stops
 the run before any episode starts; an ``__init__``, ``reset``, ``reward`` or ``close`` that breaks
-stops it with a message naming the class and the method (and, for ``reset``, the row). Anything
+stops it with a message naming the class and the method (and, for ``reset``, the row), and so does
+one that does not return within ``environment_timeout_s``. Anything
 the method raises counts, ``SystemExit`` and ``KeyboardInterrupt`` included: in user code they
 are that code's failure, not a signal to the framework. Failures the *model* causes inside a
 tool call are not raised here: the tools layer turns them into tool messages.
@@ -30,4 +31,15 @@ class EnvironmentCloseError(RuntimeError):
 
     When an episode has already failed (e.g. ``reset`` raised), that first error is the one
     raised, and the close failure is added to it as a note (``__notes__``).
+    """
+
+
+class EnvironmentDoneError(RuntimeError):
+    """Reading ``done`` (a property) raised."""
+
+
+class EnvironmentTimeoutError(RuntimeError):
+    """``__init__``, ``reset``, ``reward`` or ``close`` did not return within its time limit.
+
+    The call is abandoned, not stopped: it runs on in its daemon thread (`tools.threads`).
     """

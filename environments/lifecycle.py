@@ -5,7 +5,8 @@ inspects user classes itself and every user mistake surfaces as one error that n
 and the method. Whatever the user's method raises is its failure, ``SystemExit`` and
 ``KeyboardInterrupt`` included (`tools.threads.is_signal` says which are signals instead). The
 functions are synchronous, like the contract's methods, except `read_reward`, which also
-accepts an ``async def`` reward and so is awaited.
+accepts an ``async def`` reward and so is awaited, and `run_environment_code`, which runs any of
+them in a daemon thread under the run's ``environment_timeout_s``.
 """
 
 from __future__ import annotations
@@ -13,18 +14,51 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
+
+import anyio
 
 from environments.errors import (
     EnvironmentCloseError,
+    EnvironmentDoneError,
     EnvironmentInitError,
     EnvironmentResetError,
     EnvironmentRewardError,
     EnvironmentSpecError,
+    EnvironmentTimeoutError,
 )
 from tools.threads import StuckCallsError, describe_error, is_signal, run_in_daemon_thread
 
 _VALUE_CHARS = 60  # per column, when a row is shown in an error message
+T = TypeVar("T")
+
+
+async def run_environment_code(fn: Callable[[], T], where: str, timeout_s: float | None) -> T:
+    """Run `fn()` (environment code) in a daemon thread and give up on it after `timeout_s`.
+
+    Args:
+        fn: The call, e.g. ``functools.partial(close_environment, env)``.
+        where: Names the method in errors, e.g. ``"Game.close()"``.
+        timeout_s: Seconds the call may take; None for no limit.
+
+    Raises:
+        EnvironmentTimeoutError: `fn` did not return in time; it is abandoned (it runs on in its
+            thread, counted as stuck until it returns) and the message names `where`.
+        StuckCallsError: Too many calls of user code are stuck to start another.
+
+    """
+    with anyio.move_on_after(timeout_s):
+        return await run_in_daemon_thread(fn, label=where)
+    raise EnvironmentTimeoutError(timed_out(where, timeout_s))
+
+
+def timed_out(where: str, timeout_s: float | None) -> str:
+    """The message of an `EnvironmentTimeoutError` for the method `where`."""
+    return (
+        f"{where} did not return within {timeout_s} s (environment_timeout_s); it was abandoned "
+        "and may still run in a daemon thread. Make it return in time (give blocking I/O its "
+        "own timeout) or raise environment_timeout_s."
+    )
 
 
 def create_environment(factory: Callable[[], Any]) -> object:
@@ -94,10 +128,25 @@ def reset_environment(env: object, row: Mapping[str, Any], seed: int | None) -> 
             f"{name}.reset() returned {type(text).__name__}; it must return str (text appended "
             f"to the last user message) or None, synchronously. Row: {_show(row)}"
         )
+    if text is not None and (bad := _lone_surrogate(text)) is not None:
+        raise EnvironmentResetError(
+            f"{name}.reset() returned text with a lone surrogate {text[bad]!r} at index {bad}, "
+            "which no tokenizer can encode; return valid Unicode (e.g. decode bytes with "
+            f"errors='replace'). Row: {_show(row)}"
+        )
     return text
 
 
-async def read_reward(env: object) -> float | None:
+def _lone_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate (U+D800 to U+DFFF) in `text`, or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start
+    return None
+
+
+async def read_reward(env: object, timeout_s: float | None = None) -> float | None:
     """Read the episode reward from the environment's state; None if it defines no reward.
 
     The reward method is ``reward()`` (agentgrpo's name) or ``get_reward()`` (TRL's), sync or
@@ -106,6 +155,7 @@ async def read_reward(env: object) -> float | None:
 
     Args:
         env: The environment at the end of its episode (before `close_environment`).
+        timeout_s: Seconds the method may take; None for no limit.
 
     Returns:
         The method's value as a finite float; None when the class defines neither method.
@@ -115,6 +165,7 @@ async def read_reward(env: object) -> float | None:
         EnvironmentRewardError: The method is not callable, raised (chained), or returned
             something that is not a finite number (a string, None, NaN, inf). A reward that
             fails is never scored 0.0: that would train on a wrong signal.
+        EnvironmentTimeoutError: The method did not return within `timeout_s`.
         StuckCallsError: Too many calls of user code are stuck to start another.
 
     """
@@ -124,16 +175,19 @@ async def read_reward(env: object) -> float | None:
     name = type(env).__qualname__
     where = f"{name}.{method.__name__}()"
     try:
-        if inspect.iscoroutinefunction(method):
-            value = await method()
-        else:
-            value = await run_in_daemon_thread(method, label=where)
+        with anyio.move_on_after(timeout_s) as deadline:
+            if inspect.iscoroutinefunction(method):
+                value = await method()
+            else:
+                value = await run_in_daemon_thread(method, label=where)
     except StuckCallsError:
         raise
     except BaseException as error:
         if is_signal(error):
             raise
         raise EnvironmentRewardError(f"{where} raised {describe_error(error)}") from error
+    if deadline.cancelled_caught:
+        raise EnvironmentTimeoutError(timed_out(where, timeout_s))
     return _finite_float(value, name)
 
 
@@ -160,9 +214,17 @@ def is_done(env: object) -> bool:
 
     Raises:
         EnvironmentSpecError: ``done`` is a method, which would always read as true.
+        EnvironmentDoneError: Reading ``done`` (a property) raised (chained).
 
     """
-    done = getattr(env, "done", False)
+    try:
+        done = getattr(env, "done", False)
+    except BaseException as error:
+        if is_signal(error):
+            raise
+        raise EnvironmentDoneError(
+            f"{type(env).__qualname__}.done raised {describe_error(error)}"
+        ) from error
     if inspect.ismethod(done):
         raise EnvironmentSpecError(
             f"{type(env).__qualname__}.done is a method; make it a bool attribute or @property"
@@ -202,7 +264,12 @@ def close_after_failure(env: object, failure: BaseException) -> None:
     try:
         close_environment(env)
     except (EnvironmentCloseError, EnvironmentSpecError) as close_error:
-        failure.add_note(f"Closing the environment then failed too: {close_error}")
+        add_close_note(failure, close_error)
+
+
+def add_close_note(failure: BaseException, close_error: BaseException) -> None:
+    """Note on `failure` that closing the environment then failed too (see above)."""
+    failure.add_note(f"Closing the environment then failed too: {close_error}")
 
 
 def _reset_arguments(

@@ -21,12 +21,15 @@ import anyio
 import jinja2
 
 from environments import (
+    EnvironmentTimeoutError,
+    add_close_note,
     close_after_failure,
     close_environment,
     create_environment,
     is_done,
     read_reward,
     reset_environment,
+    run_environment_code,
 )
 from rollout.backend import GenerationBackend
 from rollout.parsers import Parser
@@ -42,7 +45,8 @@ from rollout.types import (
     ToolCall,
     ToolCallRecord,
 )
-from tools import Tool, ToolResult, call_tool, run_in_daemon_thread
+from tools import Tool, ToolResult, call_tool
+from tools.threads import shield_unless_interrupted
 
 
 class PromptTooLongError(ValueError):
@@ -58,6 +62,9 @@ class EpisodeConfig:
         max_turns: The most model turns per episode.
         max_prompt_length: The most prompt tokens (None: only the context limit applies).
         tool_timeout_s: Per-call tool timeout (None: no timeout).
+        environment_timeout_s: Seconds each of the environment's ``__init__``, ``reset``,
+            ``reward`` and ``close`` may take before the run stops with an
+            `EnvironmentTimeoutError` naming the method (None: no timeout).
         temperature, top_p, top_k: Sampling, as in `SamplingParams`.
 
     """
@@ -66,6 +73,7 @@ class EpisodeConfig:
     max_turns: int = 10
     max_prompt_length: int | None = None
     tool_timeout_s: float | None = 30.0
+    environment_timeout_s: float | None = 120.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -151,17 +159,17 @@ async def run_episode(
 
     The environment's own code (constructor, `reset`, `reward`, `close`) runs in a daemon
     thread, like sync tools (`tools.run_in_daemon_thread`), so a slow environment never stalls
-    the other episodes and one that never returns cannot keep the process alive. When the
-    episode fails, its first error is the one raised: a `close` that fails too becomes a note
-    on it.
+    the other episodes and one that never returns cannot keep the process alive; past
+    `environment_timeout_s` it is abandoned and the run stops with an `EnvironmentTimeoutError`.
+    When the episode fails, its first error is the one raised: a `close` that fails (or times
+    out) too becomes a note on it.
     """
     messages = prompt_messages(row) if "prompt" in row else []
+    timeout_s = ctx.config.environment_timeout_s
     env, observation = None, None
     if ctx.environment_factory is not None:
-        factory = ctx.environment_factory
-        env, observation = await run_in_daemon_thread(
-            functools.partial(_create_and_reset, factory, _reset_row(ctx, row), seed),
-            label=f"{getattr(factory, '__qualname__', 'environment')}() and reset()",
+        env, observation = await _create_and_reset(
+            ctx.environment_factory, _reset_row(ctx, row), seed, timeout_s
         )
     try:
         if env is not None:
@@ -171,13 +179,13 @@ async def run_episode(
         tools = {**ctx.tools, **_bind(ctx.environment_tools, env)}
         state = _start(ctx, messages, row, sample_seed=hash((seed, index)))
         finish = await _play(ctx, state, tools, env)
-        reward = await read_reward(env) if env is not None else None
+        reward = await read_reward(env, timeout_s) if env is not None else None
     except BaseException as failure:
         if env is not None:
-            await _close(env, failure)
+            await _close(env, timeout_s, failure)
         raise
     if env is not None:
-        await _close(env)
+        await _close(env, timeout_s)
     return Episode(
         rows=state.rows(),
         messages=state.messages,
@@ -200,29 +208,46 @@ def _reset_row(ctx: EpisodeContext, row: Mapping[str, Any]) -> Mapping[str, Any]
     return {key: value for key, value in row.items() if key != ctx.routing_column}
 
 
-def _create_and_reset(
-    factory: Callable[[], Any], row: Mapping[str, Any], seed: int
+async def _create_and_reset(
+    factory: Callable[[], Any], row: Mapping[str, Any], seed: int, timeout_s: float | None
 ) -> tuple[Any, str | None]:
-    """Make and reset an environment in one daemon-thread hop; close it if `reset` fails."""
-    env = create_environment(factory)
+    """Make and reset an environment, each in a daemon thread; close it if `reset` fails."""
+    env = await run_environment_code(
+        functools.partial(create_environment, factory), _init_name(factory), timeout_s
+    )
+    where = f"{type(env).__qualname__}.reset()"
     try:
-        return env, reset_environment(env, row, seed)
+        reset = functools.partial(reset_environment, env, row, seed)
+        return env, await run_environment_code(reset, where, timeout_s)
     except BaseException as failure:
-        close_after_failure(env, failure)
+        await _close(env, timeout_s, failure)
         raise
 
 
-async def _close(env: Any, failure: BaseException | None = None) -> None:
-    """Close `env` in a daemon thread, even while cancelled.
+def _init_name(factory: Callable[[], Any]) -> str:
+    if isinstance(factory, type):
+        return f"{factory.__qualname__}.__init__()"
+    return f"the environment factory {getattr(factory, '__qualname__', repr(factory))}()"
 
-    After `failure`, a close that fails too is a note on `failure`, which the caller raises.
+
+async def _close(env: Any, timeout_s: float | None, failure: BaseException | None = None) -> None:
+    """Close `env` in a daemon thread, even while cancelled (but not by Ctrl-C).
+
+    After `failure`, a close that fails or times out too is a note on `failure`, which the
+    caller raises.
     """
+    where = f"{type(env).__qualname__}.close()"
     if failure is None:
         close = functools.partial(close_environment, env)
     else:
         close = functools.partial(close_after_failure, env, failure)
-    with anyio.CancelScope(shield=True):
-        await run_in_daemon_thread(close, label=f"{type(env).__qualname__}.close()")
+    with shield_unless_interrupted():
+        try:
+            await run_environment_code(close, where, timeout_s)
+        except EnvironmentTimeoutError as timeout:
+            if failure is None:
+                raise
+            add_close_note(failure, timeout)
 
 
 def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:

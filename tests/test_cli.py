@@ -185,6 +185,17 @@ def test_settings_merge_command_line_over_file_over_defaults(tmp_path):
     assert config_fields["save_warm_start"] is False  # no warm start, nothing to save
 
 
+def test_run_reads_a_chat_template_file_as_doctor_does(tmp_path, monkeypatch):
+    from agentgrpo.cli import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    parser, _ = build_parser()
+    argv = ["run", "env:Counter", "--chat-template", "mine.jinja"]
+    settings = _run_settings(parser.parse_args(argv), Counter)
+    assert settings["config"]["chat_template"] == (tmp_path / "mine.jinja").read_text()
+
+
 def test_long_episodes_turn_gradient_checkpointing_on_unless_told_otherwise():
     from agentgrpo.cli import build_parser
     from environments import resolve_environment

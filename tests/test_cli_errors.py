@@ -146,6 +146,8 @@ def test_config_file_values_are_typed_like_options(tmp_path):
         ("beta: .nan", f"beta takes {FINITE}, not nan"),
         ("temperature: 1e400", f"temperature takes {FINITE}, not '1e400'"),
         ("reward_weights: [1, .nan]", f"reward_weights takes {FINITE}"),
+        ("env_args: [1, 2]", "env_args takes a JSON object or text or none, not [1, 2]"),
+        ("env_args: '{\"a\": '", "env_args: --env-args takes a JSON object"),
     ],
 )
 def test_a_bad_config_file_value_names_the_file_and_the_key(user_error, tmp_path, line, expected):

@@ -101,6 +101,7 @@ TRL_DEFAULTS = [
 AGENTGRPO_DEFAULTS = [
     ("max_turns", None),
     ("tool_timeout_s", 30.0),
+    ("environment_timeout_s", 120.0),
     ("max_concurrent_episodes", 256),
     ("chat_template", None),
     ("tool_call_parser", None),
@@ -318,6 +319,7 @@ def test_every_trl_loss_type_is_accepted(make):
         (dict(max_tool_calling_iterations=-1), "max_tool_calling_iterations=-1 must be >= 0"),
         (dict(max_turns=0), "max_turns=0 must be at least 1"),
         (dict(tool_timeout_s=0.0), "tool_timeout_s=0.0 must be positive"),
+        (dict(environment_timeout_s=-1.0), "environment_timeout_s=-1.0 must be positive"),
         (dict(max_concurrent_episodes=0), "max_concurrent_episodes=0 must be at least 1"),
         (dict(save_warm_start=True), "warm_start_steps=0 runs no warm start"),
         (dict(sync_ref_model=True), "set beta > 0 or sync_ref_model=False"),

@@ -11,12 +11,13 @@ import textwrap
 
 import anyio
 import pytest
-from conftest import scripted_backend
+from conftest import scripted_backend, tool_call
 
 from agentgrpo.cli import main
 from environments import (
     Counter,
     EnvironmentCloseError,
+    EnvironmentDoneError,
     EnvironmentInitError,
     EnvironmentResetError,
     create_environment,
@@ -46,9 +47,20 @@ class BrokenClose(Counter):
         raise OSError("socket already gone")
 
 
-def play(tokenizer, factory) -> None:
+class SurrogateReset(Counter):
+    def reset(self, target: int) -> str:
+        return "Reach \udc80 fast."  # e.g. bytes decoded with errors="surrogateescape"
+
+
+class BrokenDone(Counter):
+    @property
+    def done(self) -> bool:
+        raise KeyError("state")
+
+
+def play(tokenizer, factory, turns=("Done.",)) -> None:
     engine = RolloutEngine(
-        scripted_backend(tokenizer, ["Done."]),
+        scripted_backend(tokenizer, list(turns)),
         tokenizer,
         environment_factory=factory,
         chat_template="chatml_tools",
@@ -88,9 +100,26 @@ def test_when_reset_and_close_both_fail_resets_error_is_raised_with_close_as_a_n
     ]
 
 
+def test_reset_text_with_a_lone_surrogate_names_the_class_and_reset(tokenizer):
+    with pytest.raises(EnvironmentResetError) as caught:  # before: the tokenizer's TypeError
+        play(tokenizer, SurrogateReset)
+    assert str(caught.value).startswith(
+        "SurrogateReset.reset() returned text with a lone surrogate '\\udc80' at index 6"
+    )
+
+
+def test_a_done_property_that_raises_names_the_class_and_done(tokenizer):
+    with pytest.raises(EnvironmentDoneError) as caught:  # before: the KeyError itself
+        play(tokenizer, BrokenDone, turns=[tool_call("increment", step=1), "Done."])
+    assert str(caught.value) == "BrokenDone.done raised KeyError: 'state'"
+    assert isinstance(caught.value.__cause__, KeyError)
+
+
 # ---------------------------------------------------------------------- the command line
 
 ENVS = """
+import threading
+
 from environments import Counter
 
 
@@ -107,6 +136,12 @@ class BrokenClose(Counter):
 class BrokenResetAndClose(BrokenClose):
     def reset(self, target: int) -> str:
         raise ValueError("bad target")
+
+
+class HungReset(Counter):
+    def reset(self, target: int) -> str:
+        threading.Event().wait(60)  # far past --environment-timeout-s
+        return super().reset(target)
 """
 
 
@@ -117,12 +152,12 @@ def run_error(capsys, monkeypatch, tmp_path, tiny_model_dir):
     (tmp_path / "envs.py").write_text(textwrap.dedent(ENVS))
     (tmp_path / "rows.jsonl").write_text(json.dumps(ROW) + "\n")
 
-    def run(name: str) -> list[str]:
+    def run(name: str, *options: str) -> list[str]:
         status = main(
             ["run", f"envs.py:{name}", "--model", str(tiny_model_dir), "--dataset", "rows.jsonl",
              "--max-steps", "1", "--per-device-train-batch-size", "2", "--num-generations", "2",
              "--max-completion-length", "8", "--chat-template", "chatml_tools",
-             "--output-dir", str(tmp_path / "out")]
+             "--output-dir", str(tmp_path / "out"), *options]
         )  # fmt: skip
         err = capsys.readouterr().err
         assert status == 2 and "Traceback" not in err, err
@@ -151,4 +186,11 @@ def test_run_with_reset_and_close_failing_prints_resets_error_then_closes(run_er
     assert note == (
         "  Closing the environment then failed too: "
         "BrokenResetAndClose.close() raised OSError: socket already gone"
+    )
+
+
+def test_run_with_a_reset_that_hangs_prints_one_error_naming_class_and_reset(run_error):
+    [line] = run_error("HungReset", "--environment-timeout-s", "0.5")
+    assert line.startswith(
+        "error: HungReset.reset() did not return within 0.5 s (environment_timeout_s)"
     )

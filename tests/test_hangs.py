@@ -9,6 +9,7 @@ naming them, and a process exits promptly whatever its tools still do. `SystemEx
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -25,11 +26,12 @@ from environments import (
     EnvironmentInitError,
     EnvironmentResetError,
     EnvironmentRewardError,
+    EnvironmentTimeoutError,
     reset_environment,
 )
 from rollout import EpisodeConfig, RolloutEngine
 from tools import StuckCallsError, ToolErrorKind, UserCodeAborted, as_tool, call_tool
-from tools.threads import USER_CODE, DaemonThreads, is_signal
+from tools.threads import USER_CODE, DaemonThreads, is_signal, shield_unless_interrupted
 
 TESTS = Path(__file__).resolve().parent
 
@@ -177,13 +179,19 @@ async def test_too_many_stuck_tools_stop_the_run_with_an_error_naming_the_tool(m
 # ---------------------------------------------------------------------- environment code
 
 
-def engine(tokenizer, factory, turns=("Done.",)) -> RolloutEngine:
+def engine(tokenizer, factory, turns=("Done.",), environment_timeout_s=None) -> RolloutEngine:
+    config = EpisodeConfig(
+        max_completion_length=256,
+        max_turns=3,
+        tool_timeout_s=0.5,
+        environment_timeout_s=environment_timeout_s,
+    )
     return RolloutEngine(
         scripted_backend(tokenizer, list(turns)),
         tokenizer,
         environment_factory=factory,
         chat_template="chatml_tools",
-        config=EpisodeConfig(max_completion_length=256, max_turns=3, tool_timeout_s=0.5),
+        config=config,
     )
 
 
@@ -237,6 +245,100 @@ async def test_system_exit_or_keyboard_interrupt_in_environment_code_is_that_met
 def test_a_real_ctrl_c_in_reset_called_on_the_main_thread_still_propagates():
     with pytest.raises(KeyboardInterrupt):
         reset_environment(InterruptedReset(), ROW, seed=0)
+
+
+# ---------------------------------------------------------------------- environment timeouts
+
+RELEASE = threading.Event()  # what a hung method waits for; set once its test is over
+
+
+class HungInit(Counter):
+    def __init__(self):
+        RELEASE.wait()
+        super().__init__()
+
+
+class HungReset(Counter):
+    def reset(self, target: int) -> str:
+        RELEASE.wait()
+        return super().reset(target)
+
+
+class HungReward(Counter):
+    def reward(self) -> float:
+        RELEASE.wait()
+        return 1.0
+
+
+class AsyncHungReward(Counter):
+    async def reward(self) -> float:
+        await anyio.sleep_forever()
+        return 1.0
+
+
+class HungClose(Counter):
+    def close(self) -> None:
+        RELEASE.wait()
+
+
+class BrokenResetHungClose(HungClose):
+    def reset(self, target: int) -> str:
+        raise ValueError("bad target")
+
+
+@pytest.fixture
+def release_hung_calls():
+    """Let the methods a test abandoned return, and wait until they have."""
+    RELEASE.clear()
+    yield
+    RELEASE.set()
+    anyio.run(until_none_stuck, USER_CODE)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("factory", "where"),
+    [
+        (HungInit, "HungInit.__init__()"),
+        (HungReset, "HungReset.reset()"),
+        (HungReward, "HungReward.reward()"),
+        (AsyncHungReward, "AsyncHungReward.reward()"),
+        (HungClose, "HungClose.close()"),
+    ],
+)
+async def test_environment_code_that_never_returns_stops_the_run_naming_class_and_method(
+    tokenizer, release_hung_calls, factory, where
+):
+    with anyio.fail_after(60), pytest.raises(EnvironmentTimeoutError) as caught:  # before: hung
+        await engine(tokenizer, factory, environment_timeout_s=0.5).run([ROW])
+    assert str(caught.value).startswith(
+        f"{where} did not return within 0.5 s (environment_timeout_s); it was abandoned"
+    )
+
+
+@pytest.mark.anyio
+async def test_a_close_that_hangs_after_reset_failed_is_a_note_on_resets_error(
+    tokenizer, release_hung_calls
+):
+    with anyio.fail_after(60), pytest.raises(EnvironmentResetError) as caught:
+        await engine(tokenizer, BrokenResetHungClose, environment_timeout_s=0.5).run([ROW])
+    assert str(caught.value).startswith("BrokenResetHungClose.reset() raised ValueError")
+    [note] = caught.value.__notes__
+    assert note.startswith("Closing the environment then failed too: BrokenResetHungClose.close()")
+
+
+@pytest.mark.anyio
+async def test_a_close_that_hangs_after_the_episode_failed_is_a_note_on_its_error(
+    tokenizer, release_hung_calls
+):
+    class RaisingRewardHungClose(HungClose):
+        def reward(self) -> float:
+            raise ValueError("no score")
+
+    with anyio.fail_after(60), pytest.raises(EnvironmentRewardError) as caught:
+        await engine(tokenizer, RaisingRewardHungClose, environment_timeout_s=0.5).run([ROW])
+    [note] = caught.value.__notes__
+    assert "RaisingRewardHungClose.close() did not return within 0.5 s" in note
 
 
 # ---------------------------------------------------------------------- the process exits
@@ -299,3 +401,84 @@ def test_agentgrpo_run_exits_after_a_tool_that_blocks_for_ever(
     logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
     [step] = [entry for entry in logged if "reward" in entry]
     assert step["tools/failure_frequency/timeout"] > 0  # the model called the tool, which got stuck
+
+
+LEAKY_COUNTER = """
+import threading
+
+from environments import Counter
+
+
+class LeakyCounter(Counter):
+    def reset(self, target: int) -> str:
+        watcher = threading.Thread(
+            target=threading.Event().wait, name="leftover watcher", daemon=False
+        )
+        watcher.start()  # never stopped: Python would wait for it at exit for ever
+        return super().reset(target)
+"""
+
+
+def test_agentgrpo_run_exits_after_training_though_the_environment_left_a_thread_running(
+    tmp_path, tiny_model_dir
+):
+    (tmp_path / "leaky.py").write_text(LEAKY_COUNTER)
+    done = subprocess.run(
+        [sys.executable, "-m", "agentgrpo", "run", "leaky.py:LeakyCounter",
+         "--model", str(tiny_model_dir), "--chat-template", "chatml_tools", "--max-steps", "1",
+         "--per-device-train-batch-size", "2", "--num-generations", "2",
+         "--max-completion-length", "16", "--output-dir", "out"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,  # before: never exited
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "trained in" in done.stdout
+    assert "warning: exiting although threads still run" in done.stderr
+    assert "leftover watcher" in done.stderr
+
+
+def test_the_exit_watchdog_keeps_the_status_and_flushes_the_output():
+    script = (
+        "import threading\n"
+        "from agentgrpo.cli.exiting import exit_within\n"
+        "threading.Thread(target=threading.Event().wait, name='forever').start()\n"
+        "print('last line', end='')\n"
+        "exit_within(0.5, 3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout) == (3, "last line")
+    assert "forever" in done.stderr
+
+
+# ---------------------------------------------------------------------- Ctrl-C
+
+
+@pytest.mark.anyio
+async def test_a_shield_that_ctrl_c_ends_stands_in_front_of_the_sigint_handler_only_while_open():
+    before = signal.getsignal(signal.SIGINT)
+    with shield_unless_interrupted() as scope:
+        assert scope.shield and signal.getsignal(signal.SIGINT) is not before
+        with shield_unless_interrupted():
+            pass
+        assert signal.getsignal(signal.SIGINT) is not before  # the outer one is still open
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_first_ctrl_c_stops_a_run_whose_close_never_returns(smollm2_path):
+    run = subprocess.Popen(
+        [sys.executable, str(TESTS / "stuck_close.py"), str(smollm2_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for line in run.stdout:  # until the close has started (and hangs)
+            if line.strip() == "closing":
+                break
+        run.send_signal(signal.SIGINT)
+        output, _ = run.communicate(timeout=60)  # before: the first Ctrl-C was ignored for ever
+    finally:
+        run.kill()
+    assert run.returncode == 0, output
+    assert output.splitlines()[-1] == "interrupted; still running: ['StuckClose.close()']"

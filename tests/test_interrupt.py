@@ -163,3 +163,34 @@ def test_ctrl_c_stops_grpo_trainer_train_in_python(tiny_model_dir, tmp_path):
     status, output = interrupt(run)
     assert status != 0 and re.search(r"^KeyboardInterrupt", output, re.MULTILINE), output
     assert_loads(out / "checkpoint-1")
+
+
+STUCK_CLOSE = """
+    import threading
+    from pathlib import Path
+
+    from environments import Counter
+
+
+    class StuckClose(Counter):
+        def close(self) -> None:
+            (Path.cwd() / f"closing-{id(self)}").touch()
+            threading.Event().wait()  # never returns
+"""
+
+
+@pytest.mark.slow
+def test_a_first_ctrl_c_during_a_close_that_never_returns_stops_the_run(tiny_model_dir, tmp_path):
+    (tmp_path / "stuck_close.py").write_text(textwrap.dedent(STUCK_CLOSE))
+    command = [
+        "run", "stuck_close.py:StuckClose", "--model", str(tiny_model_dir),
+        "--output-dir", str(tmp_path / "out"), "--max-steps", "2",
+        "--per-device-train-batch-size", "2", "--num-generations", "2",
+        "--max-completion-length", "16", "--chat-template", "chatml_tools",
+    ]  # fmt: skip
+    run = start([sys.executable, "-m", "agentgrpo", *command], tmp_path, slow_reset_s=0)
+    wait_for(lambda: any(tmp_path.glob("closing-*")), run)
+    status, output = interrupt(run)  # before: the first Ctrl-C was ignored, the run hung
+    assert status == 130, output
+    assert interrupted_line(output).startswith("interrupted at step 0; no checkpoint saved yet")
+    assert "left running (abandoned): StuckClose.close()" in output

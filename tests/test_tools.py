@@ -17,6 +17,7 @@ from tools import (
     ToolDefinitionError,
     ToolErrorKind,
     ToolResult,
+    ToolResultError,
     as_tool,
     calculator,
     call_tool,
@@ -298,6 +299,28 @@ def _returning(value):
 async def test_results_are_serialised_to_text(value, content):
     result = await call_tool({"give": _returning(value)}, "give", {}, timeout_s=1.0)
     assert (result.content, result.error) == (content, None)
+
+
+class _Unprintable:
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({(1, 2): "pair"}, "a dict that cannot .* \\(TypeError: keys must be str"),
+        (_Unprintable(), "a _Unprintable that cannot .* \\(ValueError: no text\\)"),
+    ],
+)
+async def test_a_value_that_cannot_become_text_is_an_error_naming_the_tools_function(
+    value, problem
+):
+    with pytest.raises(
+        ToolResultError, match=f"^tool _returning.<locals>.give\\(\\) returned {problem}"
+    ):
+        await call_tool({"give": _returning(value)}, "give", {}, timeout_s=1.0)
 
 
 # --- call_tool: failures the model caused are data --------------------------------------------

@@ -17,7 +17,7 @@ This package imports nothing from `environments`, `rollout` or `agentgrpo`.
 """
 
 from tools.calculator import calculator
-from tools.call import ToolErrorKind, ToolResult, call_tool
+from tools.call import ToolErrorKind, ToolResult, ToolResultError, call_tool
 from tools.python import python, python_tool
 from tools.sandbox import SandboxUnavailableError
 from tools.schema import Tool, ToolDefinitionError, as_tool
@@ -30,6 +30,7 @@ __all__ = [
     "ToolDefinitionError",
     "ToolErrorKind",
     "ToolResult",
+    "ToolResultError",
     "UserCodeAborted",
     "as_tool",
     "calculator",

@@ -9,7 +9,8 @@ Contract of `call_tool`:
   included: a tool's failure is never a signal to the framework. What does propagate is
   anyio's cancellation from outside, a `KeyboardInterrupt` on the main thread (a real Ctrl-C;
   see `tools.threads.is_signal`), `StuckCallsError` (too many of the user's sync tools
-  ignore their timeout) and `SandboxUnavailableError` (the python tool cannot isolate here).
+  ignore their timeout), `SandboxUnavailableError` (the python tool cannot isolate here) and
+  `ToolResultError` (a tool's value cannot become text; see below).
 - Arguments are checked against the schema's `parameters` before the call: required ones are
   present, no unknown ones, and each value has its JSON type (see `_coerce`). Integral floats
   given for an `integer` become `int`; arrays given for a `tuple[...]` hint become tuples.
@@ -18,7 +19,8 @@ Contract of `call_tool`:
   running until the function returns, but never keeps the process alive at exit. Async tools
   are awaited. Both run under `anyio.fail_after(timeout_s)` when `timeout_s` is not None.
 - The value returned becomes `content`: `str` as is, `None` as `""`, dict/list/tuple as JSON,
-  anything else with `str()`.
+  anything else with `str()`. A value that cannot (e.g. a dict with tuple keys) is the tool
+  author's bug, not the model's: `ToolResultError` names the tool's function.
 """
 
 from __future__ import annotations
@@ -98,6 +100,11 @@ async def call_tool(
         The result; `error` is set (and `content` explains it to the model) on any failure
         the model caused. Never raises for those.
 
+    Raises:
+        ToolResultError: The tool returned a value that cannot become text (its author's bug).
+        StuckCallsError: Too many calls of user code are stuck to start another.
+        SandboxUnavailableError: The python tool cannot isolate its code here.
+
     """
     start_s = time.perf_counter()
 
@@ -114,7 +121,6 @@ async def call_tool(
     try:
         with anyio.fail_after(timeout_s) as scope:
             value = await _invoke(tool, kwargs)
-        return result(_to_text(value))
     except BaseException as exc:
         if isinstance(exc, StuckCallsError | SandboxUnavailableError) or is_signal(exc):
             raise
@@ -122,6 +128,7 @@ async def call_tool(
             message = f"Error: {name}() timed out after {float(timeout_s or 0)} s"
             return result(message, ToolErrorKind.TIMEOUT)
         return result(f"Error: {name}() raised {describe_error(exc)}", ToolErrorKind.EXCEPTION)
+    return result(_result_text(tool, value))
 
 
 async def _invoke(tool: Tool, kwargs: dict[str, Any]) -> Any:
@@ -134,6 +141,23 @@ async def _invoke(tool: Tool, kwargs: dict[str, Any]) -> Any:
     if inspect.isawaitable(value):  # e.g. a partial or lambda wrapping an async function
         value = await value
     return value
+
+
+class ToolResultError(TypeError):
+    """A tool returned a value that cannot become the text of its tool message (the user's bug)."""
+
+
+def _result_text(tool: Tool, value: Any) -> str:
+    """`_to_text(value)`, or a `ToolResultError` naming the tool's function when it fails."""
+    try:
+        return _to_text(value)
+    except Exception as error:
+        where = getattr(tool.fn, "__qualname__", tool.name)
+        raise ToolResultError(
+            f"tool {where}() returned a {type(value).__name__} that cannot become the text of its "
+            f"tool message ({describe_error(error)}); return str, None, or data that JSON can "
+            "encode (with string keys)"
+        ) from error
 
 
 def _to_text(value: Any) -> str:

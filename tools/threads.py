@@ -19,14 +19,22 @@ Contract of `run_in_daemon_thread(fn, label)`:
 `is_signal` draws the same line for user code that runs in place (async tools, a method called
 directly): anyio's cancellation and a `KeyboardInterrupt` on the main thread are signals to the
 framework and must propagate; anything else user code raises is that code's failure.
+
+`shield_unless_interrupted()` is a shielded cancel scope for waits that must outlast their
+task's cancellation (closing an environment after its episode failed) but not a Ctrl-C: a shield
+also stops the cancellation asyncio delivers on the first Ctrl-C, which would then be ignored
+for as long as the wait lasts. While such a scope is open in the main thread, a SIGINT cancels it
+first, then does what the handler it stands in front of does (asyncio's: cancel the main task;
+Python's default: raise `KeyboardInterrupt`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -180,3 +188,57 @@ USER_CODE = DaemonThreads()
 async def run_in_daemon_thread(fn: Callable[[], T], label: str) -> T:
     """`USER_CODE.run(fn, label)`: run user code in a daemon thread (see the module contract)."""
     return await USER_CODE.run(fn, label)
+
+
+@dataclass(eq=False)
+class _Shield:
+    """An open `shield_unless_interrupted` scope and the event loop it runs in."""
+
+    scope: anyio.CancelScope
+    token: Any
+
+
+_SHIELDS: set[_Shield] = set()  # open in the main thread; only that thread changes the set
+_BEFORE_US: list[Any] = []  # the SIGINT handler ours stands in front of, while ours is installed
+
+
+@contextlib.contextmanager
+def shield_unless_interrupted() -> Iterator[anyio.CancelScope]:
+    """A shielded `anyio.CancelScope` that a Ctrl-C (SIGINT) still cancels (module contract).
+
+    Outside the main thread, where no signal handler can be set (nor a Ctrl-C arrive), it is a
+    plain shielded scope. Deadlines set inside it still apply.
+    """
+    with anyio.CancelScope(shield=True) as scope:
+        if threading.current_thread() is not threading.main_thread():
+            yield scope
+            return
+        shield = _Shield(scope, anyio.lowlevel.current_token())
+        if not _SHIELDS and callable(before := signal.getsignal(signal.SIGINT)):
+            _BEFORE_US.append(before)
+            signal.signal(signal.SIGINT, _cancel_shields_then_pass_on)
+        _SHIELDS.add(shield)
+        try:
+            yield scope
+        finally:
+            _SHIELDS.discard(shield)
+            if not _SHIELDS and _BEFORE_US:
+                signal.signal(signal.SIGINT, _BEFORE_US.pop())
+
+
+def _cancel_shields_then_pass_on(signum: int, frame: Any) -> None:
+    """SIGINT while shields are open: cancel them all, then call the handler we stand in for.
+
+    A signal handler runs in the middle of whatever the main thread was doing, the event loop
+    included, so the scopes are cancelled from a helper thread through the loop's own queue.
+    """
+    shields = list(_SHIELDS)
+    threading.Thread(target=_cancel, args=(shields,), name="cancel shields", daemon=True).start()
+    (_BEFORE_US[-1] if _BEFORE_US else signal.default_int_handler)(signum, frame)
+
+
+def _cancel(shields: list[_Shield]) -> None:
+    for shield in shields:
+        # RuntimeError (anyio.RunFinishedError): that event loop has ended; nothing to cancel.
+        with contextlib.suppress(RuntimeError):
+            anyio.from_thread.run_sync(shield.scope.cancel, token=shield.token)

@@ -39,6 +39,18 @@ ENV_ARGS_HELP = (
 )
 
 
+def command() -> typing.NoReturn:
+    """The `agentgrpo` command: `main()`, then exit, even if user code left threads running."""
+    from agentgrpo.cli.exiting import EXIT_GRACE_S, exit_within
+
+    status = 1  # an error escaping `main` (Python prints its traceback on the way out)
+    try:
+        status = main()
+    finally:
+        exit_within(EXIT_GRACE_S, status)
+    sys.exit(status)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line `argv` (default: `sys.argv[1:]`); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -206,7 +218,7 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
         help="sampling temperature; 1.0, the default, is training's, so the success rate is "
         "that of the policy GRPO trains; 0 is greedy",
     )
-    for name in ("top_p", "top_k", "tool_timeout_s"):
+    for name in ("top_p", "top_k", "tool_timeout_s", "environment_timeout_s"):
         default = config_fields()[name].default
         help_text = config_fields()[name].metadata["help"].replace("%", "%%")
         add(
@@ -278,9 +290,11 @@ def _runtime_user_errors() -> tuple[type[BaseException], ...]:
     from agentgrpo.run_folder import OutputDirBusy, OutputDirUnwritable
     from environments import (
         EnvironmentCloseError,
+        EnvironmentDoneError,
         EnvironmentInitError,
         EnvironmentResetError,
         EnvironmentRewardError,
+        EnvironmentTimeoutError,
     )
     from rollout import TemplateDriftError
     from rollout.agents import AgentError
@@ -294,6 +308,8 @@ def _runtime_user_errors() -> tuple[type[BaseException], ...]:
         EnvironmentResetError,
         EnvironmentRewardError,
         EnvironmentCloseError,
+        EnvironmentDoneError,
+        EnvironmentTimeoutError,  # the user's environment code ignores environment_timeout_s
         StuckCallsError,  # the user's tools ignore their timeout
         TemplateDriftError,
         SetupCheckError,  # a start-up check of the template, parser or stop tokens failed

@@ -29,6 +29,7 @@ from agentgrpo.cli.options import (
     config_file_values,
     config_overrides,
     read_config_file,
+    template_source,
 )
 from agentgrpo.cli.values import FieldType
 from environments.contract import EPISODE_LIMITS, episode_limits, run_defaults
@@ -208,9 +209,14 @@ def envs(namespace: argparse.Namespace) -> int:
 def _env_args(namespace: argparse.Namespace) -> dict[str, Any] | None:
     """`--env-args`, else the config file's `env_args` (parsed; None when neither is given)."""
     value = getattr(namespace, "env_args", None)
-    if value is None and namespace.config:
-        value = read_config_file(namespace.config).get("env_args")
-    return sources.env_args(value)
+    if value is not None or not namespace.config:
+        return sources.env_args(value)
+    in_file = {"env_args": read_config_file(namespace.config).get("env_args")}
+    value = config_file_values(in_file, namespace.config, _RUN_KEY_TYPES)["env_args"]
+    try:
+        return sources.env_args(value)
+    except UsageError as error:  # JSON text under the key: say where it came from
+        raise UsageError(f"config file {namespace.config}: env_args: {error}") from None
 
 
 def _played_by(source: Any) -> dict[str, Any]:
@@ -243,6 +249,8 @@ def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:
     user = {k: v for k, v in from_file.items() if k in config_fields()}
     user.update(config_overrides(namespace))
     config.update(user)
+    if config.get("chat_template"):  # a .jinja file, as `agentgrpo doctor` accepts it
+        config["chat_template"] = template_source(config["chat_template"])
     if "gradient_checkpointing" not in user:
         config["gradient_checkpointing"] = _long_steps(config)
     if "save_warm_start" not in user:  # the warm start alone, to evaluate beside the result
@@ -372,8 +380,17 @@ def _train(trainer: Any, checkpoint: str | None, namespace: argparse.Namespace) 
         _close_progress_bar(trainer)
         if trainer.is_world_process_zero():
             print(_interrupted_line(trainer, namespace), file=sys.stderr, flush=True)
+            _print_abandoned_calls()
         return False
     return True
+
+
+def _print_abandoned_calls() -> None:
+    """Name the user's calls the interrupt walked away from (e.g. a `close()` that hangs)."""
+    from tools.threads import USER_CODE
+
+    if stuck := USER_CODE.stuck:
+        print(f"  left running (abandoned): {', '.join(stuck)}", file=sys.stderr, flush=True)
 
 
 def _close_progress_bar(trainer: Any) -> None:
@@ -545,7 +562,11 @@ def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
     The token and turn limits are the command line's, else the environment's
     `episode_limits`, else `agentgrpo run`'s defaults: as the run that trained the model.
     """
-    template = namespace.chat_template or (BUILTIN_TEMPLATE if namespace.model is None else None)
+    template: str | None
+    if namespace.chat_template:
+        template = template_source(namespace.chat_template)
+    else:
+        template = BUILTIN_TEMPLATE if namespace.model is None else None
     limits = {**RUN_DEFAULTS, **_episode_limits(source)}
     for name in EPISODE_LIMITS:
         if getattr(namespace, name) is not None:
@@ -558,6 +579,7 @@ def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
             "top_p": namespace.top_p,
             "top_k": namespace.top_k,
             "tool_timeout_s": namespace.tool_timeout_s,
+            "environment_timeout_s": namespace.environment_timeout_s,
             "chat_template": template,
             "tool_call_parser": namespace.tool_call_parser,
             "seed": namespace.seed,

@@ -8,11 +8,16 @@ when a check failed, 2 for a mistake on the command line.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentgrpo.cli import sources
-from agentgrpo.cli.options import DEVICE_HELP, RUN_DEFAULTS, UsageError, value_parser
+from agentgrpo.cli.options import (
+    DEVICE_HELP,
+    RUN_DEFAULTS,
+    UsageError,
+    template_source,
+    value_parser,
+)
 from agentgrpo.devices import describe_run_device, resolve_device
 from agentgrpo.doctor import CheckResult, Setup, Status
 
@@ -119,12 +124,7 @@ def _template_option(namespace: argparse.Namespace) -> str | None:
     value = namespace.chat_template
     if value is None:
         return BUILTIN_TEMPLATE if namespace.model is None else None
-    file = Path(value).expanduser()
-    if file.is_file():
-        return file.read_text(encoding="utf-8")
-    if file.suffix in (".jinja", ".j2", ".txt"):
-        raise UsageError(f"--chat-template file not found: {file.resolve()}")
-    return value
+    return template_source(value)
 
 
 def _generation_config(path: str) -> Any:

@@ -258,6 +258,25 @@ def read_config_file(path: str) -> dict[str, Any]:
     return {str(key).replace("-", "_"): value for key, value in content.items()}
 
 
+def template_source(value: str) -> str:
+    """`--chat-template` (or the config key) as `rollout.load_template` takes it: a file is read.
+
+    Anything else (a built-in name, jinja source) is returned as it is.
+
+    Raises:
+        UsageError: `value` names a template file (`.jinja`, `.j2`, `.txt`) that does not exist.
+
+    """
+    if "{{" in value or "{%" in value:  # jinja source (often too long to be a file name)
+        return value
+    file = Path(value).expanduser()
+    if file.is_file():
+        return file.read_text(encoding="utf-8")
+    if file.suffix in (".jinja", ".j2", ".txt"):
+        raise UsageError(f"--chat-template file not found: {file.resolve()}")
+    return value
+
+
 def check_keys(keys: Iterable[str], valid: Iterable[str], where: str) -> None:
     """Raise `UsageError` for the first key not in `valid`, suggesting the nearest one."""
     valid = sorted(valid)
