@@ -37,9 +37,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
-
 from rollout.agents import Agent, AgentError
+from tools.threads import shield_unless_interrupted
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +289,7 @@ class SharedServing:
         try:
             yield
         finally:
-            with anyio.CancelScope(shield=True):  # an episode cut off by its timeout too
+            with shield_unless_interrupted():  # an episode cut off by its timeout too; not Ctrl-C
                 async with state.lock:
                     state.users -= 1
                     if not state.users:
