@@ -35,6 +35,7 @@ from agentgrpo.data import (
     rows_collator,
     training_rows,
 )
+from agentgrpo.devices import check_sharded_launch
 from agentgrpo.learner.batch import TrainingBatch, collate_episodes
 from agentgrpo.learner.entropy_control import AdaptiveEntropy
 from agentgrpo.learner.logprobs import batched_logprobs, completion_logprobs
@@ -198,6 +199,7 @@ class GRPOTrainer(AtomicCheckpoints):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        check_sharded_launch(os.environ, str(self.accelerator.distributed_type))
         self.model_accepts_loss_kwargs = False  # compute_loss normalises; Trainer divides by GA
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
@@ -444,7 +446,7 @@ class GRPOTrainer(AtomicCheckpoints):
         """Play the rows (the engine, or `rollout_func`) and score them: the `round.Play` stage."""
         with (
             generation_weights(
-                self.accelerator, self.model, self.args.ds3_gather_for_generation
+                self.accelerator, self.model_wrapped, self.args.ds3_gather_for_generation
             ) as model,
             self.weight_sync.generating(model, self.state.global_step),
         ):
