@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--per-device-batch", type=int, default=4, help="episodes a micro-batch")
     parser.add_argument("--fixed-completions", action="store_true", help="see the docstring")
     parser.add_argument("--uneven-forwards", action="store_true", help="see fixed_completions")
+    parser.add_argument("--beta", type=float, default=0.0, help="KL weight (a reference model)")
     cli = parser.parse_args()
 
     out_dir = Path(cli.out_dir)
@@ -148,7 +149,8 @@ def main() -> None:
         max_completion_length=8,
         max_steps=2,
         learning_rate=1e-3,  # large enough that two steps move every weight in float32
-        scale_rewards=cli.scale_rewards,  # "batch": advantages need every process's rewards
+        scale_rewards=cli.scale_rewards,
+        beta=cli.beta,  # "batch": advantages need every process's rewards
         logging_steps=1,
         report_to="none",
         save_strategy="no",

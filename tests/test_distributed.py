@@ -259,8 +259,9 @@ def test_deepspeed_zero2_config_trains_on_one_gpu(tiny_model_dir, tmp_path):
 # while the two steps move the weights by up to 1.5e-3.
 SHARDED_ATOL = 5e-6
 SHARDED_ENGINES = ["deepspeed_zero2", "deepspeed_zero3"]
-# The one-process run plays each round's rows of both processes itself: twice the micro-batch.
-FIXED_ARGS = ["--fixed-completions", "--scale-rewards", "batch"]
+# With a KL term, so that the reference model (a whole copy under ZeRO-3) takes part too. The
+# one-process run plays each round's rows of both processes itself: twice the micro-batch.
+FIXED_ARGS = ["--fixed-completions", "--scale-rewards", "batch", "--beta", "0.5"]
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 # The ZeRO configs ask for bf16 GPUs; on CPU the runs compare in float32.
 CPU_LAUNCH = ("--mixed_precision", "no")
