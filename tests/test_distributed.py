@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from agentgrpo.learner.advantages import group_advantages
 from agentgrpo.reporting.run_log import read_episodes, recorded_steps
@@ -372,3 +373,29 @@ def test_fsdp_on_cpu_processes_is_refused_with_what_to_launch_instead(tiny_model
     assert "accelerate runs this launch as MULTI_CPU" in output
     assert "deepspeed_zero3.yaml" in output
     assert not list(tmp_path.glob("process_*.json"))  # nobody trained
+
+
+@needs_deepspeed
+def test_agentgrpo_run_trains_under_zero3_and_saves_the_whole_model(tiny_model_dir, tmp_path):
+    """`agentgrpo run` as the launched module: Counter episodes, a KL term, the final save."""
+    out_dir = tmp_path / "run"
+    command = [
+        *(sys.executable, "-m", "accelerate.commands.launch"),
+        *("--config_file", str(CONFIGS / "deepspeed_zero3.yaml"), "--num_processes", "2"),
+        *("--main_process_port", str(free_port()), *CPU_LAUNCH),
+        *("-m", "agentgrpo", "run", "env:Counter", "--model", str(tiny_model_dir)),
+        *("--chat-template", "chatml_tools", "--device", "cpu", "--max-steps", "2"),
+        *("--output-dir", str(out_dir), "--per-device-train-batch-size", "4"),
+        *("--num-generations", "4", "--max-completion-length", "16", "--beta", "0.1"),
+        *("--report-to", "none", "--save-strategy", "no"),
+    ]
+    returncode, output = run_in_own_group(command, CPU_ENV)
+    assert returncode == 0, output[-6000:]
+    assert recorded_steps(out_dir) == [1, 2]
+    assert {r.process for r in read_episodes(out_dir, 2)} == {0, 1}
+    saved = load_file(out_dir / "model" / "model.safetensors")
+    started = load_file(tiny_model_dir / "model.safetensors")
+    assert {name: t.shape for name, t in saved.items()} == {
+        name: t.shape for name, t in started.items()
+    }
+    assert {t.dtype for t in saved.values()} == {torch.float32}
