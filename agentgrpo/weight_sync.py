@@ -371,10 +371,40 @@ def generation_weights(accelerator: Any, model: Any, ds3_gather: bool) -> Iterat
     was_training = policy.training
     policy.eval()
     try:
-        with _zero3_gathered(accelerator, model, policy, ds3_gather):
+        with _zero3_gathered(accelerator, model, policy, ds3_gather), fsdp2_unsharded(policy):
             yield policy
     finally:
         policy.train(was_training)
+
+
+@contextlib.contextmanager
+def fsdp2_unsharded(policy: torch.nn.Module) -> Iterator[None]:
+    """Hold an FSDP2 (`fully_shard`) policy's weights whole until the block ends.
+
+    Every FSDP module is unsharded once (a collective all processes make together) and kept
+    unsharded after each forward, so generating needs no collective: processes may run
+    different numbers of forward passes. Afterwards each module is resharded and gets back its
+    own reshard-after-forward setting. A policy without FSDP modules is left alone.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+    # FSDP2 has no public getter for the setting; its param group keeps it as this property.
+    reshards = [_reshards_after_forward(m) for m in modules]
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module, reshard in zip(modules, reshards, strict=True):
+            module.set_reshard_after_forward(reshard, recurse=False)
+            module.reshard()
+
+
+def _reshards_after_forward(module: Any) -> bool:
+    group = module._get_fsdp_state()._fsdp_param_group
+    return bool(group is not None and group._reshard_after_forward)
 
 
 def _zero3_gathered(accelerator: Any, model: Any, policy: Any, ds3_gather: bool) -> Any:

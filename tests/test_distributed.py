@@ -399,3 +399,12 @@ def test_agentgrpo_run_trains_under_zero3_and_saves_the_whole_model(tiny_model_d
         name: t.shape for name, t in started.items()
     }
     assert {t.dtype for t in saved.values()} == {torch.float32}
+
+
+def test_fsdp2_generation_needs_no_lock_step_between_processes():
+    # Without fsdp2_unsharded the process running more forwards waits forever for the other.
+    command = [sys.executable, str(ROOT / "tests" / "fsdp2_generate.py"), str(free_port())]
+    returncode, output = run_in_own_group(command, {**CPU_ENV, "PYTHONPATH": str(ROOT)})
+    assert returncode == 0, output[-6000:]
+    assert "process 0 ok" in output
+    assert "process 1 ok" in output
