@@ -79,7 +79,7 @@ from agentgrpo.round import (
 from agentgrpo.rounds import play_round, score_played
 from agentgrpo.sampler import RoundSampler, eval_rows_loader, rows_loader, stream_loader
 from agentgrpo.warm_start import environment_demonstrations, warm_start
-from agentgrpo.weight_sync import build_generator, generation_weights
+from agentgrpo.weight_sync import build_generator, check_zero3_generation, generation_weights
 from agentgrpo.wiring import build_parts
 from rollout import Episode, EpisodeRecord
 from rollout.agents import Agent
@@ -200,6 +200,11 @@ class GRPOTrainer(AtomicCheckpoints):
             optimizers=optimizers,
         )
         check_sharded_launch(os.environ, str(self.accelerator.distributed_type))
+        check_zero3_generation(
+            getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", 0),
+            self.accelerator.num_processes,
+            args.ds3_gather_for_generation,
+        )
         self.model_accepts_loss_kwargs = False  # compute_loss normalises; Trainer divides by GA
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self.aux_loss_enabled = self.router_aux_loss_coef != 0.0

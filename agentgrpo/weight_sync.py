@@ -350,6 +350,28 @@ def _sleeps(args: GRPOConfig) -> bool:
     return args.vllm_enable_sleep_mode
 
 
+def check_zero3_generation(zero_stage: int, num_processes: int, ds3_gather: bool) -> None:
+    """Refuse ZeRO-3 generation from shards (`ds3_gather_for_generation=False`) over processes.
+
+    Generating from shards keeps DeepSpeed's hooks on: every forward pass is a collective, and
+    episodes of different lengths would leave one process waiting forever for another.
+
+    Raises:
+        ValueError: ZeRO-3, more than one process, and `ds3_gather` off.
+
+    Example:
+        >>> check_zero3_generation(zero_stage=3, num_processes=1, ds3_gather=False)
+        >>> check_zero3_generation(zero_stage=2, num_processes=8, ds3_gather=False)
+    """
+    if zero_stage == 3 and num_processes > 1 and not ds3_gather:
+        raise ValueError(
+            "ds3_gather_for_generation=False generates from ZeRO-3 shards, where every forward "
+            "pass waits for every process, and episodes of different lengths would never "
+            "finish; leave ds3_gather_for_generation=True (the model must fit on one device "
+            "to generate), or use ZeRO-2"
+        )
+
+
 @contextlib.contextmanager
 def generation_weights(accelerator: Any, model: Any, ds3_gather: bool) -> Iterator[Any]:
     """Generate in eval mode (no dropout, KV cache on), with ZeRO-3 weights gathered.

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from agentgrpo.learner.advantages import group_advantages
 from agentgrpo.reporting.run_log import read_episodes, recorded_steps
+from agentgrpo.weight_sync import check_zero3_generation
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed_train.py"
@@ -408,3 +409,9 @@ def test_fsdp2_generation_needs_no_lock_step_between_processes():
     assert returncode == 0, output[-6000:]
     assert "process 0 ok" in output
     assert "process 1 ok" in output
+
+
+def test_zero3_generation_from_shards_over_processes_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="leave ds3_gather_for_generation=True"):
+        check_zero3_generation(zero_stage=3, num_processes=2, ds3_gather=False)
+    check_zero3_generation(zero_stage=3, num_processes=2, ds3_gather=True)
