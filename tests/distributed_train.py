@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import signal
 import zlib
 from functools import partial
 from pathlib import Path
@@ -56,6 +58,7 @@ class RecordingTrainer(GRPOTrainer):
     """`GRPOTrainer` that notes the rows, rewards and advantages of every round it plays."""
 
     def __init__(self, *args, **kwargs):
+        self.kill_in_step = kwargs.pop("kill_in_step", None)
         super().__init__(*args, **kwargs)
         self.rounds: list[dict] = []
         self.micro_batch_rows: list[list[int]] = []
@@ -66,6 +69,8 @@ class RecordingTrainer(GRPOTrainer):
         return super()._prepare_inputs(rows)
 
     def _new_round(self, rows, plan):
+        if self.kill_in_step == self.state.global_step + 1 and self.accelerator.is_main_process:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-step, as a lost machine would stop
         round_ = super()._new_round(rows, plan)
         self.rounds.append(
             {
@@ -137,6 +142,9 @@ def main() -> None:
     parser.add_argument("--fixed-completions", action="store_true", help="see the docstring")
     parser.add_argument("--uneven-forwards", action="store_true", help="see fixed_completions")
     parser.add_argument("--beta", type=float, default=0.0, help="KL weight (a reference model)")
+    parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps")
+    parser.add_argument("--kill-in-step", type=int, help="SIGKILL the main process in step K")
+    parser.add_argument("--resume", action="store_true", help="from the latest checkpoint")
     cli = parser.parse_args()
 
     out_dir = Path(cli.out_dir)
@@ -153,7 +161,8 @@ def main() -> None:
         beta=cli.beta,  # "batch": advantages need every process's rewards
         logging_steps=1,
         report_to="none",
-        save_strategy="no",
+        save_strategy="steps" if cli.save_steps else "no",
+        save_steps=cli.save_steps or 500,
         seed=0,
     )
     dataset = Dataset.from_list(
@@ -164,6 +173,7 @@ def main() -> None:
         reward_funcs=length_reward,
         args=config,
         train_dataset=dataset,
+        kill_in_step=cli.kill_in_step,
         rollout_func=(
             partial(fixed_completions, uneven_forwards=cli.uneven_forwards)
             if cli.fixed_completions
@@ -172,7 +182,7 @@ def main() -> None:
     )
     names = [name for name, _ in trainer.model.named_parameters()]
     forward_calls = count_forward_calls(trainer.model)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if cli.resume else None)
 
     # Every process takes part: under ZeRO-3 and FSDP2 this gathers the shards.
     weights_after = trainer.accelerator.get_state_dict(trainer.model_wrapped)

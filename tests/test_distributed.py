@@ -415,3 +415,26 @@ def test_zero3_generation_from_shards_over_processes_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="leave ds3_gather_for_generation=True"):
         check_zero3_generation(zero_stage=3, num_processes=2, ds3_gather=False)
     check_zero3_generation(zero_stage=3, num_processes=2, ds3_gather=True)
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded_run", SHARDED_ENGINES, indirect=True)
+def test_a_sharded_run_killed_mid_step_resumes_to_the_uninterrupted_weights(
+    sharded_run, request, tiny_model_dir, tmp_path
+):
+    engine = request.node.callspec.params["sharded_run"]
+    args = [str(tiny_model_dir), str(tmp_path), *FIXED_ARGS, "--save-steps", "1"]
+    for extra in (["--kill-in-step", "2"], ["--resume"]):
+        returncode, output = accelerate_launch(
+            CONFIGS / f"{engine}.yaml", 2, [*args, *extra], CPU_ENV, CPU_LAUNCH
+        )
+        if extra[0] == "--kill-in-step":
+            assert returncode != 0  # the main process was killed in step 2, after checkpoint-1
+            assert not (tmp_path / "weights.pt").exists()
+        else:
+            assert returncode == 0, output[-6000:]
+    resumed = torch.load(tmp_path / "weights.pt")
+    uninterrupted = torch.load(sharded_run / "weights.pt")
+    for name, weight in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], weight, atol=0, rtol=0)
