@@ -23,7 +23,8 @@ MODEL_DIR holds a causal LM and its tokenizer (`save_pretrained`). Each process 
 The main process also saves the trained weights, whole and in float32, to `OUT_DIR/weights.pt`.
 With `--fixed-completions` the episodes come from a `rollout_func` that answers each prompt
 with the same token ids whatever the process, seed or weights, so runs over different numbers
-of processes train on identical episodes and their weights can be compared.
+of processes train on identical episodes and their weights can be compared. `--save-steps`,
+`--kill-in-step` and `--resume` checkpoint, kill the main process mid-step, and resume.
 
 Recording reads what the trainer computes and changes nothing: the subclass below calls the
 original methods and returns their results untouched.
