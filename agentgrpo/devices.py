@@ -13,7 +13,7 @@ distributed launch (`accelerate launch`), each process takes its own GPU, as acc
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -204,3 +204,32 @@ def _gpus(device: torch.device) -> int:
     if device.type != "cuda" or not torch.backends.cuda.is_built():
         return 0
     return torch.cuda.device_count()
+
+
+def check_sharded_launch(environ: Mapping[str, str], distributed_type: str) -> None:
+    """Refuse a launch that asked for FSDP and got accelerate's plain data parallelism.
+
+    `accelerate launch` with an FSDP config sets `ACCELERATE_USE_FSDP=true`; accelerate (1.15)
+    shards with FSDP only on GPUs and other accelerators, and on CPU processes quietly runs
+    DDP over gloo instead. That run would train, unsharded, while its config says otherwise.
+
+    Args:
+        environ: The process environment.
+        distributed_type: The accelerator's `distributed_type`, as text (e.g. "FSDP").
+
+    Raises:
+        ValueError: FSDP was asked for and `distributed_type` is not FSDP.
+
+    Example:
+        >>> check_sharded_launch({"ACCELERATE_USE_FSDP": "true"}, "FSDP")
+        >>> check_sharded_launch({}, "MULTI_CPU")
+    """
+    asked = environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    got = str(distributed_type).rsplit(".", 1)[-1]
+    if asked and got != "FSDP":
+        raise ValueError(
+            f"the accelerate config asks for FSDP, but accelerate runs this launch as {got}: "
+            "accelerate shards with FSDP only on GPUs (and other accelerators), never on CPU "
+            "processes. Launch on GPUs, or on CPU use examples/accelerate/deepspeed_zero2.yaml "
+            "or deepspeed_zero3.yaml (DeepSpeed shards over gloo) or ddp.yaml"
+        )

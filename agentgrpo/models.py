@@ -181,12 +181,31 @@ def reference_model(model: Any, args: Any) -> Any | None:
     The copy is where the policy is and in its dtype (the Trainer has already placed the
     policy on its device); its logprobs run under the same autocast as the policy's.
     With PEFT there is no copy: the reference is the base model with the adapter disabled.
+    Under DeepSpeed ZeRO-3 the policy's weights are shards; the copy is built from the whole
+    weights, gathered once, and every process holds it whole.
     """
     if args.beta == 0.0 or _is_peft(model):
         return None
-    reference = copy.deepcopy(model).eval()
-    reference.requires_grad_(False)
+    reference = _whole_copy(model) if _zero3_partitioned(model) else copy.deepcopy(model)
+    reference.eval().requires_grad_(False)
     return reference
+
+
+def _zero3_partitioned(model: Any) -> bool:
+    """Whether DeepSpeed ZeRO-3 holds `model`'s parameters as shards."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _whole_copy(model: Any) -> Any:
+    """An ordinary copy of a ZeRO-3 model, from its weights gathered from every process."""
+    import deepspeed
+
+    parameters = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(parameters):
+        state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    copy_ = type(model)(model.config)
+    copy_.load_state_dict(state)
+    return copy_.to(device=parameters[0].device, dtype=parameters[0].dtype)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

@@ -35,6 +35,7 @@ from agentgrpo.data import (
     rows_collator,
     training_rows,
 )
+from agentgrpo.devices import check_sharded_launch
 from agentgrpo.learner.batch import TrainingBatch, collate_episodes
 from agentgrpo.learner.entropy_control import AdaptiveEntropy
 from agentgrpo.learner.logprobs import batched_logprobs, completion_logprobs
@@ -76,7 +77,7 @@ from agentgrpo.rounds import play_round, score_played
 from agentgrpo.sampler import RoundSampler, eval_rows_loader, rows_loader, stream_loader
 from agentgrpo.trl_attributes import TRLAttributes
 from agentgrpo.warm_start import environment_demonstrations, warm_start
-from agentgrpo.weight_sync import build_generator, generation_weights
+from agentgrpo.weight_sync import build_generator, check_zero3_generation, generation_weights
 from agentgrpo.wiring import build_parts
 from rollout import Episode, EpisodeRecord
 from rollout.agents import Agent
@@ -196,6 +197,12 @@ class GRPOTrainer(TRLAttributes):
             processing_class=tokenizer,
             callbacks=callbacks,
             optimizers=optimizers,
+        )
+        check_sharded_launch(os.environ, str(self.accelerator.distributed_type))
+        check_zero3_generation(
+            getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", 0),
+            self.accelerator.num_processes,
+            args.ds3_gather_for_generation,
         )
         self.model_accepts_loss_kwargs = False  # compute_loss normalises; Trainer divides by GA
         self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)
@@ -390,7 +397,7 @@ class GRPOTrainer(TRLAttributes):
         """Play the rows (the engine, or `rollout_func`) and score them: the `round.Play` stage."""
         with (
             generation_weights(
-                self.accelerator, self.model, self.args.ds3_gather_for_generation
+                self.accelerator, self.model_wrapped, self.args.ds3_gather_for_generation
             ) as model,
             self.weight_sync.generating(model, self.state.global_step),
         ):

@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from agentgrpo.learner.advantages import group_advantages
 from agentgrpo.reporting.run_log import read_episodes, recorded_steps
+from agentgrpo.weight_sync import check_zero3_generation
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed_train.py"
@@ -44,15 +46,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_launch(config: Path, num_processes: int, script_args: list[str], env: dict):
+def accelerate_launch(
+    config: Path,
+    num_processes: int,
+    script_args: list[str],
+    env: dict,
+    launch_args: tuple[str, ...] = (),
+):
     """Run `accelerate launch` in its own process group; kill the whole group on a timeout."""
     command = [
         *(sys.executable, "-m", "accelerate.commands.launch"),
         *("--config_file", str(config)),
         *("--num_processes", str(num_processes)),
         *("--main_process_port", str(free_port())),
+        *launch_args,
         *(str(SCRIPT), *script_args),
     ]
+    return run_in_own_group(command, env)
+
+
+def run_in_own_group(command: list[str], env: dict):
+    """Run `command` from the repository root; kill its whole process group on a timeout."""
     process = subprocess.Popen(
         command,
         cwd=ROOT,
@@ -185,7 +199,7 @@ def test_loss_metrics_are_reduced_over_processes(ddp_reports):
 REQUIRED_KEYS = {"compute_environment", "distributed_type", "mixed_precision", "num_processes"}
 
 
-@pytest.mark.parametrize("name", ["ddp", "deepspeed_zero2", "deepspeed_zero3"])
+@pytest.mark.parametrize("name", ["ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp2"])
 def test_example_config_loads_and_names_how_to_launch_it(name):
     path = CONFIGS / f"{name}.yaml"
     config = yaml.safe_load(path.read_text())
@@ -238,3 +252,189 @@ def test_deepspeed_zero2_config_trains_on_one_gpu(tiny_model_dir, tmp_path):
     assert all(torch.isfinite(torch.tensor(log["loss"])) for log in steps)
     before, after = report["weights_before"], report["weights_after"]
     assert any(after[name] != before[name] for name in before)
+
+
+# ---------------------------------------------------------------------- sharded engines on CPU
+
+# What a sharded run's weights may differ by from the one-process run's after two steps: the
+# same sums reduced in another order. Measured: at most 6.8e-7 (ZeRO-2) and 8.1e-7 (ZeRO-3),
+# while the two steps move the weights by up to 1.5e-3.
+SHARDED_ATOL = 5e-6
+SHARDED_ENGINES = ["deepspeed_zero2", "deepspeed_zero3"]
+# With a KL term, so that the reference model (a whole copy under ZeRO-3) takes part too. The
+# one-process run plays each round's rows of both processes itself: twice the micro-batch.
+FIXED_ARGS = ["--fixed-completions", "--scale-rewards", "batch", "--beta", "0.5"]
+CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+# The ZeRO configs ask for bf16 GPUs; on CPU the runs compare in float32.
+CPU_LAUNCH = ("--mixed_precision", "no")
+
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (make install)"
+)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """The output folder of the fixed-completions run in one plain process (no launcher)."""
+    out_dir = tmp_path_factory.mktemp("one-process")
+    command = [sys.executable, str(SCRIPT), str(tiny_model_dir), str(out_dir)]
+    returncode, output = run_in_own_group(
+        [*command, *FIXED_ARGS, "--per-device-batch", "8"], CPU_ENV
+    )
+    assert returncode == 0, output[-6000:]
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=SHARDED_ENGINES)
+def sharded_run(request, tiny_model_dir, tmp_path_factory) -> Path:
+    """The output folder of the fixed-completions run on 2 CPU processes under each engine.
+
+    Process p also runs the policy p + 1 extra times while generating (`--uneven-forwards`).
+    """
+    engine = request.param
+    out_dir = tmp_path_factory.mktemp(engine)
+    returncode, output = accelerate_launch(
+        CONFIGS / f"{engine}.yaml",
+        num_processes=2,
+        script_args=[str(tiny_model_dir), str(out_dir), *FIXED_ARGS, "--uneven-forwards"],
+        env=CPU_ENV,
+        launch_args=CPU_LAUNCH,
+    )
+    assert returncode == 0, output[-6000:]
+    return out_dir
+
+
+@needs_deepspeed
+def test_a_sharded_run_trains_to_the_weights_of_one_process(sharded_run, one_process_run):
+    out_dir = sharded_run
+    reports = read_reports(out_dir)
+    assert [r["distributed_type"] for r in reports] == ["DistributedType.DEEPSPEED"] * 2
+    assert [r["world_size"] for r in reports] == [2, 2]
+    sharded = torch.load(out_dir / "weights.pt")
+    alone = torch.load(one_process_run / "weights.pt")
+    assert sharded.keys() == alone.keys()
+    before = read_reports(one_process_run)[0]["weights_before"]
+    for name, weight in alone.items():
+        assert weight.double().sum().item() != before[name]  # two steps moved every tensor
+        torch.testing.assert_close(sharded[name], weight, atol=SHARDED_ATOL, rtol=0)
+
+
+@needs_deepspeed
+def test_a_sharded_run_records_the_episodes_of_one_process(sharded_run, one_process_run):
+    out_dir = sharded_run
+    for step in (1, 2):
+        sharded = read_episodes(out_dir / "run", step)
+        alone = read_episodes(one_process_run / "run", step)
+        assert [r.process for r in sharded] == [0] * 8 + [1] * 8
+        assert [r.episode.row["id"] for r in sharded] == [r.episode.row["id"] for r in alone]
+        assert [r.episode.completion_ids for r in sharded] == [
+            r.episode.completion_ids for r in alone
+        ]
+        assert [r.rewards for r in sharded] == [r.rewards for r in alone]
+        assert [r.advantage for r in sharded] == pytest.approx([r.advantage for r in alone])
+
+
+@needs_deepspeed
+def test_processes_generate_without_waiting_for_each_other(sharded_run):
+    # Under ZeRO-3 every forward pass with DeepSpeed's hooks on is a collective: a process
+    # that runs more of them while generating would wait forever for the other.
+    out_dir = sharded_run
+    calls_0, calls_1 = (r["forward_calls"] for r in read_reports(out_dir))
+    assert calls_1 == calls_0 + 2  # one more extra forward per round, two rounds
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_zero3_generates_from_the_whole_trained_weights(tiny_model_dir, tmp_path):
+    """Sampled episodes under ZeRO-3: the sampler's logprobs are the trainer's own."""
+    returncode, output = accelerate_launch(
+        CONFIGS / "deepspeed_zero3.yaml",
+        num_processes=2,
+        script_args=[str(tiny_model_dir), str(tmp_path)],
+        env=CPU_ENV,
+        launch_args=CPU_LAUNCH,
+    )
+    assert returncode == 0, output[-6000:]
+    reports = read_reports(tmp_path)
+    steps = [log for log in reports[0]["log_history"] if "reward" in log]
+    assert len(steps) == 2
+    for log in steps:  # generated from other weights (a shard, the old step's), logprobs differ
+        assert log["sampling/sampling_logp_difference/max"] < 1e-4
+    assert recorded_steps(reports[0]["output_dir"]) == [1, 2]
+
+
+def test_fsdp_on_cpu_processes_is_refused_with_what_to_launch_instead(tiny_model_dir, tmp_path):
+    returncode, output = accelerate_launch(
+        CONFIGS / "fsdp2.yaml",
+        num_processes=2,
+        script_args=[str(tiny_model_dir), str(tmp_path)],
+        env=CPU_ENV,
+    )
+    assert returncode != 0
+    assert "accelerate runs this launch as MULTI_CPU" in output
+    assert "deepspeed_zero3.yaml" in output
+    assert not list(tmp_path.glob("process_*.json"))  # nobody trained
+
+
+@needs_deepspeed
+def test_agentgrpo_run_trains_under_zero3_and_saves_the_whole_model(tiny_model_dir, tmp_path):
+    """`agentgrpo run` as the launched module: Counter episodes, a KL term, the final save."""
+    out_dir = tmp_path / "run"
+    command = [
+        *(sys.executable, "-m", "accelerate.commands.launch"),
+        *("--config_file", str(CONFIGS / "deepspeed_zero3.yaml"), "--num_processes", "2"),
+        *("--main_process_port", str(free_port()), *CPU_LAUNCH),
+        *("-m", "agentgrpo", "run", "env:Counter", "--model", str(tiny_model_dir)),
+        *("--chat-template", "chatml_tools", "--device", "cpu", "--max-steps", "2"),
+        *("--output-dir", str(out_dir), "--per-device-train-batch-size", "4"),
+        *("--num-generations", "4", "--max-completion-length", "16", "--beta", "0.1"),
+        *("--report-to", "none", "--save-strategy", "no"),
+    ]
+    returncode, output = run_in_own_group(command, CPU_ENV)
+    assert returncode == 0, output[-6000:]
+    assert recorded_steps(out_dir) == [1, 2]
+    assert {r.process for r in read_episodes(out_dir, 2)} == {0, 1}
+    saved = load_file(out_dir / "model" / "model.safetensors")
+    started = load_file(tiny_model_dir / "model.safetensors")
+    assert {name: t.shape for name, t in saved.items()} == {
+        name: t.shape for name, t in started.items()
+    }
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+
+
+def test_fsdp2_generation_needs_no_lock_step_between_processes():
+    # Without fsdp2_unsharded the process running more forwards waits forever for the other.
+    command = [sys.executable, str(ROOT / "tests" / "fsdp2_generate.py"), str(free_port())]
+    returncode, output = run_in_own_group(command, {**CPU_ENV, "PYTHONPATH": str(ROOT)})
+    assert returncode == 0, output[-6000:]
+    assert "process 0 ok" in output
+    assert "process 1 ok" in output
+
+
+def test_zero3_generation_from_shards_over_processes_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="leave ds3_gather_for_generation=True"):
+        check_zero3_generation(zero_stage=3, num_processes=2, ds3_gather=False)
+    check_zero3_generation(zero_stage=3, num_processes=2, ds3_gather=True)
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded_run", SHARDED_ENGINES, indirect=True)
+def test_a_sharded_run_killed_mid_step_resumes_to_the_uninterrupted_weights(
+    sharded_run, request, tiny_model_dir, tmp_path
+):
+    engine = request.node.callspec.params["sharded_run"]
+    args = [str(tiny_model_dir), str(tmp_path), *FIXED_ARGS, "--save-steps", "1"]
+    for extra in (["--kill-in-step", "2"], ["--resume"]):
+        returncode, output = accelerate_launch(
+            CONFIGS / f"{engine}.yaml", 2, [*args, *extra], CPU_ENV, CPU_LAUNCH
+        )
+        if extra[0] == "--kill-in-step":
+            assert returncode != 0  # the main process was killed in step 2, after checkpoint-1
+            assert not (tmp_path / "weights.pt").exists()
+        else:
+            assert returncode == 0, output[-6000:]
+    resumed = torch.load(tmp_path / "weights.pt")
+    uninterrupted = torch.load(sharded_run / "weights.pt")
+    for name, weight in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], weight, atol=0, rtol=0)
