@@ -65,6 +65,8 @@ class RolloutEngine:
     Raises:
         ToolTemplateError: There are tools but the template cannot show them.
         EnvironmentSpecError: An environment class breaks the contract.
+        EnvironmentTimeoutError: A factory that is not a class, called once (and its instance
+            closed) to find the class, did not return within `config.environment_timeout_s`.
         ValueError: `environment_factory` is an empty dict, or an agent comes with an
             environment or tools.
 
