@@ -586,8 +586,9 @@ class GRPOConfig(TrainingArguments):
     environment_timeout_s: float | None = field(
         default=120.0,
         metadata={
-            "help": "Seconds each of an environment's __init__, reset, reward and close may take "
-            "before the run stops with an error naming the method. None: no timeout."
+            "help": "Seconds each of an environment's __init__, reset, done (a property), "
+            "reward and close may take before the run stops with an error naming the method. "
+            "None: no timeout."
         },
     )
     max_concurrent_episodes: int = field(

@@ -59,9 +59,11 @@ class Environment(Protocol):
 
     - ``reward(self) -> float`` (or ``get_reward``, TRL's name; not both): the episode's reward
       from the final state, sync or ``async def``, a finite number.
-    - ``close(self) -> None``: always called when the episode ends, failed or not; synchronous.
+    - ``close(self) -> None``: called when the episode ends, failed or not; synchronous. Not
+      called while a method that timed out (``environment_timeout_s``) may still run.
     - ``done``: a bool attribute or property; setting it true ends the episode after the current
-      turn's tool calls. Never a method (a method is always true).
+      turn's tool calls. Never a method (a method is always true). A property is read in a
+      daemon thread under ``environment_timeout_s``; a plain attribute is read in place.
     - ``dataset(cls, split: str = "train")``: a classmethod returning the task rows (a
       ``datasets.Dataset``), used when no dataset is given.
     - ``demonstrations(cls, n: int, seed: int = 0) -> list[list[dict]]``: a classmethod

@@ -39,7 +39,12 @@ class EnvironmentDoneError(RuntimeError):
 
 
 class EnvironmentTimeoutError(RuntimeError):
-    """``__init__``, ``reset``, ``reward`` or ``close`` did not return within its time limit.
+    """``__init__``, ``reset``, ``done``, ``reward`` or ``close`` did not return in time.
 
-    The call is abandoned, not stopped: it runs on in its daemon thread (`tools.threads`).
+    A sync method is abandoned, not stopped: it runs on in its daemon thread (`tools.threads`),
+    and `still_running` is True. An ``async def`` reward is cancelled (`still_running` False).
     """
+
+    def __init__(self, message: str, still_running: bool = True):
+        super().__init__(message)
+        self.still_running = still_running

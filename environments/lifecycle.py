@@ -5,14 +5,17 @@ inspects user classes itself and every user mistake surfaces as one error that n
 and the method. Whatever the user's method raises is its failure, ``SystemExit`` and
 ``KeyboardInterrupt`` included (`tools.threads.is_signal` says which are signals instead). The
 functions are synchronous, like the contract's methods, except `read_reward`, which also
-accepts an ``async def`` reward and so is awaited, and `run_environment_code`, which runs any of
-them in a daemon thread under the run's ``environment_timeout_s``.
+accepts an ``async def`` reward and so is awaited, `read_done`, which reads a ``done`` property
+in a daemon thread, and `run_environment_code`, which runs any of them in a daemon thread under
+the run's ``environment_timeout_s`` (`run_environment_code_blocking` outside an event loop).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+import types
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -27,7 +30,14 @@ from environments.errors import (
     EnvironmentSpecError,
     EnvironmentTimeoutError,
 )
-from tools.threads import StuckCallsError, describe_error, is_signal, run_in_daemon_thread
+from tools.threads import (
+    USER_CODE,
+    CallTimedOut,
+    StuckCallsError,
+    describe_error,
+    is_signal,
+    run_in_daemon_thread,
+)
 
 _VALUE_CHARS = 60  # per column, when a row is shown in an error message
 T = TypeVar("T")
@@ -52,6 +62,20 @@ async def run_environment_code(fn: Callable[[], T], where: str, timeout_s: float
     raise EnvironmentTimeoutError(timed_out(where, timeout_s))
 
 
+def run_environment_code_blocking(fn: Callable[[], T], where: str, timeout_s: float | None) -> T:
+    """`run_environment_code` for callers outside an event loop: blocks this thread meanwhile.
+
+    Raises:
+        EnvironmentTimeoutError: As `run_environment_code`.
+        StuckCallsError: As `run_environment_code`.
+
+    """
+    try:
+        return USER_CODE.run_blocking(fn, where, timeout_s)
+    except CallTimedOut:
+        raise EnvironmentTimeoutError(timed_out(where, timeout_s)) from None
+
+
 def timed_out(where: str, timeout_s: float | None) -> str:
     """The message of an `EnvironmentTimeoutError` for the method `where`."""
     return (
@@ -74,11 +98,15 @@ def create_environment(factory: Callable[[], Any]) -> object:
     except BaseException as error:
         if is_signal(error):
             raise
-        if isinstance(factory, type):
-            where = f"{factory.__qualname__}.__init__()"
-        else:
-            where = f"the environment factory {getattr(factory, '__qualname__', repr(factory))}()"
+        where = init_name(factory)
         raise EnvironmentInitError(f"{where} raised {describe_error(error)}") from error
+
+
+def init_name(factory: Callable[[], Any]) -> str:
+    """How errors name the call that makes an instance: ``Game.__init__()`` or the factory."""
+    if isinstance(factory, type):
+        return f"{factory.__qualname__}.__init__()"
+    return f"the environment factory {getattr(factory, '__qualname__', repr(factory))}()"
 
 
 def reset_environment(env: object, row: Mapping[str, Any], seed: int | None) -> str | None:
@@ -187,7 +215,8 @@ async def read_reward(env: object, timeout_s: float | None = None) -> float | No
             raise
         raise EnvironmentRewardError(f"{where} raised {describe_error(error)}") from error
     if deadline.cancelled_caught:
-        raise EnvironmentTimeoutError(timed_out(where, timeout_s))
+        running = not inspect.iscoroutinefunction(method)  # a coroutine was cancelled, it stopped
+        raise EnvironmentTimeoutError(timed_out(where, timeout_s), still_running=running)
     return _finite_float(value, name)
 
 
@@ -207,6 +236,50 @@ def _reward_method(env: object) -> Callable[[], Any] | None:
             f"not {type(method).__name__}"
         )
     return method
+
+
+async def read_done(env: object, timeout_s: float | None = None) -> bool:
+    """`is_done(env)`, with a property's code run in a daemon thread under `timeout_s`.
+
+    A plain ``done`` attribute (or none) is read in place: it runs no user code, and the
+    engine reads ``done`` after every turn's tool calls. Anything that may run the class's code
+    on reading (a ``@property`` or other descriptor, ``__getattr__``, ``__getattribute__``) is
+    read like the other methods of the contract, so one that blocks stalls no other episode.
+
+    Raises:
+        EnvironmentSpecError, EnvironmentDoneError: As `is_done`.
+        EnvironmentTimeoutError: Reading ``done`` did not return within `timeout_s`.
+        StuckCallsError: Too many calls of user code are stuck to start another.
+
+    """
+    if not done_runs_code(env):
+        return is_done(env)
+    where = f"{type(env).__qualname__}.done (a property)"
+    return await run_environment_code(functools.partial(is_done, env), where, timeout_s)
+
+
+def done_runs_code(env: object) -> bool:
+    """Whether reading ``env.done`` may run code of the class, not just look a value up.
+
+    >>> class Plain:
+    ...     done = False
+    >>> class Computed:
+    ...     @property
+    ...     def done(self) -> bool:
+    ...         return True
+    >>> done_runs_code(Plain()), done_runs_code(Computed()), done_runs_code(object())
+    (False, True, False)
+    """
+    cls = type(env)
+    if cls.__getattribute__ is not object.__getattribute__:
+        return True
+    try:
+        found = inspect.getattr_static(env, "done")
+    except AttributeError:
+        return hasattr(cls, "__getattr__")
+    if inspect.isfunction(found) or isinstance(found, types.MemberDescriptorType):
+        return False  # a method (an error `is_done` reports) or a __slots__ slot: no user code
+    return hasattr(type(found), "__get__")
 
 
 def is_done(env: object) -> bool:

@@ -8,13 +8,21 @@ keeps memory and environment count in check. Episodes of one group share their r
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
-from environments import check_environment, class_tools, close_environment, create_environment
+from environments import (
+    check_environment,
+    class_tools,
+    close_environment,
+    create_environment,
+    init_name,
+    run_environment_code_blocking,
+)
 from rollout.agent_session import SessionContext
 from rollout.agents import Agent, run_agent_episode
 from rollout.backend import GenerationBackend
@@ -57,6 +65,8 @@ class RolloutEngine:
     Raises:
         ToolTemplateError: There are tools but the template cannot show them.
         EnvironmentSpecError: An environment class breaks the contract.
+        EnvironmentTimeoutError: A factory that is not a class, called once (and its instance
+            closed) to find the class, did not return within `config.environment_timeout_s`.
         ValueError: `environment_factory` is an empty dict, or an agent comes with an
             environment or tools.
 
@@ -230,7 +240,7 @@ class _Setup:
 
     def context(self, factory: Factory | None) -> EpisodeContext:
         """The context of episodes against `factory`'s environment (or none)."""
-        env_tools = _environment_tools(factory)
+        env_tools = _environment_tools(factory, self.config.environment_timeout_s)
         if clash := sorted(self.plain.keys() & env_tools.keys()):
             raise ValueError(f"tools {clash} are both plain tools and environment methods")
         schemas = [t.schema for t in (*self.plain.values(), *env_tools.values())]
@@ -256,22 +266,26 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return error
 
 
-def _environment_tools(factory: Callable[[], Any] | None) -> dict[str, Tool]:
+def _environment_tools(
+    factory: Callable[[], Any] | None, timeout_s: float | None
+) -> dict[str, Tool]:
     """Tool schemas of the environment's class, read once; episodes bind them to instances.
 
     A class is read without building an instance; any other factory is called once and the
-    probe instance closed.
+    probe instance closed, each in a daemon thread under `timeout_s` (environment_timeout_s).
     """
     if factory is None:
         return {}
-    cls = factory if isinstance(factory, type) else _probe_class(factory)
+    cls = factory if isinstance(factory, type) else _probe_class(factory, timeout_s)
     check_environment(cls)
     return class_tools(cls)
 
 
-def _probe_class(factory: Callable[[], Any]) -> type:
-    probe = create_environment(factory)
-    close_environment(probe)
+def _probe_class(factory: Callable[[], Any], timeout_s: float | None) -> type:
+    create = functools.partial(create_environment, factory)
+    probe = run_environment_code_blocking(create, init_name(factory), timeout_s)
+    close = functools.partial(close_environment, probe)
+    run_environment_code_blocking(close, f"{type(probe).__qualname__}.close()", timeout_s)
     return type(probe)
 
 

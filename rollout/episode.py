@@ -26,7 +26,8 @@ from environments import (
     close_after_failure,
     close_environment,
     create_environment,
-    is_done,
+    init_name,
+    read_done,
     read_reward,
     reset_environment,
     run_environment_code,
@@ -63,7 +64,7 @@ class EpisodeConfig:
         max_prompt_length: The most prompt tokens (None: only the context limit applies).
         tool_timeout_s: Per-call tool timeout (None: no timeout).
         environment_timeout_s: Seconds each of the environment's ``__init__``, ``reset``,
-            ``reward`` and ``close`` may take before the run stops with an
+            ``done`` (a property), ``reward`` and ``close`` may take before the run stops with an
             `EnvironmentTimeoutError` naming the method (None: no timeout).
         temperature, top_p, top_k: Sampling, as in `SamplingParams`.
 
@@ -161,8 +162,9 @@ async def run_episode(
     thread, like sync tools (`tools.run_in_daemon_thread`), so a slow environment never stalls
     the other episodes and one that never returns cannot keep the process alive; past
     `environment_timeout_s` it is abandoned and the run stops with an `EnvironmentTimeoutError`.
-    When the episode fails, its first error is the one raised: a `close` that fails (or times
-    out) too becomes a note on it.
+    ``done``, when a property, runs there too. When the episode fails, its first error is the
+    one raised: a `close` that fails (or times out) too becomes a note on it; after a method
+    that timed out, `close` is not called (see `_close`).
     """
     messages = prompt_messages(row) if "prompt" in row else []
     timeout_s = ctx.config.environment_timeout_s
@@ -213,7 +215,7 @@ async def _create_and_reset(
 ) -> tuple[Any, str | None]:
     """Make and reset an environment, each in a daemon thread; close it if `reset` fails."""
     env = await run_environment_code(
-        functools.partial(create_environment, factory), _init_name(factory), timeout_s
+        functools.partial(create_environment, factory), init_name(factory), timeout_s
     )
     where = f"{type(env).__qualname__}.reset()"
     try:
@@ -224,19 +226,19 @@ async def _create_and_reset(
         raise
 
 
-def _init_name(factory: Callable[[], Any]) -> str:
-    if isinstance(factory, type):
-        return f"{factory.__qualname__}.__init__()"
-    return f"the environment factory {getattr(factory, '__qualname__', repr(factory))}()"
-
-
 async def _close(env: Any, timeout_s: float | None, failure: BaseException | None = None) -> None:
     """Close `env` in a daemon thread, even while cancelled (but not by Ctrl-C).
 
     After `failure`, a close that fails or times out too is a note on `failure`, which the
-    caller raises.
+    caller raises. After a method of `env` timed out and still runs (`failure` is an
+    `EnvironmentTimeoutError`), `close` is not called, and a note on `failure` says so: the
+    contract runs one method of an instance at a time, and closing under a running ``reset``
+    or ``reward`` could break it in ways that hide the timeout. The run stops on that error.
     """
     where = f"{type(env).__qualname__}.close()"
+    if isinstance(failure, EnvironmentTimeoutError) and failure.still_running:
+        failure.add_note(f"{where} was not called: the method that timed out may still run.")
+        return
     if failure is None:
         close = functools.partial(close_environment, env)
     else:
@@ -342,14 +344,16 @@ async def _turn(
     _count(state, parsed, results)
     tool_messages = [_tool_message(r.name, r.content) for r in results]
     tool_messages += [_tool_message("error", e) for e in parsed.errors]
-    finish = _add_tool_turn(ctx, state, tool_messages, decode(completion.token_ids[-1:]), env)
+    env_done = env is not None and await read_done(env, ctx.config.environment_timeout_s)
+    stop_text = decode(completion.token_ids[-1:])
+    finish = _add_tool_turn(ctx, state, tool_messages, stop_text, env_done)
     shown = state.messages[len(state.messages) - len(tool_messages) :]
     state.calls.extend(_call_records(parsed, results, shown))
     return finish
 
 
 def _add_tool_turn(
-    ctx: EpisodeContext, state: _State, tool_messages: list[dict], stop_text: str, env: Any
+    ctx: EpisodeContext, state: _State, tool_messages: list[dict], stop_text: str, env_done: bool
 ) -> Finish | None:
     """Record the tool results; append their tokens (mask 0) unless the episode ends here.
 
@@ -363,7 +367,7 @@ def _add_tool_turn(
     fitted = ctx.renderer.fit_tool_messages(
         tool_messages, ctx.config.max_completion_length - state.spent
     )
-    ends = _ending(ctx, state, env)
+    ends = _ending(ctx, state, env_done)
     if ends is not None:
         state.messages.extend(fitted)
         return ends
@@ -398,9 +402,9 @@ def _tool_turn(
     return fitted, turn
 
 
-def _ending(ctx: EpisodeContext, state: _State, env: Any) -> Finish | None:
+def _ending(ctx: EpisodeContext, state: _State, env_done: bool) -> Finish | None:
     """ENV_DONE or MAX_TURNS when the episode ends after this turn's tool results, else None."""
-    if env is not None and is_done(env):
+    if env_done:
         return Finish.ENV_DONE
     if state.turns >= ctx.config.max_turns:
         return Finish.MAX_TURNS

@@ -190,7 +190,10 @@ def test_run_with_reset_and_close_failing_prints_resets_error_then_closes(run_er
 
 
 def test_run_with_a_reset_that_hangs_prints_one_error_naming_class_and_reset(run_error):
-    [line] = run_error("HungReset", "--environment-timeout-s", "0.5")
+    [line, note] = run_error("HungReset", "--environment-timeout-s", "0.5")
     assert line.startswith(
         "error: HungReset.reset() did not return within 0.5 s (environment_timeout_s)"
+    )
+    assert note.endswith(
+        "HungReset.close() was not called: the method that timed out may still run."
     )

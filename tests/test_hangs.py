@@ -18,7 +18,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from conftest import COUNTER_ROW, scripted_backend
+from conftest import COUNTER_ROW, scripted_backend, tool_call
 
 from environments import (
     Counter,
@@ -29,9 +29,16 @@ from environments import (
     EnvironmentTimeoutError,
     reset_environment,
 )
-from rollout import EpisodeConfig, RolloutEngine
+from environments.lifecycle import done_runs_code
+from rollout import EpisodeConfig, Finish, RolloutEngine
 from tools import StuckCallsError, ToolErrorKind, UserCodeAborted, as_tool, call_tool
-from tools.threads import USER_CODE, DaemonThreads, is_signal, shield_unless_interrupted
+from tools.threads import (
+    USER_CODE,
+    CallTimedOut,
+    DaemonThreads,
+    is_signal,
+    shield_unless_interrupted,
+)
 
 TESTS = Path(__file__).resolve().parent
 
@@ -68,6 +75,16 @@ async def test_an_abandoned_call_is_stuck_until_it_returns():
     assert threads.stuck == ["tool wait()"]
     release.set()
     await until_none_stuck(threads)
+
+
+def test_a_blocking_wait_gives_up_after_its_timeout_and_counts_the_call_stuck():
+    threads, release = DaemonThreads(), threading.Event()
+    assert threads.run_blocking(lambda: 7, "probe", timeout_s=30) == 7
+    with pytest.raises(CallTimedOut, match=r"factory\(\) did not return within 0.2 s"):
+        threads.run_blocking(release.wait, "factory()", timeout_s=0.2)
+    assert threads.stuck == ["factory()"]
+    release.set()
+    anyio.run(until_none_stuck, threads)
 
 
 @pytest.mark.anyio
@@ -286,6 +303,18 @@ class BrokenResetHungClose(HungClose):
         raise ValueError("bad target")
 
 
+class HungDone(Counter):
+    @property
+    def done(self) -> bool:
+        RELEASE.wait(30)  # bounded, so the event loop it blocked before the fix comes back
+        return False
+
+
+def hung_factory() -> Counter:
+    RELEASE.wait(30)  # as above: the engine's set-up called it synchronously, without a limit
+    return Counter()
+
+
 @pytest.fixture
 def release_hung_calls():
     """Let the methods a test abandoned return, and wait until they have."""
@@ -314,6 +343,80 @@ async def test_environment_code_that_never_returns_stops_the_run_naming_class_an
     assert str(caught.value).startswith(
         f"{where} did not return within 0.5 s (environment_timeout_s); it was abandoned"
     )
+
+
+@pytest.mark.anyio
+async def test_a_done_property_that_never_returns_stops_the_run_naming_it(
+    tokenizer, release_hung_calls
+):
+    calls = (tool_call("increment", step=1), "Done.")
+    with anyio.fail_after(60), pytest.raises(EnvironmentTimeoutError) as caught:
+        await engine(tokenizer, HungDone, calls, environment_timeout_s=0.5).run([ROW])
+    assert str(caught.value).startswith("HungDone.done (a property) did not return within 0.5 s")
+
+
+def test_a_factory_that_never_returns_stops_the_engine_set_up_naming_it(
+    tokenizer, release_hung_calls
+):
+    with pytest.raises(EnvironmentTimeoutError) as caught:  # before: waited, then set up
+        engine(tokenizer, hung_factory, environment_timeout_s=0.5)
+    assert str(caught.value).startswith(
+        "the environment factory hung_factory() did not return within 0.5 s"
+    )
+
+
+@pytest.mark.anyio
+async def test_a_done_property_is_read_in_a_daemon_thread_and_a_plain_attribute_in_place(
+    tokenizer,
+):
+    readers = []
+
+    class DoneProperty(Counter):
+        @property
+        def done(self) -> bool:
+            readers.append(threading.current_thread())
+            return True
+
+    calls = (tool_call("increment", step=1), "Done.")
+    [episode] = await engine(tokenizer, DoneProperty, calls, environment_timeout_s=30).run([ROW])
+    assert episode.finish is Finish.ENV_DONE
+    assert [reader.daemon for reader in readers] == [True]
+    assert (done_runs_code(DoneProperty()), done_runs_code(Counter())) == (True, False)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("method", ["reset", "reward"])
+async def test_close_is_not_called_while_a_method_that_timed_out_still_runs(
+    tokenizer, release_hung_calls, method
+):
+    closed = []
+
+    class HungMethodCountsClose(HungReset if method == "reset" else HungReward):
+        def close(self) -> None:
+            closed.append(RELEASE.is_set())
+
+    with anyio.fail_after(60), pytest.raises(EnvironmentTimeoutError) as caught:
+        await engine(tokenizer, HungMethodCountsClose, environment_timeout_s=0.5).run([ROW])
+    assert closed == []  # before: close ran at once, beside the hung method
+    [note] = caught.value.__notes__
+    assert note.endswith(
+        "HungMethodCountsClose.close() was not called: the method that timed out may still run."
+    )
+
+
+@pytest.mark.anyio
+async def test_close_is_called_after_an_async_reward_timed_out_since_it_was_cancelled(
+    tokenizer, release_hung_calls
+):
+    closed = []
+
+    class AsyncHungRewardCountsClose(AsyncHungReward):
+        def close(self) -> None:
+            closed.append(True)
+
+    with anyio.fail_after(60), pytest.raises(EnvironmentTimeoutError) as caught:
+        await engine(tokenizer, AsyncHungRewardCountsClose, environment_timeout_s=0.5).run([ROW])
+    assert closed == [True] and not getattr(caught.value, "__notes__", [])
 
 
 @pytest.mark.anyio

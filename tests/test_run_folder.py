@@ -7,11 +7,15 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import COUNTER_TURNS, scripted_episode
+from transformers import TrainerControl, TrainerState
 
 from agentgrpo.cli import main
+from agentgrpo.reporting.run_log import EpisodeLog, EpisodeSamples, MetricsLog
 from agentgrpo.run_folder import (
     LOCK_FILE,
     OutputDirBusy,
@@ -19,6 +23,7 @@ from agentgrpo.run_folder import (
     explained_write_errors,
     hold,
 )
+from rollout import EpisodeRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLDER = """
@@ -162,3 +167,46 @@ def test_a_run_whose_disk_fills_up_ends_with_one_error_line(
     assert f"error: cannot write to output folder {small_disk}: No space left on device" in err
     assert "Traceback" not in err
     assert not list(small_disk.glob("_tmp-*")), "the failed checkpoint's folder is removed"
+
+
+def fill(disk: Path) -> None:
+    """Write into `disk` until it is full, so the next write of any size fails."""
+    with pytest.raises(OSError, match="No space left"), (disk / "filler").open("wb") as file:
+        file.write(bytes(2 << 20))  # 2 MiB onto a 1 MiB file system
+
+
+def callback_args(folder: Path, step: int = 1):
+    args = SimpleNamespace(output_dir=str(folder), world_size=1)
+    return args, TrainerState(global_step=step, max_steps=3, epoch=0.0), TrainerControl()
+
+
+def test_a_metrics_line_onto_a_full_disk_says_the_disk_is_full_and_names_the_folder(small_disk):
+    fill(small_disk)
+    with pytest.raises(OutputDirUnwritable) as error:  # before: a plain OSError
+        MetricsLog().on_log(*callback_args(small_disk), logs={"reward": 1.0})
+    assert str(error.value).startswith(
+        f"cannot write to output folder {small_disk}: No space left on device"
+    )
+
+
+def test_an_episode_file_onto_a_full_disk_says_so_and_leaves_no_temporary_file(
+    small_disk, tokenizer
+):
+    (small_disk / "episodes").mkdir()
+    fill(small_disk)
+    episode = scripted_episode(tokenizer, COUNTER_TURNS)
+    record = EpisodeRecord(episode, {"Counter": 1.0}, reward=1.0, advantage=0.5, policy_version=0)
+    trainer = SimpleNamespace(last_records=[record])  # what EpisodeLog reads of the trainer
+    with pytest.raises(OutputDirUnwritable, match=f"{small_disk}: No space left on device"):
+        EpisodeLog(trainer).on_step_end(*callback_args(small_disk))
+    assert list((small_disk / "episodes").iterdir()) == []
+
+
+def test_metrics_and_episode_samples_into_a_read_only_folder_say_why(read_only, tokenizer):
+    reason = "Read-only file system" if os.geteuid() == 0 else "Permission denied"
+    args, state, control = callback_args(read_only)
+    with pytest.raises(OutputDirUnwritable, match=f"{read_only}: {reason}"):
+        MetricsLog().on_log(args, state, control, logs={"reward": 1.0})
+    trainer = SimpleNamespace(last_episodes=[(scripted_episode(tokenizer, COUNTER_TURNS), 1.0)])
+    with pytest.raises(OutputDirUnwritable, match=f"{read_only}: {reason}"):
+        EpisodeSamples(trainer).on_log(args, state, control, logs={"reward": 1.0})

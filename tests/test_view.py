@@ -59,7 +59,7 @@ def run_dir(tmp_path, tokenizer):
 
 def test_an_episode_reads_with_its_tokens_masks_logprobs_calls_and_scores(run_dir, tokenizer):
     good = scripted_episode(tokenizer, COUNTER_TURNS)
-    [first, second] = [view_data.episode_view(r) for r in view_data.read_step(run_dir, 1)]
+    [first, second] = [view_data.episode_view(r) for r in view_data.read_step(run_dir, 1)[0]]
     [row] = first["rows"]
     assert row["prompt_ids"] == good.rows[0].prompt_ids
     assert row["completion_ids"] == good.rows[0].completion_ids
@@ -80,7 +80,7 @@ def test_an_episode_reads_with_its_tokens_masks_logprobs_calls_and_scores(run_di
 
 
 def test_a_step_summary_adds_up_its_episodes(run_dir):
-    episodes = [view_data.episode_view(r) for r in view_data.read_step(run_dir, 1)]
+    episodes = [view_data.episode_view(r) for r in view_data.read_step(run_dir, 1)[0]]
     summary = view_data.step_summary(episodes)
     assert summary["episodes"] == 2
     assert summary["reward"] == 0.5 and summary["rewards"] == {"Counter": 0.5}
@@ -96,7 +96,7 @@ def test_a_non_finite_reward_reads_as_its_text(tokenizer, tmp_path):
     episode_file(folder, 1).parent.mkdir(parents=True)
     nan_record = record(scripted_episode(tokenizer, COUNTER_TURNS), reward=float("nan"))
     episode_file(folder, 1).write_text(record_line(nan_record))
-    [episode] = [view_data.episode_view(r) for r in view_data.read_step(folder, 1)]
+    [episode] = [view_data.episode_view(r) for r in view_data.read_step(folder, 1)[0]]
     assert episode["reward"] == "nan"
     assert view_data.step_summary([episode])["reward"] is None
     json.dumps(episode, allow_nan=False)  # the page's JSON holds it
@@ -106,17 +106,31 @@ def test_a_last_line_still_being_written_is_left_out_not_an_error(run_dir):
     path = episode_file(run_dir, 2)
     whole = path.read_text()
     path.write_text(whole + whole[: len(whole) // 2])  # a second line, cut short
-    assert len(view_data.read_step(run_dir, 2)) == 1
+    assert view_data.read_step(run_dir, 2)[1] == []  # nothing skipped: the line is unfinished
+    assert len(view_data.read_step(run_dir, 2)[0]) == 1
+    path.write_text(whole[: len(whole) // 2])  # only a first line, cut short
+    assert view_data.read_step(run_dir, 2) == ([], [])
+    assert RunView(run_dir).step(2)["summary"]["episodes"] == 0
     metrics = run_dir / "metrics.jsonl"
     metrics.write_text(metrics.read_text() + '{"step": 3, "rew')
     assert [entry["step"] for entry in view_data.read_metrics(run_dir)[0]] == [1, 2]
 
 
-def test_a_whole_line_that_is_not_a_record_names_the_file_and_line(run_dir):
-    path = episode_file(run_dir, 2)
-    path.write_text(path.read_text() + '{"format": 99}\n')
-    with pytest.raises(ValueError, match=r"step-00002\.jsonl, line 2: not an episode record"):
-        view_data.read_step(run_dir, 2)
+def test_a_step_line_that_is_not_a_record_is_skipped_with_a_note(run_dir):
+    path = episode_file(run_dir, 1)
+    [good, bad] = path.read_text().splitlines(keepends=True)
+    path.write_text(good + '{"format": 99}\n' + "{oops\n" + bad)
+    records, skipped = view_data.read_step(run_dir, 1)
+    assert [r.reward for r in records] == [1.0, 0.0]
+    assert [note.split(": ", 1)[1][:24] for note in skipped] == [
+        "not an episode record (n",
+        "not JSON (Expecting prop",
+    ]
+    assert "step-00001.jsonl, line 2: not an episode record" in skipped[0]
+    step = RunView(run_dir).step(1)  # was a ValueError, and a 500 from the server
+    assert step["summary"]["episodes"] == 2
+    assert step["note"].startswith("2 line(s) of step-00001.jsonl skipped, the episodes show")
+    assert RunView(run_dir).step(2)["note"] == ""
 
 
 def test_a_metrics_line_that_does_not_read_is_skipped_with_a_note(run_dir, tmp_path):
@@ -344,10 +358,12 @@ def test_the_server_answers_only_requests_for_its_own_host_names(served):
     assert get(served + "/")[0] == 200  # urllib sends Host 127.0.0.1:PORT
 
 
-def test_a_step_that_does_not_read_answers_500_with_the_reason(served, run_dir):
-    episode_file(run_dir, 2).write_text("[1, 2]\n")
+def test_a_step_with_a_line_that_does_not_read_answers_the_rest_and_a_note(served, run_dir):
+    path = episode_file(run_dir, 2)
+    path.write_text("[1, 2]\n" + path.read_text())
     status, body = get(served + "/api/step/2")
-    assert status == 500 and "line 1: not a JSON object" in json.loads(body)["error"]
+    assert status == 200 and len(json.loads(body)["episodes"]) == 1
+    assert "line 1: not a JSON object" in json.loads(body)["note"]
 
 
 # ---------------------------------------------------------------------- the command

@@ -11,6 +11,8 @@ Contract of `run_in_daemon_thread(fn, label)`:
   `MAX_STUCK_CALLS` may be: starting one more call raises `StuckCallsError`, which names them
   (their labels). That is the user's problem to fix, not the model's: their code ignores its
   timeout.
+- `DaemonThreads.run_blocking(fn, label, timeout_s)` is the same for a caller outside any event
+  loop (setting a run up): it blocks the calling thread up to `timeout_s`, then abandons `fn`.
 - Whatever `fn` raises is `fn`'s own failure. An `Exception` comes back as it is; a
   `BaseException` that is not one (`SystemExit`, `KeyboardInterrupt`, ...) comes back as
   `UserCodeAborted`, an `Exception`, so the framework never takes it for a signal. (Python
@@ -50,6 +52,10 @@ MAX_STUCK_CALLS = 32
 
 class StuckCallsError(RuntimeError):
     """Too many calls of user code were abandoned and still run; the message names them."""
+
+
+class CallTimedOut(TimeoutError):
+    """`DaemonThreads.run_blocking` gave up waiting; the call runs on, counted as stuck."""
 
 
 class UserCodeAborted(Exception):
@@ -154,6 +160,33 @@ class DaemonThreads:
                 if not call.finished:
                     self._stuck.add(call)
             raise
+        return call.outcome()
+
+    def run_blocking(self, fn: Callable[[], T], label: str, timeout_s: float | None) -> T:
+        """`run`, for synchronous callers: block this thread until `fn` returns or `timeout_s`.
+
+        For user code called outside any event loop (e.g. while a run is set up). A Ctrl-C
+        while waiting abandons the call as a timeout does.
+
+        Raises:
+            CallTimedOut: `fn` did not return within `timeout_s`; it is abandoned (stuck).
+            StuckCallsError: `max_stuck` abandoned calls are still running; `fn` is not run.
+            UserCodeAborted: `fn` raised a `BaseException` that is not an `Exception`.
+
+        """
+        self._refuse_if_full()
+        call, done = _Call(label), threading.Event()
+        args = (fn, call, done.set)
+        threading.Thread(target=self._target, args=args, name=label, daemon=True).start()
+        try:
+            done.wait(timeout_s)
+        finally:  # on time out or Ctrl-C, leave the thread to finish on its own
+            with self._lock:
+                finished = call.finished
+                if not finished:
+                    self._stuck.add(call)
+        if not finished:
+            raise CallTimedOut(f"{label} did not return within {timeout_s} s")
         return call.outcome()
 
     def _target(self, fn: Callable[[], Any], call: _Call, wake: Callable[[], None]) -> None:

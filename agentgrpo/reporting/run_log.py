@@ -12,11 +12,13 @@
 `EpisodeLog`, which `GRPOTrainer` adds itself (`log_episodes`), keeps every episode of every step
 as data in `<output_dir>/episodes/step-00010.jsonl`; `read_episodes` reads them back.
 `summary_table` turns `metrics.jsonl` into the table printed at the end of a run. Only the main
-process writes anything.
+process writes anything. A write the output folder refuses (full disk, read-only file system, no
+permission) stops the run with one `run_folder.OutputDirUnwritable` naming the folder and why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,6 +35,7 @@ from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
 
 from agentgrpo.reporting.plot import line_chart
+from agentgrpo.run_folder import explained_write_errors
 from rollout import Episode, EpisodeRecord, read_records, record_line
 
 METRICS_FILE = "metrics.jsonl"
@@ -92,10 +95,7 @@ class MetricsLog(TrainerCallback):
         entries = [_entry(line) for line in lines]
         kept = [e for e in entries if e is not None and 0 < e["step"] <= state.global_step]
         if len(kept) < len(lines) or not text.endswith("\n"):  # also: a last line cut short
-            path.parent.mkdir(parents=True, exist_ok=True)
-            staged = path.with_name(f"_{METRICS_FILE}.tmp")
-            staged.write_text("".join(json.dumps(entry) + "\n" for entry in kept))
-            staged.replace(path)
+            _write_whole(args.output_dir, path, [json.dumps(entry) + "\n" for entry in kept])
         self._points = {name: [] for name in _CHARTED}
         for entry in kept:
             self._add_points(entry)
@@ -106,9 +106,11 @@ class MetricsLog(TrainerCallback):
             return
         entry = {"step": state.global_step, "epoch": state.epoch, **logs}
         path = Path(args.output_dir) / METRICS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as file:
-            file.write(json.dumps(entry) + "\n")
+        line = json.dumps(entry) + "\n"
+        with explained_write_errors(args.output_dir):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as file:
+                file.write(line)
         self._add_points(entry)
         now = time.monotonic()
         if self._charted_at is None or now - self._charted_at >= self.chart_every_s:
@@ -126,13 +128,14 @@ class MetricsLog(TrainerCallback):
 
     def _chart(self, output_dir: Path) -> None:
         values = [y for points in self._points.values() for _, y in points]
-        line_chart(
-            output_dir / CHART_FILE,
-            {_CHARTED[name]: points for name, points in self._points.items()},
-            title="reward and tool calls",
-            x_label="step",
-            y_range=(min([0.0, *values]), max([1.0, *values])),
-        )
+        with explained_write_errors(output_dir):
+            line_chart(
+                output_dir / CHART_FILE,
+                {_CHARTED[name]: points for name, points in self._points.items()},
+                title="reward and tool calls",
+                x_label="step",
+                y_range=(min([0.0, *values]), max([1.0, *values])),
+            )
         self._charted_at = time.monotonic()
 
 
@@ -175,9 +178,10 @@ class EpisodeSamples(TrainerCallback):
         if not state.is_world_process_zero or "reward" not in (logs or {}) or not episodes:
             return
         folder = Path(args.output_dir) / EPISODES_DIR
-        folder.mkdir(parents=True, exist_ok=True)
         text = "\n".join(format_episode(episode, reward) for episode, reward in episodes)
-        (folder / f"step-{state.global_step:05d}.txt").write_text(text)
+        with explained_write_errors(args.output_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"step-{state.global_step:05d}.txt").write_text(text)
 
 
 class EpisodeLog(TrainerCallback):
@@ -208,7 +212,8 @@ class EpisodeLog(TrainerCallback):
         if state.is_world_process_zero:
             for step in recorded_steps(args.output_dir):
                 if step > state.global_step:
-                    episode_file(args.output_dir, step).unlink()
+                    with explained_write_errors(args.output_dir):
+                        episode_file(args.output_dir, step).unlink()
 
     def on_step_end(self, args, state, control, **kwargs):
         """Write the round this step was the first to train, if it was."""
@@ -219,7 +224,7 @@ class EpisodeLog(TrainerCallback):
         if args.world_size > 1:
             lines = gather_object(lines)
         if state.is_world_process_zero:
-            _write_whole(episode_file(args.output_dir, state.global_step), lines)
+            _write_whole(args.output_dir, episode_file(args.output_dir, state.global_step), lines)
 
 
 def episode_file(output_dir: str | Path, step: int) -> Path:
@@ -253,12 +258,23 @@ def read_episodes(output_dir: str | Path, step: int) -> list[EpisodeRecord]:
     return read_records(path)
 
 
-def _write_whole(path: Path, lines: list[str]) -> None:
-    """Write the file at once: to `<name>.tmp`, then renamed over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _write_whole(output_dir: str | Path, path: Path, lines: list[str]) -> None:
+    """Write the file at once: to `<name>.tmp`, then renamed over `path`.
+
+    Raises:
+        OutputDirUnwritable: The run's `output_dir` refuses the write (the message names it
+            and why); the temporary file is removed and `path` left as it was.
+    """
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text("".join(lines), encoding="ascii")
-    os.replace(temporary, path)
+    with explained_write_errors(output_dir):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary.write_text("".join(lines), encoding="ascii")
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            raise
 
 
 def format_episode(episode: Episode, reward: float) -> str:

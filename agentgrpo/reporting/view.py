@@ -9,7 +9,8 @@
 - `index(metrics_key)`: the recorded steps with a key that changes when a step's file does,
   a note on the metrics (none yet, or lines skipped) and the charts when `metrics.jsonl`
   changed since `metrics_key`;
-- `step(n)`: one step's episodes, their summary and the text of their tokens.
+- `step(n)`: one step's episodes, their summary, a note on lines skipped and the text of their
+  tokens.
 
 The charts are matplotlib SVG (`plot.line_chart_svg`): reward, tool calls and turns per episode,
 and failed tool calls by kind, by step. Steps and charts are cached until their file changes.
@@ -84,11 +85,14 @@ class RunView:
             return index
 
     def step(self, step: int) -> dict[str, Any]:
-        """A step's `step`, `key`, `summary`, `episodes` and `tokens` (id -> text).
+        """A step's `step`, `key`, `summary`, `episodes`, `note` and `tokens` (id -> text).
+
+        `note` names the lines of the step's file that are not episode records and were
+        skipped ("" when none were); the other episodes are shown.
 
         Raises:
             FileNotFoundError: The run has no episode record for that step.
-            ValueError: The file holds a line that is not an episode record.
+            OSError: The file does not read.
         """
         with self._lock:
             path = episode_file(self.run_dir, step)
@@ -103,10 +107,11 @@ class RunView:
             return payload | {"tokens": self._token_texts().of(sorted(ids))}
 
     def _read_step(self, step: int, key: str) -> dict[str, Any]:
-        records = view_data.read_step(self.run_dir, step)
+        records, skipped = view_data.read_step(self.run_dir, step)
         episodes = [view_data.episode_view(record) for record in records]
         summary = view_data.step_summary(episodes)
-        return {"step": step, "key": key, "summary": summary, "episodes": episodes}
+        note = _skipped_note(skipped, episode_file(self.run_dir, step).name, "episodes")
+        return {"step": step, "key": key, "summary": summary, "episodes": episodes, "note": note}
 
     def page(self, live: bool) -> str:
         """The whole HTML page; live pages read steps from the server, static ones embed them."""
@@ -145,12 +150,7 @@ class RunView:
                 f"no {METRICS_FILE} in {self.run_dir} (the command line writes it; a run "
                 "through the Python API does not): the charts are empty"
             )
-        if not skipped:
-            return ""
-        shown = "; ".join(skipped[:3]) + ("; ..." if len(skipped) > 3 else "")
-        return (
-            f"{len(skipped)} line(s) of {METRICS_FILE} skipped, the charts show the rest: {shown}"
-        )
+        return _skipped_note(skipped, METRICS_FILE, "charts")
 
     def _token_texts(self) -> view_data.TokenTexts:
         if self._tokens is None or self._tokens.tokenizer is None:
@@ -164,6 +164,14 @@ class RunView:
                 )
                 self._tokens = view_data.TokenTexts(None, note)
         return self._tokens
+
+
+def _skipped_note(skipped: list[str], file: str, shown_as: str) -> str:
+    """What the page says about the lines of `file` that were skipped; "" when none were."""
+    if not skipped:
+        return ""
+    shown = "; ".join(skipped[:3]) + ("; ..." if len(skipped) > 3 else "")
+    return f"{len(skipped)} line(s) of {file} skipped, the {shown_as} show the rest: {shown}"
 
 
 def chart_svg(name: str, series: view_data.Series) -> str:

@@ -86,21 +86,32 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return entries, skipped
 
 
-def read_step(run_dir: Path, step: int) -> list[EpisodeRecord]:
-    """The episode records of a step's `episodes/step-N.jsonl`, in file order.
+def read_step(run_dir: Path, step: int) -> tuple[list[EpisodeRecord], list[str]]:
+    """The episode records of a step's `episodes/step-N.jsonl`, in file order, and what was skipped.
+
+    A complete line that is not an episode record (not JSON, or not a record this version
+    reads) is skipped, not an error: the page shows the rest. Each skipped line gets a note
+    naming the file, the line and what is wrong with it.
 
     Raises:
         FileNotFoundError: The step has no record file.
-        ValueError: A complete line is not an episode record; names the file and the line.
     """
     path = episode_file(run_dir, step)
-    records = []
+    records, skipped = [], []
     for number, line in enumerate(complete_lines(path), 1):
         try:
             records.append(record_from_dict(_json_object(path, number, line)))
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{path}, line {number}: not an episode record ({error})") from error
-    return records
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
+            skipped.append(_record_problem(path, number, error))
+    return records, skipped
+
+
+def _record_problem(path: Path, number: int, error: Exception) -> str:
+    """The note for a line that is not a record; `_json_object`'s own text when it says why."""
+    text = str(error)
+    if text.startswith(f"{path}, line {number}: "):
+        return text
+    return f"{path}, line {number}: not an episode record ({text})"
 
 
 def _json_object(path: Path, number: int, line: str) -> dict[str, Any]:

@@ -7,11 +7,12 @@ Routes, all GET:
 - `/api/step/N`: `RunView.step(N)` as JSON.
 
 A file the run has not written (a step it did not record) answers 404, a file that does not read
-500; both with `{"error": message}`. A request whose `Host` header names neither this machine's
-loopback (`localhost`, `127.0.0.1`, `[::1]`), nor the host the server is bound to, nor any IP
-address answers 403: a web page on another site, its name rebound to this machine (DNS
-rebinding), cannot read the run. Each request runs in its own thread; the server logs nothing
-per request.
+500; both with `{"error": message}`. A line of a step's file that is not an episode record is
+skipped and named in the step's `note`, so the rest of the step still shows. A request whose
+`Host` header names neither this machine's loopback (`localhost`, `127.0.0.1`, `[::1]`), nor the
+host the server is bound to, nor any IP address answers 403: a web page on another site, its
+name rebound to this machine (DNS rebinding), cannot read the run. Each request runs in its own
+thread; the server logs nothing per request.
 """
 
 from __future__ import annotations

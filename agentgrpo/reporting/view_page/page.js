@@ -109,7 +109,10 @@ async function showPane(pane) {
   if (pane.step !== step) return; // another step was picked meanwhile
   const f = filters();
   const shown = data.episodes.map((e, i) => [e, i]).filter(([e]) => keep(e, f));
-  pane.body.replaceChildren(summary(data.summary), episodeTable(pane, data, shown), detail(pane, data));
+  const note = data.note ? el("p", { class: "failed" }, data.note) : null; // lines skipped
+  pane.body.replaceChildren(
+    ...[note, summary(data.summary), episodeTable(pane, data, shown), detail(pane, data)].filter(Boolean),
+  );
   pane.shownKey = data.key;
 }
 
