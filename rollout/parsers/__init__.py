@@ -26,18 +26,18 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rollout.parse_harmony import parse_harmony
-from rollout.parse_json import MAX_JSON_DEPTH as MAX_JSON_DEPTH  # the limit every parser keeps
-from rollout.parse_json import (
+from rollout.parsers.common import MAX_JSON_DEPTH as MAX_JSON_DEPTH  # the limit every parser keeps
+from rollout.parsers.common import (
     _BadCall,
     _decode,
     _error,
     _loads,
     _tool_call,
 )
-from rollout.parse_marked import parse_deepseek_v3, parse_gemma4, parse_lfm2
-from rollout.parse_mistral import parse_mistral
-from rollout.parse_xml import parse_atem, parse_glm4, parse_qwen3_xml
+from rollout.parsers.harmony import parse_harmony
+from rollout.parsers.marked import parse_deepseek_v3, parse_gemma4, parse_lfm2
+from rollout.parsers.mistral import parse_mistral
+from rollout.parsers.xml_style import parse_atem, parse_glm4, parse_qwen3_xml
 from rollout.types import ParsedTurn, ToolCall
 
 Parser = Callable[[str], ParsedTurn]
