@@ -12,10 +12,10 @@ an integer longer than Python converts (`sys.get_int_max_str_digits()`), or a st
 lone surrogate escape (`"\ud800"`), which no tokenizer encodes.
 
 Two formats are written out here (`hermes`, `llama3_json`), the others in modules of their own
-(`parse_xml`: `qwen3_xml`, `glm4`, `atem`; `parse_harmony`; `parse_mistral`; `parse_marked`:
-`deepseek_v3`, `gemma4`, `lfm2`), all registered in
-`PARSERS`; `detect_parser` tells from a chat template which one it asks for, and
-`tokenizer_parser` wraps the tokenizer's own `parse_response` when it ships a response template.
+(`xml_style`: `qwen3_xml`, `glm4`, `atem`; `harmony`; `mistral`; `marked`: `deepseek_v3`,
+`gemma4`, `lfm2`; what they share in `common`), all registered in `PARSERS`; `detect_parser`
+tells from a chat template which one it asks for, and `tokenizer_parser` wraps the tokenizer's
+own `parse_response` when it ships a response template.
 """
 
 from __future__ import annotations
