@@ -97,7 +97,7 @@ class RolloutEngine:
     Raises:
         ToolTemplateError: There are tools but the template cannot show them.
         EnvironmentSpecError: An environment class breaks the contract.
-        ValueError: `environment_factory` is an empty dict, or a player comes with an
+        ValueError: `environment_factory` is an empty dict, or an agent comes with an
             environment or tools.
 
     """
