@@ -25,9 +25,9 @@ import torch
 from transformers import TrainingArguments
 
 from agentgrpo.precision import corrects_sampler_mismatch
+from rollout.backends.vllm_colocate import check_sampling_overrides
 from rollout.parsers import get_parser
 from rollout.template import load_template
-from rollout.vllm_backend import check_sampling_overrides
 
 # Every loss TRL 1.16 names. Which of them agentgrpo implements is decided in one place, the loss
 # module's dispatch table, which refuses the others when the trainer is built; listing them all

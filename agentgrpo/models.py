@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
 from agentgrpo.devices import inference_autocast
-from rollout.attention import use_grouped_query_sdpa
+from rollout.backends.attention import use_grouped_query_sdpa
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def load_policy(
 ) -> Any:
     """The model to train: a hub id or local path is loaded, a model is used as given.
 
-    A model on transformers' "sdpa" attention is switched to `rollout.attention`'s
+    A model on transformers' "sdpa" attention is switched to `rollout.backends.attention`'s
     "sdpa_gqa", the same attention without copying grouped key-value heads on a CPU.
 
     Args:
@@ -124,7 +124,7 @@ def _warn_unused_loading_arguments(model_init_kwargs: Any, quantization_config: 
 def load_for_generation(path: str, device: torch.device) -> tuple[Any, torch.dtype | None]:
     """A saved model to play episodes with (`agentgrpo eval`, `doctor --generate`), on `device`.
 
-    As a training run holds it: float32 weights, on `rollout.attention`'s "sdpa_gqa" where it
+    As a training run holds it: float32 weights, on `backends.attention`'s "sdpa_gqa" where it
     uses "sdpa". Returns the model (in eval mode) and the autocast dtype to generate under
     (`devices.inference_autocast`: bf16 on a GPU that supports it, None on a CPU).
     """

@@ -614,7 +614,7 @@ class GRPOTrainer(TRLAttributes):
     def _reward_layout(self, plan: RoundPlan) -> RewardLayout:
         """How this run's reward columns are named, weighted and scaled, for the metrics."""
         # an agent offers tools with its requests: its calls, turns and forks count too
-        with_tools = self.engine.context.has_tools or self.engine.agent is not None
+        with_tools = self.engine.context.has_tools or self.engine.player is not None
         shaping, names = self._round_parts.shaping, self.scorer.names
         return RewardLayout.of(names, shaping, plan.num_generations, with_tools)
 

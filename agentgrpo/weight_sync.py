@@ -12,7 +12,7 @@ a warm start or a resume), and lets a colocated vLLM sleep between rounds.
   its settings are TRL's (`colocate_engine_args`). With `vllm_enable_sleep_mode` it sleeps
   between rounds as TRL's does: weights and KV cache discarded, weights pushed on waking.
 - vLLM server: the trainer broadcasts the tensors to the server's workers (NCCL between GPUs,
-  gloo on CPU; `rollout.weight_transport`), which load them through agentgrpo's worker
+  gloo on CPU; `rollout.backends.weight_transport`), which load them through agentgrpo's worker
   extension (`agentgrpo vllm-serve` installs it); then the server's prefix cache is reset.
 
 PEFT models are pushed merged (base weights + adapter), under the base model's names.
@@ -32,18 +32,18 @@ import torch
 
 from agentgrpo.precision import autocast_kwargs, mixed_precision_dtype
 from rollout import GenerationBackend, TransformersBackend
-from rollout.vllm_backend import (
+from rollout.backends.vllm_colocate import (
     VLLMColocateBackend,
     default_stop_token_ids,
     sleep_mode_available,
 )
-from rollout.vllm_server import (
+from rollout.backends.vllm_server import (
     ServerConnection,
     ServerRequestError,
     VLLMServerBackend,
     server_url,
 )
-from rollout.weight_transport import WeightGroup, backend_for, tensor_specs
+from rollout.backends.weight_transport import WeightGroup, backend_for, tensor_specs
 
 if TYPE_CHECKING:
     from agentgrpo.config import GRPOConfig

@@ -78,7 +78,7 @@ def build_parts(
         chat_template_kwargs=config.chat_template_kwargs,
         config=episode_config,
         max_concurrent_episodes=config.max_concurrent_episodes,
-        agent=agent,
+        player=agent.player if agent is not None else None,
     )
     scorer = Scorer(
         funcs=list(reward_funcs),

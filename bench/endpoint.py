@@ -1,10 +1,11 @@
 """The agent endpoint's overhead per request, against calling the generation backend directly.
 
-An agent (`agent:FILE:function`) reaches the policy through `rollout.endpoint.ChatEndpoint`: the
-openai client serialises the request, it crosses the loopback interface, aiohttp parses it,
-the session renders the conversation and checks it continues the episode's tokens, the backend
-generates, the reply is parsed for tool calls, serialised and read back by the client. This
-script times the same requests three ways, one episode at a time, on the same backend:
+An agent (`agent:FILE:function`) reaches the policy through `ChatEndpoint`
+(`rollout.agents.endpoint`): the openai client serialises the request, it crosses the loopback
+interface, aiohttp parses it, the session renders the conversation and checks it continues the
+episode's tokens, the backend generates, the reply is parsed for tool calls, serialised and read
+back by the client. This script times the same requests three ways, one episode at a time, on the
+same backend:
 
 - `direct`: `backend.generate(prompt_ids, params)` with each request's recorded prompt ids and
   sampling parameters (what the engine's own loop costs at the least);
@@ -56,8 +57,8 @@ from rollout import (
     get_parser,
     load_template,
 )
-from rollout.agent_session import AgentSession, SessionContext
-from rollout.endpoint import ChatEndpoint, chat_request
+from rollout.agents.endpoint import ChatEndpoint, chat_request
+from rollout.agents.session import AgentSession, SessionContext
 
 TOOL_ROUNDS = 3
 TOOLS = [

@@ -106,7 +106,7 @@ def _backend(name: str, policy, tokenizer):
         from rollout import TransformersBackend
 
         return TransformersBackend.from_tokenizer(policy, tokenizer)
-    from rollout.vllm_backend import VLLMColocateBackend
+    from rollout.backends.vllm_colocate import VLLMColocateBackend
 
     return VLLMColocateBackend.start(
         policy.config,

@@ -1,13 +1,18 @@
 """Token-level episodes: rendering, tool-call parsing, generation backends and the async engine.
 
-The public API is re-exported here; the modules behind it are one stage each:
-`types` (contracts), `template` (chat templates, append-only deltas), `parsers` (tool calls),
-`tokens` (the append-only token row), `episode` (one episode's loop), `engine` (concurrency),
-`record` (episodes as JSON lines), `transformers_backend` and `scripted` (generators).
+The public API is re-exported here. The episode core is one stage per module: `types`
+(contracts), `backend` (the generator protocol), `template` (chat templates, append-only
+deltas), `tokens` (the append-only token row), `episode` (one episode's loop), `engine`
+(concurrency), `record` (episodes as JSON lines), `demonstrations` (warm-start rows). Three rooms
+hang off it and the core imports only the first: `parsers` (tool calls), `backends`
+(transformers, vLLM, the scripted double) and `agents` (an agent's own loop through a chat
+endpoint, handed to the engine as its `EpisodePlayer`).
 """
 
 from rollout.backend import GenerationBackend
-from rollout.engine import RolloutEngine
+from rollout.backends.scripted import ScriptedBackend
+from rollout.backends.transformers import TransformersBackend
+from rollout.engine import EpisodePlayer, PlaySetup, RolloutEngine
 from rollout.episode import EpisodeConfig, PromptTooLongError, prompt_messages
 from rollout.parsers import PARSERS, detect_parser, get_parser
 from rollout.record import (
@@ -17,7 +22,6 @@ from rollout.record import (
     record_line,
     record_to_dict,
 )
-from rollout.scripted import ScriptedBackend
 from rollout.template import (
     BUILTIN_TEMPLATES,
     ChatRenderer,
@@ -26,7 +30,6 @@ from rollout.template import (
     load_template,
 )
 from rollout.tokens import TokenRow
-from rollout.transformers_backend import TransformersBackend
 from rollout.types import (
     Completion,
     Episode,
@@ -46,12 +49,14 @@ __all__ = [
     "Completion",
     "Episode",
     "EpisodeConfig",
+    "EpisodePlayer",
     "EpisodeRecord",
     "EpisodeRow",
     "EpisodeStats",
     "Finish",
     "GenerationBackend",
     "ParsedTurn",
+    "PlaySetup",
     "PromptTooLongError",
     "RolloutEngine",
     "SamplingParams",

@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 
@@ -23,10 +24,7 @@ from environments import (
     init_name,
     run_environment_code_blocking,
 )
-from rollout.agent_session import SessionContext
-from rollout.agents import Agent, run_agent_episode
 from rollout.backend import GenerationBackend
-from rollout.endpoint import ChatEndpoint
 from rollout.episode import EpisodeConfig, EpisodeContext, run_episode
 from rollout.parsers import Parser, detect_parser, get_parser, tokenizer_parser
 from rollout.template import ChatRenderer, load_template
@@ -37,6 +35,47 @@ from tools import Tool, as_tool
 ENVIRONMENT_COLUMN = "environment"
 
 Factory = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class PlaySetup:
+    """What the engine shares with an `EpisodePlayer`: the generator, the template, the parsers.
+
+    Attributes:
+        backend: The generation backend.
+        tokenizer: The policy's tokenizer.
+        template: The chat template's jinja source.
+        parser_for: Tool schemas to the parser that reads calls to them (`select_parser`).
+        config: The episode limits and sampling.
+        template_kwargs: Extra template variables.
+    """
+
+    backend: GenerationBackend
+    tokenizer: Any
+    template: str
+    parser_for: Callable[[list[dict[str, Any]]], Parser]
+    config: EpisodeConfig
+    template_kwargs: Mapping[str, Any] | None
+
+
+class EpisodePlayer(Protocol):
+    """Plays each episode in place of the engine's own loop (an agent does: `rollout.agents`)."""
+
+    def serving(self) -> AbstractAsyncContextManager[None]:
+        """Held open while a round plays (what the episodes reach meanwhile, an endpoint)."""
+        ...
+
+    async def play(self, row: Mapping[str, Any], seed: int, group: int, index: int) -> Episode:
+        """Play episode `index` of the round: a member of group `group`, from `row` and `seed`."""
+        ...
+
+    def close(self) -> None:
+        """Give back what the player holds (a port); called once, by `RolloutEngine.close`."""
+        ...
+
+
+#: Builds the player of an engine from what the engine shares (`Agent.player`, say).
+PlayerFactory = Callable[[PlaySetup], EpisodePlayer]
 
 
 class RolloutEngine:
@@ -58,9 +97,10 @@ class RolloutEngine:
         chat_template_kwargs: Extra template variables (e.g. `{"enable_thinking": False}`).
         config: Limits and sampling (`EpisodeConfig`).
         max_concurrent_episodes: The most episodes in flight at once.
-        agent: An agent function (`rollout.agents.Agent`) that plays each episode itself
-            through an OpenAI-compatible endpoint the engine serves on 127.0.0.1 while a
-            round plays (`rollout.endpoint`); then there is no environment and no tool here.
+        player: Builds what plays each episode in place of the engine's own loop: an
+            agent's `Agent.player` (`rollout.agents`), which serves the agent an
+            OpenAI-compatible endpoint on 127.0.0.1 while a round plays; then there is no
+            environment and no tool here.
 
     Raises:
         ToolTemplateError: There are tools but the template cannot show them.
@@ -84,11 +124,11 @@ class RolloutEngine:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         config: EpisodeConfig | None = None,
         max_concurrent_episodes: int = 256,
-        agent: Agent | None = None,
+        player: PlayerFactory | None = None,
     ):
-        if agent is not None and (environment_factory is not None or tools):
+        if player is not None and (environment_factory is not None or tools):
             raise ValueError(
-                "an agent runs its own tools and environment: pass agent= without "
+                "a player (an agent) runs its own tools and environment: pass player= without "
                 "environment_factory or tools"
             )
         self.multi_environment = isinstance(environment_factory, Mapping)
@@ -112,12 +152,7 @@ class RolloutEngine:
         self.contexts = {name: setup.context(factory) for name, factory in factories.items()}
         self.context = next(iter(self.contexts.values()))
         self.max_concurrent_episodes = max_concurrent_episodes
-        self.agent = agent
-        self.endpoint: ChatEndpoint | None = None
-        self.sessions: SessionContext | None = None
-        if agent is not None:
-            self.endpoint = ChatEndpoint(getattr(tokenizer, "name_or_path", "") or "agentgrpo")
-            self.sessions = setup.sessions()
+        self.player = player(setup.play_setup()) if player is not None else None
 
     def context_for(self, row: Mapping[str, Any]) -> EpisodeContext:
         """The context a row's episodes play in: its environment's, with several environments.
@@ -193,23 +228,21 @@ class RolloutEngine:
             return [episodes[i] for i in range(len(rows) * num_generations)]
         raise first  # outside the handler: its own __cause__ (the user's error) stays intact
 
-    def _serving(self) -> contextlib.AbstractAsyncContextManager[None]:
-        """The agent endpoint answering while the round plays (nothing to serve without one)."""
-        return self.endpoint.serving() if self.endpoint else contextlib.nullcontext()
+    def _serving(self) -> AbstractAsyncContextManager[None]:
+        """The player's endpoint answering while the round plays (nothing without a player)."""
+        return self.player.serving() if self.player else contextlib.nullcontext()
 
     async def _play_one(
         self, ctx: EpisodeContext, row: Mapping[str, Any], seed: int, group: int, index: int
     ) -> Episode:
-        if self.agent is None or self.endpoint is None or self.sessions is None:
+        if self.player is None:
             return await run_episode(ctx, row, seed, group, index)
-        return await run_agent_episode(
-            self.agent, self.endpoint, self.sessions, row, seed, group, index
-        )
+        return await self.player.play(row, seed, group, index)
 
     def close(self) -> None:
-        """Give back the agent endpoint's port (a no-op without an agent)."""
-        if self.endpoint is not None:
-            self.endpoint.close()
+        """Give back what the player holds (an agent endpoint's port; a no-op without one)."""
+        if self.player is not None:
+            self.player.close()
 
 
 @dataclass(frozen=True)
@@ -225,9 +258,9 @@ class _Setup:
     config: EpisodeConfig
     routing_column: str | None
 
-    def sessions(self) -> SessionContext:
-        """What agent sessions share: requests name their own tools, so parsers follow them."""
-        return SessionContext(
+    def play_setup(self) -> PlaySetup:
+        """What a player shares: an agent's requests name their own tools, so parsers follow."""
+        return PlaySetup(
             self.backend,
             self.tokenizer,
             self.template,

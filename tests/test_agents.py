@@ -20,8 +20,8 @@ from conftest import COUNTER_ROW, COUNTER_TURNS, scripted_backend, scripted_epis
 from environments import Counter
 from environments.contract import class_tools
 from rollout import EpisodeConfig, Finish, RolloutEngine, ScriptedBackend
-from rollout.agent_session import SessionContext
 from rollout.agents import Agent, AgentError
+from rollout.agents.session import SessionContext
 from rollout.template import load_template
 from rollout.types import ParsedTurn
 
@@ -35,7 +35,7 @@ def agent_engine(tokenizer, agent, turns=COUNTER_TURNS, backend=None, **config) 
         tokenizer,
         chat_template="chatml_tools",
         config=EpisodeConfig(**config),
-        agent=agent if isinstance(agent, Agent) else Agent(agent),
+        player=(agent if isinstance(agent, Agent) else Agent(agent)).player,
     )
 
 
@@ -376,7 +376,7 @@ def test_an_agent_cannot_come_with_an_environment_or_tools(tokenizer):
             tokenizer,
             environment_factory=Counter,
             chat_template="chatml_tools",
-            agent=Agent(counter_agent),
+            player=Agent(counter_agent).player,
         )
 
 
@@ -526,7 +526,7 @@ def test_a_request_over_max_request_bytes_gets_a_413_unread(tokenizer):
         return 0.0
 
     engine = agent_engine(tokenizer, agent, turns=["ok"])
-    engine.endpoint.max_request_bytes = 1000
+    engine.player.endpoint.max_request_bytes = 1000
     [episode] = play(engine, rows=[{}])
     assert episode.finish is Finish.STOP
     assert answers[0].status_code == 413
@@ -548,7 +548,7 @@ def test_requests_are_rendered_and_tokenized_off_the_event_loop(tokenizer):
         tokenizer,
         chat_template=probe + template,
         chat_template_kwargs={"probe": lambda: threads.append(("render", threading.get_ident()))},
-        agent=Agent(agent),
+        player=Agent(agent).player,
     )
     play(engine, rows=[{}])
     [(_, loop), *rendered] = threads

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from agentgrpo import GRPOConfig
 from agentgrpo.models import load_policy
-from rollout.attention import NAME, use_grouped_query_sdpa
+from rollout.backends.attention import NAME, use_grouped_query_sdpa
 
 
 def grouped_query_llama(attn_implementation: str = "sdpa") -> LlamaForCausalLM:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import anyio
@@ -17,11 +18,16 @@ from conftest import (
 
 from environments import Counter, EnvironmentResetError
 from rollout import (
+    Episode,
     EpisodeConfig,
+    EpisodeRow,
+    EpisodeStats,
     Finish,
     GenerationBackend,
+    PlaySetup,
     PromptTooLongError,
     RolloutEngine,
+    SamplingParams,
     ScriptedBackend,
     TemplateDriftError,
     ToolTemplateError,
@@ -504,3 +510,66 @@ def test_the_scripted_backend_is_a_generation_backend_that_needs_a_stop_id(token
     assert backend.stop_token_ids == {tokenizer.eos_token_id}
     with pytest.raises(ValueError, match="stop_token_ids is empty"):
         ScriptedBackend(lambda context: [], [])
+
+
+class OneCompletionPlayer:
+    """An episode player other than an agent: one completion of the row's prompt, no template."""
+
+    def __init__(self, setup: PlaySetup):
+        self.setup = setup
+        self.events: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def serving(self):
+        self.events.append("serving")
+        yield
+        self.events.append("served")
+
+    async def play(self, row, seed, group, index) -> Episode:
+        prompt_ids = self.setup.tokenizer.encode(row["prompt"])
+        params = SamplingParams(self.setup.config.max_completion_length, seed=seed)
+        completion = await self.setup.backend.generate(prompt_ids, params)
+        self.events.append(f"played {group}.{index} seed {seed}")
+        ids = completion.token_ids
+        return Episode(
+            rows=(EpisodeRow(prompt_ids, ids, [1] * len(ids), completion.logprobs),),
+            messages=[],
+            finish=Finish.STOP,
+            stats=EpisodeStats(turns=1, tool_calls=0, tool_errors={}),
+            row=row,
+            group=group,
+            index=index,
+        )
+
+    def close(self) -> None:
+        self.events.append("closed")
+
+
+async def test_the_engine_plays_each_episode_with_the_player_it_is_given(tokenizer):
+    backend = scripted(tokenizer, ["blue."])
+    eng = RolloutEngine(
+        backend, tokenizer, chat_template="chatml_tools", player=OneCompletionPlayer
+    )
+    rows = [{"prompt": "The sky is"}, {"prompt": "Grass is"}]
+    episodes = await eng.run(rows, num_generations=2, seed=5)
+    eng.close()
+    assert [(e.row["prompt"], e.group, e.index) for e in episodes] == [
+        ("The sky is", 0, 0),
+        ("The sky is", 0, 1),
+        ("Grass is", 1, 2),
+        ("Grass is", 1, 3),
+    ]
+    assert tokenizer.decode(single_row(episodes[3]).completion_ids) == "blue.<|im_end|>"
+    events = eng.player.events
+    assert events[0] == "serving" and events[-2:] == ["served", "closed"]
+    assert sorted(events[1:-2]) == [
+        "played 0.0 seed 5",
+        "played 0.1 seed 5",
+        "played 1.2 seed 6",
+        "played 1.3 seed 6",
+    ]
+
+
+def test_a_player_cannot_come_with_an_environment_or_tools(tokenizer):
+    with pytest.raises(ValueError, match="pass player= without environment_factory or tools"):
+        engine(tokenizer, scripted(tokenizer, ["ok"]), player=OneCompletionPlayer)

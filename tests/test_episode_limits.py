@@ -16,7 +16,7 @@ from environments import BUILTIN_ENVIRONMENTS, Arithmetic, Chain, Counter, Guess
 from environments.contract import check_environment, episode_limits, run_defaults
 from environments.errors import EnvironmentSpecError
 from rollout import EpisodeConfig, RolloutEngine
-from rollout.scripted import ScriptedBackend
+from rollout.backends.scripted import ScriptedBackend
 
 
 def solver(tokenizer, env_class: type, rows) -> ScriptedBackend:

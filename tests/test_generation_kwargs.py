@@ -14,9 +14,9 @@ import pytest
 import torch
 from tiny_model import tiny_llama
 
-from rollout.generation_rows import Request, Row
-from rollout.generation_settings import generation_settings, row_processors
-from rollout.transformers_backend import TransformersBackend
+from rollout.backends.generation_rows import Request, Row
+from rollout.backends.generation_settings import generation_settings, row_processors
+from rollout.backends.transformers import TransformersBackend
 from rollout.types import SamplingParams
 
 PROMPT = "The sky is blue and the"

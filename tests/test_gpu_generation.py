@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rollout import SamplingParams, TransformersBackend
-from rollout.attention import use_grouped_query_sdpa
+from rollout.backends.attention import use_grouped_query_sdpa
 from tests.test_transformers_backend import PROMPTS, generate_concurrently
 
 pytestmark = [

@@ -66,6 +66,46 @@ def test_the_learner_imports_only_torch_the_episode_types_and_the_standard_libra
     assert offenders and {p: names for p, names in offenders.items() if names} == {}
 
 
+# rollout's rooms: the episode core (the modules directly in rollout/) plays episodes against
+# the generator protocol and a parser; backends, parsers and agents plug into it, never the
+# reverse. rollout/__init__.py is left out: it re-exports the public API of every room.
+ROOM_MAY_NOT_IMPORT = {
+    "core": ("rollout.backends", "rollout.agents"),
+    "parsers": ("rollout.backends", "rollout.agents"),
+    "backends": ("rollout.parsers", "rollout.agents"),
+}
+
+
+def room_modules(room: str) -> list[Path]:
+    if room == "core":
+        return [p for p in (ROOT / "rollout").glob("*.py") if p.name != "__init__.py"]
+    return sorted((ROOT / "rollout" / room).rglob("*.py"))
+
+
+@pytest.mark.parametrize("room", ROOM_MAY_NOT_IMPORT)
+def test_a_rollout_room_imports_no_room_it_must_not(room):
+    forbidden = ROOM_MAY_NOT_IMPORT[room]
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(
+            n
+            for n in imported_modules(path)
+            if any(n == f or n.startswith(f + ".") for f in forbidden)
+        )
+        for path in room_modules(room)
+    }
+    assert offenders and {p: names for p, names in offenders.items() if names} == {}
+
+
+def test_only_the_vllm_backend_modules_import_vllm():
+    importers = {
+        str(path.relative_to(ROOT))
+        for layer in LAYERS
+        for path in (ROOT / layer).rglob("*.py")
+        if "vllm" in imported_packages(path)
+    }
+    assert importers and all(p.startswith("rollout/backends/vllm_") for p in importers), importers
+
+
 def test_every_layer_is_a_real_package():
     assert all((ROOT / layer / "__init__.py").is_file() for layer in LAYERS)
 

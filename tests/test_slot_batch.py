@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rollout import SamplingParams, TransformersBackend
-from rollout.attention import grouped_decode_attention
-from rollout.sampling import counter_uniform, sample_plain, sample_tokens
+from rollout.backends.attention import grouped_decode_attention
+from rollout.backends.sampling import counter_uniform, sample_plain, sample_tokens
 from tests.test_transformers_backend import (
     PROMPTS,
     ForwardLog,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.parse_json import MAX_JSON_DEPTH
 from rollout.parsers import get_parser
+from rollout.parsers.common import MAX_JSON_DEPTH
 from rollout.types import ParsedTurn, ToolCall
 
 SCHEMA = {

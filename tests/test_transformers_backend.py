@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rollout import GenerationBackend, SamplingParams, TransformersBackend
-from rollout.sampling import sample_tokens
+from rollout.backends.sampling import sample_tokens
 
 PROMPTS = [[1, 520, 33, 8], [1, 1823, 9, 44, 101, 7, 3], [1, 77]]
 

@@ -29,7 +29,7 @@ from environments import Counter
 from environments.contract import class_tools
 from rollout import EpisodeConfig, Finish, RolloutEngine, read_records
 from rollout.agents import AgentError
-from rollout.verifiers_env import verifiers_agent
+from rollout.agents.verifiers_env import verifiers_agent
 
 # What every harness here shares: write each reply the endpoint sent to $REPLIES.
 LOG = """
@@ -234,7 +234,7 @@ def play(tokenizer, agent, rows, turns, num_generations=1):
         tokenizer,
         chat_template="chatml_tools",
         config=EpisodeConfig(max_completion_length=256, max_turns=4),
-        agent=agent,
+        player=agent.player,
     )
     return anyio.run(engine.run, list(rows), num_generations)
 

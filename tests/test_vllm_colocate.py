@@ -26,7 +26,7 @@ from vllm_support import (
 from agentgrpo.weight_sync import ColocatedPush
 from environments import Counter
 from rollout import EpisodeConfig, Finish, GenerationBackend, RolloutEngine, SamplingParams
-from rollout.vllm_backend import VLLMColocateBackend
+from rollout.backends.vllm_colocate import VLLMColocateBackend
 
 pytestmark = needs_vllm
 

@@ -15,8 +15,8 @@ from agentgrpo import GRPOConfig, GRPOTrainer, vllm_serve
 from agentgrpo.weight_sync import policy_weights, sampling_overrides
 from environments import Counter
 from rollout import GenerationBackend
-from rollout.vllm_backend import import_vllm
-from rollout.vllm_server import ServerConnection, ServerUnavailableError, VLLMServerBackend
+from rollout.backends.vllm_colocate import import_vllm
+from rollout.backends.vllm_server import ServerConnection, ServerUnavailableError, VLLMServerBackend
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_vllm_serve_starts_vllms_server_with_agentgrpos_worker_extension():
     command = vllm_serve.serve_command(options, rest)
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(command)
-    assert "--worker-extension-cls rollout.vllm_worker.WeightReceiver" in joined
+    assert "--worker-extension-cls rollout.backends.vllm_worker.WeightReceiver" in joined
     assert "--logprobs-mode processed_logprobs" in joined
     assert "--tensor-parallel-size 2 --host 0.0.0.0 --port 9000" in joined
     assert command[-2:] == ["--max-num-seqs", "8"]  # unknown arguments reach vLLM unchanged

@@ -34,7 +34,7 @@ from agentgrpo.vllm_serve import _parser, serve_command, serve_environment
 from agentgrpo.weight_sync import ServerPush, policy_weights
 from environments import Counter
 from rollout import EpisodeConfig, Finish, RolloutEngine
-from rollout.vllm_server import ServerConnection, ServerUnavailableError, VLLMServerBackend
+from rollout.backends.vllm_server import ServerConnection, ServerUnavailableError, VLLMServerBackend
 
 pytestmark = needs_vllm
 

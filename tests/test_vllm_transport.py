@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 
-from rollout.weight_transport import WeightGroup, backend_for, tensor_specs
+from rollout.backends.weight_transport import WeightGroup, backend_for, tensor_specs
 
 WEIGHTS = {
     "model.embed_tokens.weight": torch.arange(12.0).reshape(4, 3),

@@ -17,7 +17,7 @@ from conftest import single_row, teach
 from tiny_model import tiny_llama
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from rollout.vllm_backend import INSTALL_HINT
+from rollout.backends.vllm_colocate import INSTALL_HINT
 
 needs_vllm = [
     pytest.mark.vllm,

@@ -596,8 +596,8 @@ def _eval_backend(
     The model plays as a training run on that device holds it (`models.load_for_generation`).
     """
     if namespace.server_url:
-        from rollout.vllm_backend import default_stop_token_ids
-        from rollout.vllm_server import ServerConnection, VLLMServerBackend
+        from rollout.backends.vllm_colocate import default_stop_token_ids
+        from rollout.backends.vllm_server import ServerConnection, VLLMServerBackend
 
         connection = ServerConnection(namespace.server_url, namespace.server_timeout)
         server = VLLMServerBackend.connect(

@@ -98,7 +98,7 @@ def _setup(
     """What a run with these options would render, parse and stop with, or why it cannot load."""
     from environments import class_tools
     from rollout import load_template
-    from rollout.vllm_backend import default_stop_token_ids
+    from rollout.backends.vllm_colocate import default_stop_token_ids
 
     try:
         template = load_template(tokenizer, _template_option(namespace))

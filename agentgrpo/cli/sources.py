@@ -52,13 +52,13 @@ def task_source(spec: str, env_args: dict[str, Any] | None = None) -> Any:
 
 
 def verifiers_environment(env_id: str, env_args: dict[str, Any] | None) -> Any:
-    """The `Agent` playing installed verifiers environment `env_id` (`rollout.verifiers_env`).
+    """The `Agent` playing installed verifiers environment `env_id` (`agents.verifiers_env`).
 
     Raises:
         UsageError: No id after `vf:`.
         VerifiersEnvError: verifiers is missing, or the environment cannot be loaded as asked.
     """
-    from rollout.verifiers_env import verifiers_agent
+    from rollout.agents.verifiers_env import verifiers_agent
 
     if not env_id:
         raise UsageError("vf: needs the environment's id: vf:ENV_ID (its taskset's id)")

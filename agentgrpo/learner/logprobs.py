@@ -44,7 +44,7 @@ def completion_logprobs(
     """Logprob (and entropy) of each completion token under `model`.
 
     Logits are divided by the sampling `temperature` first, so the values are comparable with
-    the sampler's (see `rollout.sampling`). The model returns its final hidden states and
+    the sampler's (see `rollout.backends.sampling`). The model returns its final hidden states and
     `output_head.head_logprobs` turns them into logprobs a chunk of tokens at a time, so the
     B x C x V logits never exist at once; for a model whose logits are not plain
     `lm_head(hidden)` (`output_head` is None) the completion positions' logits are read whole.

@@ -19,7 +19,7 @@ is wrong). Without a schema for the parameter a value stays text.
 
 Like every parser, these never raise on what the model wrote: a call they cannot read (no
 name, a parameter left open, a key given twice, text where markup belongs, JSON past the limits
-of `rollout.parse_json`) is one error message, and the other calls are still read.
+of `rollout.parsers.common`) is one error message, and the other calls are still read.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rollout.parse_json import _BadCall, _check_json, _error, _loads, _NotJson, _quoted
+from rollout.parsers.common import _BadCall, _check_json, _error, _loads, _NotJson, _quoted
 from rollout.types import ParsedTurn, ToolCall
 
 ToolSchemas = Sequence[Mapping[str, Any]]

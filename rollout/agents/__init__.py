@@ -7,8 +7,8 @@ An agent is an ordinary function written against the OpenAI client:
 
 It may call `client.chat.completions.create(model=..., messages=..., tools=...)` any number of
 times, run its own tools and keep its own loop. Each episode gets its own client, pointed at its
-own session of `rollout.endpoint.ChatEndpoint`, which records every request token-exactly
-(`rollout.agent_session`). What the function returns is the episode's reward: a number, or None
+own session of `rollout.agents.endpoint.ChatEndpoint`, which records every request token-exactly
+(`rollout.agents.session`). What the function returns is the episode's reward: a number, or None
 to leave the scoring to reward functions (they see the recorded conversation), or, for an
 `Agent` declaring `reward_names`, a dict with one number per name (one reward column each).
 
@@ -30,13 +30,15 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
-from rollout.agent_session import AgentSession, SessionContext
-from rollout.endpoint import ChatEndpoint
+from rollout.agents.endpoint import ChatEndpoint
+from rollout.agents.session import AgentSession, SessionContext
+from rollout.engine import PlaySetup
 from rollout.types import Episode, EpisodeStats, Finish
 from tools import run_in_daemon_thread
 
@@ -101,6 +103,51 @@ class Agent:
         return inspect.iscoroutinefunction(self.function) or inspect.iscoroutinefunction(
             getattr(self.function, "__call__", None)  # noqa: B004  (a callable object's method)
         )
+
+    def player(self, setup: PlaySetup) -> AgentPlayer:
+        """What plays an engine's episodes with this agent: `RolloutEngine(player=agent.player)`."""
+        return AgentPlayer(self, setup)
+
+
+class AgentPlayer:
+    """Plays every episode of an engine with an agent, each through its own endpoint session.
+
+    Args:
+        agent: The agent.
+        setup: What the engine shares: the generator, the template and the parsers.
+
+    Attributes:
+        endpoint: The chat endpoint the agent's clients reach; it holds its port until `close`.
+
+    Raises:
+        OSError: No port to bind on 127.0.0.1.
+    """
+
+    def __init__(self, agent: Agent, setup: PlaySetup):
+        self.agent = agent
+        self.endpoint = ChatEndpoint(getattr(setup.tokenizer, "name_or_path", "") or "agentgrpo")
+        self.sessions = SessionContext(
+            setup.backend,
+            setup.tokenizer,
+            setup.template,
+            setup.parser_for,
+            setup.config,
+            setup.template_kwargs,
+        )
+
+    def serving(self) -> AbstractAsyncContextManager[None]:
+        """The endpoint answering the agent's requests until the block ends."""
+        return self.endpoint.serving()
+
+    async def play(self, row: Mapping[str, Any], seed: int, group: int, index: int) -> Episode:
+        """Play episode `index` of `row` (see `run_agent_episode`)."""
+        return await run_agent_episode(
+            self.agent, self.endpoint, self.sessions, row, seed, group, index
+        )
+
+    def close(self) -> None:
+        """Give the endpoint's port back."""
+        self.endpoint.close()
 
 
 async def run_agent_episode(

@@ -30,12 +30,12 @@ import anyio
 import torch
 from transformers import DynamicCache
 
-from rollout import kv_cache
-from rollout.dynamic_batch import DynamicBatch, left_padded_ones
-from rollout.generation_rows import Request, Row, draw_rows
-from rollout.generation_settings import generation_settings, row_processors
-from rollout.kv_cache import KV, PrefixCache
-from rollout.slot_batch import SlotBatch
+from rollout.backends import kv_cache
+from rollout.backends.dynamic_batch import DynamicBatch, left_padded_ones
+from rollout.backends.generation_rows import Request, Row, draw_rows
+from rollout.backends.generation_settings import generation_settings, row_processors
+from rollout.backends.kv_cache import KV, PrefixCache
+from rollout.backends.slot_batch import SlotBatch
 from rollout.types import Completion, SamplingParams
 
 # What a row samples with when neither its request nor the backend's settings say otherwise.

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList
 
-from rollout.sampling import counter_uniform, sample_tokens
+from rollout.backends.sampling import counter_uniform, sample_tokens
 from rollout.types import Completion, SamplingParams
 
 

@@ -9,7 +9,7 @@ between the name and `[ARGS]`).
 
 from __future__ import annotations
 
-from rollout.parse_json import _BadCall, _decode, _error, _quoted, _tool_call
+from rollout.parsers.common import _BadCall, _decode, _error, _quoted, _tool_call
 from rollout.types import ParsedTurn, ToolCall
 
 _HINT = (

@@ -8,7 +8,7 @@ kernels take grouped heads as they are (`enable_gqa=True`), with the same result
 `use_grouped_query_sdpa(model)` switches a model from "sdpa" to "sdpa_gqa", this module's
 attention, which does exactly what "sdpa" does except that copy: on a CPU through
 `scaled_dot_product_attention(enable_gqa=True)`; on a GPU for a decoding step (one query per
-row, over a masked cache such as `rollout.slot_batch`'s), where it would copy the whole cache
+row, over a masked cache such as `slot_batch`'s), where it would copy the whole cache
 every token, through two grouped matrix products that read each key and value head once.
 """
 

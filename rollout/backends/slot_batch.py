@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from rollout.generation_rows import Row, sample_rows
-from rollout.kv_cache import KV
-from rollout.sampling import counter_uniform, sample_plain
+from rollout.backends.generation_rows import Row, sample_rows
+from rollout.backends.kv_cache import KV
+from rollout.backends.sampling import counter_uniform, sample_plain
 
 MIN_SLOTS = 8
 MIN_WIDTH = 128

@@ -23,8 +23,8 @@ from typing import Any
 import anyio
 import torch
 
+from rollout.backends.vllm_worker import load_weights
 from rollout.types import Completion, SamplingParams
-from rollout.vllm_worker import load_weights
 
 INSTALL_HINT = (
     "vLLM is not installed. On a machine with NVIDIA GPUs: `pip install agentgrpo[vllm]`; "

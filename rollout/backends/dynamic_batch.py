@@ -14,9 +14,9 @@ from collections.abc import Collection
 import torch
 from transformers import DynamicCache
 
-from rollout import kv_cache
-from rollout.generation_rows import Row, draw_rows
-from rollout.kv_cache import KV
+from rollout.backends import kv_cache
+from rollout.backends.generation_rows import Row, draw_rows
+from rollout.backends.kv_cache import KV
 
 
 class DynamicBatch:

@@ -2,8 +2,8 @@
 
 `load_weights` is the one way agentgrpo changes a vLLM model's weights; the colocated backend
 calls it directly and `WeightReceiver` (a worker extension: `--worker-extension-cls
-rollout.vllm_worker.WeightReceiver`, which `agentgrpo vllm-serve` passes) calls it with tensors
-broadcast from the trainer. Both must:
+rollout.backends.vllm_worker.WeightReceiver`, which `agentgrpo vllm-serve` passes) calls it with
+tensors broadcast from the trainer. Both must:
 
 - go through the worker's `reload_weights`: on CPU vLLM packs each linear layer into a oneDNN
   handle and leaves the parameter empty, so a plain `model.load_weights` fails there;
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from rollout.weight_transport import WeightGroup
+from rollout.backends.weight_transport import WeightGroup
 
 
 def load_weights(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

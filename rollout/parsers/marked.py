@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from rollout.parse_json import (
+from rollout.parsers.common import (
     _TOO_DEEP,
     MAX_JSON_DEPTH,
     _BadCall,

@@ -22,8 +22,8 @@ from typing import Any
 
 import anyio
 
+from rollout.backends.vllm_colocate import check_sampling_overrides
 from rollout.types import Completion, SamplingParams
-from rollout.vllm_backend import check_sampling_overrides
 
 _TOKEN_ID_PREFIX = "token_id:"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from rollout.parse_json import _BadCall, _check_json, _error, _json_type, _loads
+from rollout.parsers.common import _BadCall, _check_json, _error, _json_type, _loads
 from rollout.types import ParsedTurn, ToolCall
 
 _HINT = (

@@ -12,10 +12,10 @@ an integer longer than Python converts (`sys.get_int_max_str_digits()`), or a st
 lone surrogate escape (`"\ud800"`), which no tokenizer encodes.
 
 Two formats are written out here (`hermes`, `llama3_json`), the others in modules of their own
-(`parse_xml`: `qwen3_xml`, `glm4`, `atem`; `parse_harmony`; `parse_mistral`; `parse_marked`:
-`deepseek_v3`, `gemma4`, `lfm2`), all registered in
-`PARSERS`; `detect_parser` tells from a chat template which one it asks for, and
-`tokenizer_parser` wraps the tokenizer's own `parse_response` when it ships a response template.
+(`xml_style`: `qwen3_xml`, `glm4`, `atem`; `harmony`; `mistral`; `marked`: `deepseek_v3`,
+`gemma4`, `lfm2`; what they share in `common`), all registered in `PARSERS`; `detect_parser`
+tells from a chat template which one it asks for, and `tokenizer_parser` wraps the tokenizer's
+own `parse_response` when it ships a response template.
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rollout.parse_harmony import parse_harmony
-from rollout.parse_json import MAX_JSON_DEPTH as MAX_JSON_DEPTH  # the limit every parser keeps
-from rollout.parse_json import (
+from rollout.parsers.common import MAX_JSON_DEPTH as MAX_JSON_DEPTH  # the limit every parser keeps
+from rollout.parsers.common import (
     _BadCall,
     _decode,
     _error,
     _loads,
     _tool_call,
 )
-from rollout.parse_marked import parse_deepseek_v3, parse_gemma4, parse_lfm2
-from rollout.parse_mistral import parse_mistral
-from rollout.parse_xml import parse_atem, parse_glm4, parse_qwen3_xml
+from rollout.parsers.harmony import parse_harmony
+from rollout.parsers.marked import parse_deepseek_v3, parse_gemma4, parse_lfm2
+from rollout.parsers.mistral import parse_mistral
+from rollout.parsers.xml_style import parse_atem, parse_glm4, parse_qwen3_xml
 from rollout.types import ParsedTurn, ToolCall
 
 Parser = Callable[[str], ParsedTurn]
