@@ -116,7 +116,12 @@ def agentgrpo_commands() -> list:
     """The argv of each `agentgrpo ...` line of the bash blocks, comments dropped."""
     commands = []
     for block in blocks("bash"):
+        started = ""  # the lines of a command continued with a backslash, so far
         for offset, line in enumerate(block.code.splitlines(), start=1):
+            if line.endswith("\\"):
+                started += line[:-1] + " "
+                continue
+            line, started = started + line, ""
             words = shlex.split(line.split("&&")[-1], comments=True)
             while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # PYTHONPATH=. agentgrpo
                 words.pop(0)
