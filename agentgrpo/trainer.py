@@ -25,7 +25,7 @@ import anyio
 import torch
 from accelerate.utils import gather_object
 
-from agentgrpo import checkpoints, porting, run_folder
+from agentgrpo import checkpoints, porting, run_folder, thread_count
 from agentgrpo.config import GRPOConfig
 from agentgrpo.data import (
     adapt_to_iterable_datasets,
@@ -283,18 +283,21 @@ class GRPOTrainer(TRLAttributes):
         the latest intact one in `output_dir` (incomplete ones are skipped with a warning);
         anything else that is not a checkpoint, or a checkpoint of another architecture, is a
         ValueError before training starts. A resumed run skips the warm start: its checkpoint
-        already holds warm-started weights. Temporary folders that a killed checkpoint save left
-        are removed first. The output folder is locked while training (`run_folder.hold`): a
-        second run into it fails at once with `run_folder.OutputDirBusy`. A Ctrl-C stops
-        training at once (the KeyboardInterrupt propagates); the checkpoints already saved stay
-        intact. With several environments, a row naming none or an unknown one is an error
-        here, before any work (TRL's message; TRL raises it at the first batch).
+        already holds warm-started weights, and takes the torch thread count the checkpoint
+        recorded (with a warning if that changes it; see `thread_count`). Temporary folders
+        that a killed checkpoint save left are removed first. The output folder is locked
+        while training (`run_folder.hold`): a second run into it fails at once with
+        `run_folder.OutputDirBusy`. A Ctrl-C stops training at once (the KeyboardInterrupt
+        propagates); the checkpoints already saved stay intact. With several environments, a
+        row naming none or an unknown one is an error here, before any work (TRL's message;
+        TRL raises it at the first batch).
         """
         check_environment_column(self.train_dataset, self.engine)
         output_dir = str(self.args.output_dir)  # TrainingArguments always sets one
         checkpoint = checkpoints.resume_point(resume_from_checkpoint, output_dir)
         if checkpoint is not None:
             checkpoints.check_architecture(checkpoint, self.model.config.to_dict())
+            thread_count.restore(checkpoint, self.args.process_index, self.args.world_size)
         with run_folder.hold(output_dir) if self.args.should_save else contextlib.nullcontext():
             if self.args.should_save:
                 checkpoints.remove_temporary(output_dir)
@@ -303,6 +306,11 @@ class GRPOTrainer(TRLAttributes):
                 if self.args.save_warm_start:
                     self.save_model(os.path.join(output_dir, WARM_START_DIR))
             return super().train(checkpoint, *args, **kwargs)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """The Trainer's RNG states, and this process's torch thread count (`thread_count`)."""
+        super()._save_rng_state(output_dir)
+        thread_count.save(output_dir, self.args.process_index, self.args.world_size)
 
     # ------------------------------------------------------------------ warm start
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from tiny_model import tiny_llama
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
+from agentgrpo import thread_count
 from agentgrpo.checkpoints import (
     checked_checkpoint,
     latest_checkpoint,
@@ -50,8 +51,11 @@ def run_command(model_dir: Path, reward_file: Path, out: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def start(arguments: list[str], cwd: Path, kill_on_open: str | None = None) -> subprocess.Popen:
-    """Start `python -m agentgrpo ARGS` (SIGKILLed on opening `kill_on_open`, if given)."""
+def start(
+    arguments: list[str], cwd: Path, kill_on_open: str | None = None, threads: int = 1
+) -> subprocess.Popen:
+    """Start `python -m agentgrpo ARGS` with `threads` torch threads (SIGKILLed on opening
+    `kill_on_open`, if given)."""
     prefix = [str(KILL_ON_OPEN), kill_on_open] if kill_on_open else ["-m", "agentgrpo"]
     return subprocess.Popen(
         [sys.executable, *prefix, *arguments],
@@ -59,7 +63,7 @@ def start(arguments: list[str], cwd: Path, kill_on_open: str | None = None) -> s
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": str(threads)},
     )
 
 
@@ -122,7 +126,11 @@ def test_a_run_killed_during_a_save_and_mid_step_resumes_to_the_same_weights(
 def test_a_run_killed_after_a_checkpoint_every_two_steps_resumes_to_the_same_weights(
     tiny_model_dir, tmp_path
 ):
-    """4 steps, a checkpoint every 2, killed as step 3 scores, resumed: bit-for-bit equal."""
+    """4 steps, a checkpoint every 2, killed as step 3 scores, resumed: bit-for-bit equal.
+
+    The run trains with 2 torch threads and its resume starts with 1: it takes back the 2 its
+    checkpoint recorded (without that, its weights ended 1.2e-7 away: sums round by thread count).
+    """
     reward_file = tmp_path / "scoring.py"
     reward_file.write_text(textwrap.dedent(SCORING))
     outs = {name: tmp_path / name / "out" for name in ("reference", "resumed")}
@@ -133,16 +141,18 @@ def test_a_run_killed_after_a_checkpoint_every_two_steps_resumes_to_the_same_wei
         command[command.index("--max-steps") + 1] = "4"
         command[command.index("--save-steps") + 1] = "2"
         commands[name] = command
-    reference = start(commands["reference"], outs["reference"].parent)
+    reference = start(commands["reference"], outs["reference"].parent, threads=2)
     out = outs["resumed"]
-    status, output = finish(start(commands["resumed"], out.parent, "*/scoring-after-step-2"))
+    killed = start(commands["resumed"], out.parent, "*/scoring-after-step-2", threads=2)
+    status, output = finish(killed)
     assert status == -9 and latest_checkpoint(out) == (out / "checkpoint-2", []), output
-    status, output = finish(start([*commands["resumed"], "--resume"], out.parent))
+    status, output = finish(start([*commands["resumed"], "--resume"], out.parent, threads=1))
     assert status == 0, output
     assert finish(reference)[0] == 0
     expected, resumed = weights(outs["reference"] / "model"), weights(out / "model")
     assert all(torch.equal(expected[name], resumed[name]) for name in expected)
     assert logged_steps(out) == logged_steps(outs["reference"]) == [1, 2, 3, 4]
+    assert "checkpoint-2 was trained with 2 torch threads; this process had 1" in output
 
 
 # ---------------------------------------------------------------------- which checkpoint
@@ -205,6 +215,42 @@ def test_leftover_temporary_folders_are_removed(tmp_path):
     temporary_dir(tmp_path, 2).mkdir()
     remove_temporary(tmp_path)
     assert list(tmp_path.iterdir()) == [kept]
+
+
+# ---------------------------------------------------------------------- the torch thread count
+
+
+@pytest.fixture
+def torch_threads():
+    """The test's own torch thread count: whatever it sets is undone afterwards."""
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def test_a_resume_takes_back_the_thread_count_its_checkpoint_recorded(torch_threads, tmp_path):
+    thread_count.save(tmp_path, 0, 1)
+    torch.set_num_threads(torch_threads + 1)
+    with pytest.warns(UserWarning, match=f"trained with {torch_threads} torch threads; this pro"):
+        thread_count.restore(tmp_path, 0, 1)
+    assert torch.get_num_threads() == torch_threads
+    thread_count.save(tmp_path, 1, 2)
+    assert (tmp_path / "torch_threads_1.json").is_file()
+
+
+def test_a_checkpoint_without_a_thread_count_leaves_the_count_alone(torch_threads, tmp_path):
+    torch.set_num_threads(torch_threads + 1)
+    thread_count.restore(tmp_path, 0, 1)
+    assert torch.get_num_threads() == torch_threads + 1
+
+
+def test_a_damaged_thread_count_file_is_an_error_naming_it(torch_threads, tmp_path):
+    path = tmp_path / "torch_threads.json"
+    for text, says in [('{"torch_thr', "is unreadable"), ('{"torch_threads": 0}', "holds 0")]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"{path} {says}.*delete it to resume"):
+            thread_count.restore(tmp_path, 0, 1)
+    assert torch.get_num_threads() == torch_threads
 
 
 # ---------------------------------------------------------------------- the command line
@@ -279,6 +325,7 @@ def test_resuming_a_finished_run_trains_nothing_and_restores_a_missing_final_mod
         "--reward", f"{reward_file}:varied",
     ]  # fmt: skip
     assert main(argv) == 0
+    assert (out / "checkpoint-1" / "torch_threads.json").is_file()
     trained = weights(out / "model")
     untrained = weights(tiny_model_dir)
     assert any(not torch.equal(trained[name], untrained[name]) for name in trained)
