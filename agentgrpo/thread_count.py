@@ -1,9 +1,9 @@
 """The torch thread count of a run, kept in its checkpoints so that a resumed run computes alike.
 
 On a CPU torch splits a long sum (a matrix product, a norm, a reduction) into one part per
-thread and adds the parts, so the same sum with another thread count rounds differently. A run
-resumed with 1 thread where it started with 2 ended its two remaining steps 1.2e-7 away from the
-uninterrupted run. Each checkpoint records the count of each process (`save`, beside the
+thread and adds the parts, so the same sum with another thread count rounds differently: a run
+resumed with another count ends away from the uninterrupted run (docs/cli.md has the figure).
+Each checkpoint records the count of each process (`save`, beside the
 Trainer's `rng_state.pth`), and a resumed process takes it back (`restore`), which makes the
 resume bit for bit on the same machine and software; another CPU model or another torch build
 can still round differently.
