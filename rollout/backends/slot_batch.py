@@ -208,12 +208,12 @@ class SlotBatch:
         buffers = self._buffers
         occupied = [slot for slot, row in enumerate(self.slots) if row is not None]
         assert buffers is not None and occupied, "decode with no rows"
-        rows = [self.slots[slot] for slot in occupied]
-        plain = all(row.plain for row in rows)  # type: ignore[union-attr]
-        remaining = max(row.request.params.max_tokens - len(row.tokens) for row in rows)  # type: ignore[union-attr]
+        rows = [row for row in self.slots if row is not None]  # in the order of `occupied`
+        plain = all(row.plain for row in rows)
+        remaining = max(row.request.params.max_tokens - len(row.tokens) for row in rows)
         steps = min(self.chunk_steps, remaining) if plain else 1
         slots = min(self.max_rows, _bucket(occupied[-1] + 1, MIN_SLOTS))
-        reach = max(len(row.fed) + steps for row in rows)  # type: ignore[union-attr]
+        reach = max(len(row.fed) + steps for row in rows)
         width = min(buffers.width, _bucket(reach + 1, MIN_WIDTH))
         stops = self._stop_tensor(stop_token_ids, buffers.done_S.device)
         buffers.step_1.zero_()
