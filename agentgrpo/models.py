@@ -352,3 +352,17 @@ def reference_sync(reference: torch.nn.Module | None, policy: Any, args: Any) ->
             "`sync_ref_model=False`."
         )
     return SyncReference(reference, policy, args.ref_model_mixup_alpha, args.ref_model_sync_steps)
+
+
+def load_policy_and_tokenizer(
+    model: Any, processing_class: Any, args: Any, peft_config: Any, quantization_config: Any
+) -> tuple[Any, Any]:
+    """The policy to train (`load_policy`) and its tokenizer (`load_tokenizer`), checked.
+
+    The tokenizer's loading arguments come from `model` as given (`tokenizer_kwargs`), and
+    `use_liger_kernel` is checked on the loaded policy (`check_liger_kernel`).
+    """
+    tokenizer_source = tokenizer_kwargs(args, model)
+    model = load_policy(model, args, peft_config, quantization_config)
+    check_liger_kernel(args, model)
+    return model, load_tokenizer(model, processing_class, tokenizer_source)

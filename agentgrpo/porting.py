@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from agentgrpo.config import GRPOConfig
+
 logger = logging.getLogger(__name__)
 
 # transformers' `optim` names that are bitsandbytes optimizers.
@@ -104,6 +106,29 @@ def warn_about_loss_settings(args: Any) -> None:
     """Log `loss_setting_warnings` of a `GRPOConfig` through this module's logger, as TRL does."""
     for text in loss_setting_warnings(args.loss_type, args.importance_sampling_level):
         logger.warning(text)
+
+
+def check_arguments(args: GRPOConfig, num_generations: int | None) -> None:
+    """Check the trainer's `num_generations` and the optimizer; warn about the loss settings.
+
+    Raises:
+        ValueError: `num_generations` differs from the config's (`check_num_generations`).
+        ImportError: `args.optim` needs bitsandbytes (`check_optimizer`).
+    """
+    check_num_generations(args.num_generations, num_generations)
+    warn_about_loss_settings(args)
+    check_optimizer(args.optim, args.device)
+
+
+def default_config(model: Any, num_generations: int | None) -> GRPOConfig:
+    """TRL's default config: written to `<model name>-GRPO`, with `num_generations` if given."""
+    group: dict[str, Any] = {} if num_generations is None else {"num_generations": num_generations}
+    return GRPOConfig(output_dir=f"{_model_name(model)}-GRPO", **group)
+
+
+def _model_name(model: Any) -> str:
+    name = model if isinstance(model, str) else model.config._name_or_path
+    return str(name).rstrip("/").split("/")[-1] or "model"
 
 
 def check_num_generations(config_value: int, trainer_value: int | None) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from agentgrpo.data import rows_collator
+from agentgrpo.round_pipeline import RoundPlan
 
 
 class RoundSampler(torch.utils.data.Sampler[int]):
@@ -72,6 +73,21 @@ class RoundSampler(torch.utils.data.Sampler[int]):
 
     def __len__(self) -> int:
         return (self.num_rows // self.rows_per_round) * self.rows_per_round * self.repeats
+
+
+def round_rows_loader(
+    dataset: Any, plan: RoundPlan, shuffle: bool, seed: int, num_workers: int = 0
+) -> torch.utils.data.DataLoader:
+    """Training rows round by round, as `plan` sizes them (a `RoundSampler` under `rows_loader`)."""
+    sampler = RoundSampler(
+        len(dataset),
+        plan.prompts_per_process,
+        plan.num_processes,
+        plan.repeats,
+        shuffle,
+        seed,
+    )
+    return rows_loader(dataset, sampler, num_workers)
 
 
 def rows_loader(

@@ -1,9 +1,9 @@
 """GRPOTrainer: TRL's GRPOTrainer interface on transformers' Trainer, with agentgrpo's engine.
 
 The trainer is glue between transformers' hooks and the round. Its parts come from
-`wiring.build_parts`; `_prepare_inputs` plays a round (`round.play_and_batch`: play and score,
-advantages, batch, logprobs, micro-batches) every `RoundPlan.repeats` micro-batches and serves
-its micro-batches; `compute_loss` is `losses.policy_loss` over mask-1 tokens. transformers'
+`wiring.build_parts`; `_prepare_inputs` plays a round (`round_pipeline.play_and_batch`: play and
+score, advantages, batch, logprobs, micro-batches) every `RoundPlan.repeats` micro-batches and
+serves its micro-batches; `compute_loss` is `losses.policy_loss` over mask-1 tokens. transformers'
 Trainer does the rest: optimizer, schedule, accumulation, checkpoints (made atomic by
 `checkpoint_saving`), callbacks, logging, `save_model` and `push_to_hub`.
 """
@@ -11,12 +11,8 @@ Trainer does the rest: optimizer, schedule, accumulation, checkpoints (made atom
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
-import math
 import os
 import time
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -37,35 +33,24 @@ from agentgrpo.data import (
 )
 from agentgrpo.devices import check_sharded_launch
 from agentgrpo.learner.batch import TrainingBatch, collate_episodes
-from agentgrpo.learner.entropy_control import AdaptiveEntropy
-from agentgrpo.learner.logprobs import batched_logprobs, completion_logprobs
-from agentgrpo.learner.loss_metrics import reduce_over_processes
-from agentgrpo.learner.losses import normalises_by_num_items, policy_loss
+from agentgrpo.learner.logprobs import batched_logprobs
+from agentgrpo.learner.losses import LossConfig, normalises_by_num_items
 from agentgrpo.learner.token_weights import TokenWeighting
+from agentgrpo.loss_step import LossStep
 from agentgrpo.models import (
-    check_liger_kernel,
-    load_policy,
-    load_tokenizer,
+    load_policy_and_tokenizer,
     reference_model,
     reference_sync,
     reward_model_kwargs,
     router_aux_loss_coef,
-    tokenizer_kwargs,
 )
-from agentgrpo.precision import corrects_sampler_mismatch
 from agentgrpo.reporting.completions import CompletionsTable, log_to_integrations, print_table
 from agentgrpo.reporting.metrics import RewardLayout
-from agentgrpo.reporting.round_report import (
-    completions_table,
-    episode_records,
-    gathered_metrics,
-    logged_metrics,
-)
 from agentgrpo.reporting.run_log import EpisodeLog
-from agentgrpo.reporting.sampling import SamplingWindow
 from agentgrpo.reporting.trackers import check_trackers
+from agentgrpo.reporting.trainer_log import TrainerLog
 from agentgrpo.rewards.calls import check_trainer_arguments, reward_functions
-from agentgrpo.round import (
+from agentgrpo.round_pipeline import (
     RewardShaping,
     Round,
     RoundParts,
@@ -73,10 +58,10 @@ from agentgrpo.round import (
     play_and_batch,
     round_seed,
 )
-from agentgrpo.rounds import play_round, score_played
-from agentgrpo.sampler import RoundSampler, eval_rows_loader, rows_loader, stream_loader
+from agentgrpo.sampler import eval_rows_loader, round_rows_loader, stream_loader
+from agentgrpo.scoring import play_round, score_played
 from agentgrpo.trl_attributes import TRLAttributes
-from agentgrpo.warm_start import environment_demonstrations, warm_start
+from agentgrpo.warm_start import warm_start_from_environment
 from agentgrpo.weight_sync import build_generator, check_zero3_generation, generation_weights
 from agentgrpo.wiring import build_parts
 from rollout import Episode, EpisodeRecord
@@ -84,8 +69,6 @@ from rollout.agents import Agent
 
 # Where `save_warm_start` puts the warm-started model, in the output folder.
 WARM_START_DIR = "warm_start"
-# Where a checkpoint keeps the adaptive entropy controller (the name TRL 1.16 uses).
-ENTROPY_STATE_FILE = "entropy_ctrl_state.json"
 
 
 class GRPOTrainer(TRLAttributes):
@@ -167,22 +150,15 @@ class GRPOTrainer(TRLAttributes):
         num_generations: int | None = None,
         agent: Agent | Callable[..., Any] | None = None,
     ):
-        if args is None:
-            group: dict[str, Any] = {}
-            if num_generations is not None:
-                group["num_generations"] = num_generations
-            args = GRPOConfig(output_dir=f"{_model_name(model)}-GRPO", **group)
-        porting.check_num_generations(args.num_generations, num_generations)
-        porting.warn_about_loss_settings(args)
-        porting.check_optimizer(args.optim, args.device)
+        args = args if args is not None else porting.default_config(model, num_generations)
+        porting.check_arguments(args, num_generations)
         check_trackers(args.report_to)
         adapt_to_iterable_datasets(args, train_dataset, eval_dataset)
         processing_class = porting.processing_class_of(processing_class, tokenizer)
         sources = porting.reward_sources(reward_funcs, reward_model, reward_fn)
-        tokenizer_source = tokenizer_kwargs(args, model)
-        model = load_policy(model, args, peft_config, quantization_config)
-        check_liger_kernel(args, model)
-        tokenizer = load_tokenizer(model, processing_class, tokenizer_source)
+        model, tokenizer = load_policy_and_tokenizer(
+            model, processing_class, args, peft_config, quantization_config
+        )
         self._reward_functions = reward_functions(
             sources, reward_processing_classes, reward_model_kwargs(args)
         )
@@ -198,41 +174,42 @@ class GRPOTrainer(TRLAttributes):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        check_sharded_launch(os.environ, str(self.accelerator.distributed_type))
-        check_zero3_generation(
-            getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", 0),
-            self.accelerator.num_processes,
-            args.ds3_gather_for_generation,
-        )
-        self.model_accepts_loss_kwargs = False  # compute_loss normalises; Trainer divides by GA
-        self.router_aux_loss_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)
-        self.aux_loss_enabled = self.router_aux_loss_coef != 0.0
-        self._metrics: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        self._sampling = SamplingWindow()  # the sampler mismatch of this step's micro-batches
-        self.ref_model = reference_model(self.model, args)
-        if args.sync_ref_model:
-            policy = self.accelerator.unwrap_model(self.model)
-            self.add_callback(reference_sync(self.ref_model, policy, args))
-        self._environment_factory = environment_factory
-        self.agent = agent if agent is None or isinstance(agent, Agent) else Agent(agent)
-        self._wire(tools or [], environment_factory)
-        if rollout_func is None:  # its extra fields are known only once it runs
-            check_trainer_arguments(
-                self._reward_functions, self.train_dataset, bool(environment_factory)
-            )
-        self._round: Round | None = None  # the round being trained on
-        self._micro_index: int | None = None  # micro-batches served since the run started
-        self._step_seconds = 0.0
-        self._last_episodes: list[tuple[Episode, float]] = []
-        self._last_records: list[EpisodeRecord] = []
-        self._completions: CompletionsTable | None = None  # the latest round's, to log
-        if self.args.log_episodes:
-            self.add_callback(EpisodeLog(self))
+        self._set_up(tools or [], environment_factory, agent)
 
     # ------------------------------------------------------------------ set-up
 
-    def _wire(self, tools: Sequence[Callable[..., Any]], factory: Any) -> None:
-        """Build the engine, scorer and loss settings (`wiring.build_parts`) and the round."""
+    def _set_up(
+        self, tools: Sequence[Callable[..., Any]], factory: Any, agent: Agent | Callable | None
+    ) -> None:
+        """Check the launch; build the reference model, the round's parts and the loss step."""
+        args, accelerator = self.args, self.accelerator
+        check_sharded_launch(os.environ, str(accelerator.distributed_type))
+        check_zero3_generation(
+            getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0),
+            accelerator.num_processes,
+            args.ds3_gather_for_generation,
+        )
+        self.model_accepts_loss_kwargs = False  # compute_loss normalises; Trainer divides by GA
+        router_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)
+        self._log = TrainerLog()
+        self._metrics = self._log.metrics  # TRL's name for the queued metric values
+        self.ref_model = reference_model(self.model, args)
+        if args.sync_ref_model:
+            policy = accelerator.unwrap_model(self.model)
+            self.add_callback(reference_sync(self.ref_model, policy, args))
+        self._environment_factory = factory
+        self.agent = agent if agent is None or isinstance(agent, Agent) else Agent(agent)
+        self._wire(tools, factory, router_coef)
+        if self.rollout_func is None:  # its extra fields are known only once it runs
+            check_trainer_arguments(self._reward_functions, self.train_dataset, bool(factory))
+        self._round: Round | None = None  # the round being trained on
+        self._micro_index: int | None = None  # micro-batches served since the run started
+        self._step_seconds = 0.0
+        if args.log_episodes:
+            self.add_callback(EpisodeLog(self))
+
+    def _wire(self, tools: Sequence[Callable[..., Any]], factory: Any, router_coef: float) -> None:
+        """Build the engine, scorer and loss step (`wiring.build_parts`) and the round's parts."""
         args, tokenizer = self.args, self.processing_class
         backend, self.weight_sync = build_generator(self.model, tokenizer, args, self.accelerator)
         parts = build_parts(
@@ -245,13 +222,12 @@ class GRPOTrainer(TRLAttributes):
             trainer_state=lambda: self.state,
             agent=self.agent,
         )
-        self.engine, self.scorer, self.loss_config = parts.engine, parts.scorer, parts.loss_config
-        self.token_weighting = TokenWeighting.from_config(args, corrects_sampler_mismatch(args))
-        self.entropy_control = AdaptiveEntropy.from_config(args)
+        self.engine, self.scorer = parts.engine, parts.scorer
+        self.loss_step = LossStep.from_config(args, parts.loss_config, router_coef)
         shaping = RewardShaping.from_config(args)
         self._round_parts = RoundParts(
             play=self._play,
-            shaping=dataclasses.replace(shaping, weights_F=torch.tensor(parts.reward_weights)),
+            shaping=replace(shaping, weights_F=torch.tensor(parts.reward_weights)),
             collate=lambda episodes, advantages_N: collate_episodes(
                 episodes, advantages_N, tokenizer.pad_token_id, args.mask_truncated_completions
             ).to(args.device),
@@ -315,40 +291,28 @@ class GRPOTrainer(TRLAttributes):
     # ------------------------------------------------------------------ warm start
 
     def _warm_start(self) -> None:
-        steps = self.args.warm_start_steps
-        conversations = environment_demonstrations(
-            self._environment_factory, steps, seed=self.args.seed
-        )
-        show = self.is_world_process_zero()
-
-        def log(step: int, loss: float) -> None:
-            if show:
-                print(f"warm start {step + 1}/{steps}: loss {loss:.3f}", flush=True)
-
-        self.model.to(self.args.device)
-        warm_start(
+        """Fine-tune on the environment's demonstrations (`warm_start_from_environment`)."""
+        warm_start_from_environment(
             self.model,
             self.engine.context.renderer,
-            conversations,
-            self.args.warm_start_learning_rate,
+            self._environment_factory,
+            self.args,
             stop_text=self.processing_class.eos_token,
-            log=log,
+            show=self.is_world_process_zero(),
         )
 
     # ------------------------------------------------------------------ data
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """Rows round by round (see `RoundSampler`); each process gets whole groups."""
-        plan, args = self.plan, self.args
-        sampler = RoundSampler(
-            len(self.train_dataset),
-            plan.prompts_per_process,
-            plan.num_processes,
-            plan.repeats,
+        args = self.args
+        loader = round_rows_loader(
+            self.train_dataset,
+            self.plan,
             bool(args.shuffle_dataset),
             args.seed,
+            args.dataloader_num_workers,
         )
-        loader = rows_loader(self.train_dataset, sampler, args.dataloader_num_workers)
         return self.accelerator.prepare(loader)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
@@ -392,17 +356,27 @@ class GRPOTrainer(TRLAttributes):
         return batch
 
     def _new_round(self, rows: list[Mapping[str, Any]], plan: RoundPlan) -> Round:
-        """Play, score and batch one round (`round.play_and_batch`), and record it."""
+        """Play, score and batch one round (`round_pipeline.play_and_batch`), and record it."""
         step, process = self.state.global_step, self.accelerator.process_index
         seed = round_seed(self.args.seed, plan.train, step, process)
         round_ = play_and_batch(self._round_parts, plan, rows, seed)
-        self._record_round(round_, plan)
+        self.state.num_input_tokens_seen = self._log.record_round(
+            round_,
+            self._mode,
+            self.scorer,
+            self._reward_layout(plan),
+            (self._gather, self._gather_objects),
+            self.state.num_input_tokens_seen,
+            self.state.global_step,
+            self.accelerator.process_index,
+            bool(self.args.log_completions),
+        )
         return round_
 
     def _play(
         self, rows: Sequence[Mapping[str, Any]], num_generations: int, seed: int
     ) -> tuple[list[Episode], torch.Tensor]:
-        """Play the rows (the engine, or `rollout_func`) and score them: the `round.Play` stage."""
+        """Play the rows (the engine, or `rollout_func`) and score them: `round_pipeline.Play`."""
         with (
             generation_weights(
                 self.accelerator, self.model_wrapped, self.args.ds3_gather_for_generation
@@ -441,101 +415,28 @@ class GRPOTrainer(TRLAttributes):
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> torch.Tensor:
-        """The GRPO loss of one micro-batch, over its mask-1 tokens only."""
-        batch, args = inputs, self.args
-        # The entropy bonus needs the entropy's gradient; everything else reads it detached.
-        logprobs_B_C, entropy_B_C, aux_loss = completion_logprobs(
-            model,
-            batch,
-            args.temperature,
-            entropy="differentiable" if self._entropy_bonus else "detached",
-            with_aux_loss=self.aux_loss_enabled,
-        )
-        assert entropy_B_C is not None  # asked for
-        old_B_C = batch.old_logprobs_B_C
-        if old_B_C is None:  # one update per round: the generating policy is the current one
-            old_B_C = logprobs_B_C.detach()
-        ratios_U = self.token_weighting.sampler_ratios(batch, old_B_C)
-        self._sampling.add(old_B_C, batch.sampler_logprobs_B_C, batch.loss_mask_B_C, ratios_U)
-        output = policy_loss(
-            logprobs_B_C,
-            old_B_C,
-            batch.advantages_B,
-            batch.loss_mask_B_C,
-            self.loss_config,
-            ref_logprobs_B_T=batch.ref_logprobs_B_C,
-            sampler_weights_B_T=self.token_weighting.weights(
-                batch, logprobs_B_C.detach(), old_B_C, entropy_B_C.detach()
-            ),
-            num_items=batch.num_items,
-            entropy_B_T=entropy_B_C,
-            entropy_coef=self._entropy_coef(entropy_B_C.detach(), batch.loss_mask_B_C),
-            episode_B=batch.episode_B,
-        )
-        return self._total_loss(output.loss, output.metrics, aux_loss)
+        """The GRPO loss of one micro-batch, over its mask-1 tokens only (`LossStep.loss`).
 
-    @property
-    def _entropy_bonus(self) -> bool:
-        """Whether the loss has an entropy bonus (a coefficient, fixed or adapted)."""
-        return self.args.entropy_coef != 0.0 or self.args.use_adaptive_entropy
-
-    def _total_loss(
-        self,
-        loss: torch.Tensor,
-        metrics: Mapping[str, torch.Tensor],
-        aux_loss: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The loss to back-propagate; records the loss metrics.
-
-        The policy loss scaled by `_loss_scale`, plus a mixture-of-experts model's load-balancing
-        loss times `router_aux_loss_coef` (the Trainer then divides both by the accumulation).
-
-        As TRL: `policy_loss` (the loss before the entropy bonus) and `entropy_coef` (at each
-        optimizer step) are logged when there is an entropy bonus, `aux_loss` (unweighted)
-        when the model is mixture-of-experts.
+        Records the loss metrics; as TRL, a fixed entropy bonus's `entropy_coef` is logged at
+        each optimizer step (the adaptive controller logs its own in `training_step`).
         """
-        scale = self._loss_scale()
-        loss = loss * scale
-        recorded = {name: value for name, value in metrics.items() if name != "policy_loss"}
-        if self._entropy_bonus:
-            recorded["policy_loss"] = metrics["policy_loss"] * scale
-            fixed = self.entropy_control is None  # the controller logs its own, once a step
-            if fixed and self.model.training and self.accelerator.sync_gradients:
-                self._metrics["train"]["entropy_coef"].append(self.loss_config.entropy_coef)
-        if aux_loss is not None:
-            loss = loss + self.router_aux_loss_coef * aux_loss
-            recorded["aux_loss"] = aux_loss.detach()
-        self._record_loss_metrics(recorded)
+        step, training = self.loss_step, self.model.training
+        loss, metrics = step.loss(model, inputs, training, self._loss_scale())
+        fixed = step.entropy_bonus and step.entropy_control is None
+        if fixed and training and self.accelerator.sync_gradients:
+            self._metrics["train"]["entropy_coef"].append(step.loss_config.entropy_coef)
+        self._log.add_reduced(self._mode, metrics, self._gather)
         return loss
 
-    def _entropy_coef(self, entropy_B_C: torch.Tensor, mask_B_C: torch.Tensor) -> float | None:
-        """The adaptive coefficient for this micro-batch (None: the config's fixed one).
+    @property
+    def loss_config(self) -> LossConfig:
+        """The loss and its hyperparameters (`wiring.loss_config_of`)."""
+        return self.loss_step.loss_config
 
-        A training micro-batch also adds its entropy to the controller's window, which
-        `training_step` closes at each optimizer step; evaluation never changes the controller.
-        """
-        control = self.entropy_control
-        if control is None:
-            return None
-        if self.model.training:
-            mask_B_C = mask_B_C.to(entropy_B_C.dtype)
-            control.observe(float((entropy_B_C * mask_B_C).sum()), float(mask_B_C.sum()))
-        return control.applied_coef
-
-    def _record_loss_metrics(self, metrics: Mapping[str, torch.Tensor]) -> None:
-        """Reduce each loss metric over the processes (one gather for all of them).
-
-        See `loss_metrics.reduce_over_processes`: `*_min` the minimum, `*_max` the maximum.
-        """
-        names = sorted(metrics)
-        local_1_M = torch.stack([metrics[n].float().reshape(()) for n in names]).unsqueeze(0)
-        values_M = reduce_over_processes(names, self._gather(local_1_M))
-        self._add_metrics(self._mode, dict(zip(names, values_M, strict=True)))
-
-    def _add_metrics(self, mode: str, metrics: Mapping[str, float]) -> None:
-        """Queue metric values for the next log of `mode` ("train" or "eval")."""
-        for name, value in metrics.items():
-            self._metrics[mode][name].append(value)
+    @property
+    def token_weighting(self) -> TokenWeighting:
+        """The sampler-mismatch correction and token masks the loss applies."""
+        return self.loss_step.token_weighting
 
     def _loss_scale(self) -> float:
         """Undo the Trainer's division by accumulation steps and DDP's mean for token losses."""
@@ -544,80 +445,48 @@ class GRPOTrainer(TRLAttributes):
         return self.current_gradient_accumulation_steps * self.accelerator.num_processes
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        """Trainer's step, timed: `step_time` covers generation and the update."""
+        """Trainer's step, timed: `step_time` covers generation and the update.
+
+        At each optimizer step the adaptive entropy coefficient is updated from every
+        process's window, and the step's sampler-mismatch metrics are queued.
+        """
         started = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._step_seconds += time.perf_counter() - started
         if self.accelerator.sync_gradients:
             self._metrics["train"]["step_time"].append(self._step_seconds)
             self._step_seconds = 0.0
-            self._end_entropy_window()
-            self._add_metrics("train", self._sampling.close(self._gather))
+            if self.loss_step.entropy_control is not None:
+                coef = self.loss_step.end_entropy_window(self._reduce_sum)
+                self._metrics["train"]["entropy_coef"].append(coef)
+            self._log.add("train", self.loss_step.sampling.close(self._gather))
         return loss
 
-    def _end_entropy_window(self) -> None:
-        """At an optimizer step: update the adaptive coefficient from every process's window."""
-        control = self.entropy_control
-        if control is None:
-            return
-        local_2 = torch.tensor([control.window_sum, control.window_tokens], dtype=torch.float64)
-        total_2 = self.accelerator.reduce(local_2.to(self.accelerator.device), reduction="sum")
-        control.end_step(float(total_2[0]), float(total_2[1]))
-        self._metrics["train"]["entropy_coef"].append(control.coef)
+    def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the processes."""
+        return self.accelerator.reduce(tensor.to(self.accelerator.device), reduction="sum")
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Trainer's save, plus the adaptive entropy controller's state (TRL's file name)."""
+        """Trainer's save, plus the adaptive entropy controller's state (`LossStep.save`)."""
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.entropy_control is not None and self.args.should_save:
-            path = os.path.join(output_dir, ENTROPY_STATE_FILE)
-            with open(path, "w") as file:
-                json.dump(self.entropy_control.state(), file)
+        if self.args.should_save:
+            self.loss_step.save(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Trainer's load, plus the adaptive entropy controller's state when saved."""
         super()._load_optimizer_and_scheduler(checkpoint)
-        if self.entropy_control is None or checkpoint is None:
-            return
-        path = os.path.join(checkpoint, ENTROPY_STATE_FILE)
-        if os.path.exists(path):
-            with open(path) as file:
-                self.entropy_control.load(json.load(file))
+        if checkpoint is not None:
+            self.loss_step.load(checkpoint)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation: generate with `num_generations_eval`, score, and report the loss."""
         with torch.no_grad():
             batch = self._prepare_inputs(inputs)
             loss = self.compute_loss(model, batch)
-        self._add_metrics("eval", self._sampling.close(self._gather))
+        self._log.add("eval", self.loss_step.sampling.close(self._gather))
         return loss.detach(), None, None
 
     # ------------------------------------------------------------------ logging
-
-    def _record_round(self, round_: Round, plan: RoundPlan) -> None:
-        """Queue the round's metrics for the next log; keep its episodes and completions table.
-
-        The metrics include those reward functions logged with `log_metric` during the round.
-        """
-        names, mode = self.scorer.names, self._mode
-        metrics = gathered_metrics(round_, self._gather, self._reward_layout(plan))
-        round_tokens = int(metrics.pop("num_tokens_round"))
-        if mode == "train":
-            self.state.num_input_tokens_seen += round_tokens
-        logs = self.scorer.logs
-        metrics |= logged_metrics(logs.take_metrics(), self._gather, self._gather_objects)
-        self._add_metrics(mode, metrics)
-        # As TRL: the training tokens seen so far, in eval logs too; the latest value, not a mean.
-        self._metrics[mode]["num_tokens"] = [float(self.state.num_input_tokens_seen)]
-        extra = logs.take_extra(len(round_.episodes) // plan.num_generations, plan.num_generations)
-        if self.args.log_completions:
-            views = [self.scorer.views(episode) for episode in round_.episodes]
-            self._completions = completions_table(
-                round_, views, names, extra, self._gather_objects, self.state.global_step
-            )
-        self._last_episodes = list(zip(round_.episodes, round_.rewards_N.tolist(), strict=True))
-        if mode == "train":
-            step, process = self.state.global_step, self.accelerator.process_index
-            self._last_records = episode_records(round_, names, step, process)
 
     def _reward_layout(self, plan: RoundPlan) -> RewardLayout:
         """How this run's reward columns are named, weighted and scaled, for the metrics."""
@@ -635,7 +504,7 @@ class GRPOTrainer(TRLAttributes):
         was generated at (it is first trained at the next step). Empty before the first round;
         replaced, never mutated, by the next training round (eval rounds leave it alone).
         """
-        return self._last_records
+        return self._log.records
 
     @property
     def last_completions(self) -> CompletionsTable | None:
@@ -644,7 +513,7 @@ class GRPOTrainer(TRLAttributes):
         None before the first round or without `log_completions`; replaced by the next round.
         Its `step` is the global step the round was played at; the logged table's is the log's.
         """
-        return self._completions
+        return self._log.completions
 
     @property
     def last_episodes(self) -> list[tuple[Episode, float]]:
@@ -653,7 +522,7 @@ class GRPOTrainer(TRLAttributes):
         Rewards are the combined (weighted) totals. Empty before the first round. Read-only:
         the list is replaced, never mutated, by the next round.
         """
-        return self._last_episodes
+        return self._log.episodes
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the GRPO metrics gathered since the last log, under TRL's names; show completions.
@@ -667,22 +536,12 @@ class GRPOTrainer(TRLAttributes):
         """
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
         prefix = "eval_" if mode == "eval" else ""
-        for name, values in self._metrics[mode].items():
-            valid = [v for v in values if not math.isnan(v)]
-            logs[prefix + name] = sum(valid) / len(valid) if valid else None  # type: ignore[assignment]
-        self._metrics[mode].clear()
+        for name, mean in self._log.take_means(mode).items():
+            logs[prefix + name] = mean  # type: ignore[assignment]  # None: every value was NaN
         super().log(logs, start_time)
-        table = self._completions
+        table = self._log.completions
         with_round = prefix + "reward" in logs  # not, e.g., the end-of-training summary
         if with_round and self.accelerator.is_main_process and table is not None:
             table = replace(table, step=self.state.global_step)
             print_table(table, self.args.num_completions_to_print)
             log_to_integrations(table, self.args.report_to, self.args.log_unique_prompts)
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-def _model_name(model: Any) -> str:
-    name = model if isinstance(model, str) else model.config._name_or_path
-    return str(name).rstrip("/").split("/")[-1] or "model"

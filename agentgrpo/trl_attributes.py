@@ -31,10 +31,12 @@ from agentgrpo.config import GRPOConfig
 from agentgrpo.learner.entropy_control import AdaptiveEntropy
 from agentgrpo.learner.losses import VespoShape, vespo_weights
 from agentgrpo.learner.token_weights import high_entropy_mask, trl_off_policy_mask
+from agentgrpo.loss_step import LossStep
+from agentgrpo.reporting.trainer_log import TrainerLog
 from agentgrpo.rewards.calls import RewardFunction
-from agentgrpo.round import RoundParts
-from agentgrpo.rounds import Scorer
-from rollout import Episode, RolloutEngine, load_template
+from agentgrpo.round_pipeline import RoundParts
+from agentgrpo.scoring import Scorer
+from rollout import RolloutEngine, load_template
 from rollout.agents import Agent
 
 
@@ -78,11 +80,11 @@ class TRLAttributes(AtomicCheckpoints):
     processing_class: Any
     scorer: Scorer
     engine: RolloutEngine
-    entropy_control: AdaptiveEntropy | None
+    loss_step: LossStep
     agent: Agent | None
     _reward_functions: list[RewardFunction]
     _round_parts: RoundParts
-    _last_episodes: list[tuple[Episode, float]]
+    _log: TrainerLog
 
     # --- GRPOConfig fields TRL copies onto the trainer -----------------------------------------
     max_completion_length = _ConfigField()
@@ -181,6 +183,21 @@ class TRLAttributes(AtomicCheckpoints):
         self._round_parts = replace(self._round_parts, shaping=shaping)
 
     # --- Loss -----------------------------------------------------------------------------------
+
+    @property
+    def entropy_control(self) -> AdaptiveEntropy | None:
+        """The adaptive entropy controller (`use_adaptive_entropy`), else None."""
+        return self.loss_step.entropy_control
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """The weight of a mixture-of-experts model's load-balancing loss (0.0: none)."""
+        return self.loss_step.router_aux_loss_coef
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """Whether the loss adds a mixture-of-experts model's load-balancing loss."""
+        return self.loss_step.router_aux_loss_coef != 0.0
 
     @property
     def entropy_coef(self) -> float:
@@ -353,9 +370,9 @@ class TRLAttributes(AtomicCheckpoints):
 
         None without environments or before the first round (TRL's value before a batch).
         """
-        if self.environment_factories is None or not self._last_episodes:
+        if self.environment_factories is None or not self._log.episodes:
             return None
-        return [episode.environment for episode, _ in self._last_episodes]
+        return [episode.environment for episode, _ in self._log.episodes]
 
     @property
     def chat_template(self) -> str | None:

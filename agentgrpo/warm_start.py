@@ -96,3 +96,29 @@ def _conversation_step(model: torch.nn.Module, rows: Sequence[DemonstrationRow])
         loss.backward()
         total += loss.item()
     return total
+
+
+def warm_start_from_environment(
+    model: torch.nn.Module,
+    renderer: ChatRenderer,
+    environment: Any,
+    args: Any,
+    stop_text: str,
+    show: bool,
+) -> list[float]:
+    """`warm_start` on `args.warm_start_steps` of the environment's demonstrations.
+
+    `args` is the run's `GRPOConfig` (its `warm_start_steps`, `warm_start_learning_rate`,
+    `seed` and `device`); `show` prints each step's loss. Returns the loss of each step.
+    """
+    steps = args.warm_start_steps
+    conversations = environment_demonstrations(environment, steps, seed=args.seed)
+
+    def log(step: int, loss: float) -> None:
+        if show:
+            print(f"warm start {step + 1}/{steps}: loss {loss:.3f}", flush=True)
+
+    model.to(args.device)
+    return warm_start(
+        model, renderer, conversations, args.warm_start_learning_rate, stop_text=stop_text, log=log
+    )

@@ -14,7 +14,7 @@ from typing import Any
 
 from agentgrpo.learner.losses import LossConfig, VespoShape
 from agentgrpo.rewards.calls import RewardFunction
-from agentgrpo.rounds import Scorer, environment_reward_classes
+from agentgrpo.scoring import Scorer, environment_reward_classes
 from rollout import EpisodeConfig, GenerationBackend, RolloutEngine
 from rollout.agents import Agent
 

@@ -26,7 +26,7 @@ from agentgrpo.learner.batch import collate_episodes
 from agentgrpo.learner.losses import aggregate, log_importance_ratio, masked_mean_per_episode
 from agentgrpo.learner.token_weights import off_policy_sequence_mask, sampler_correction
 from agentgrpo.reporting.metrics import RewardLayout, episode_stats, round_metrics
-from agentgrpo.round import RoundPlan, split_micro_batches
+from agentgrpo.round_pipeline import RoundPlan, split_micro_batches
 from environments import Counter
 from rollout import (
     Episode,

@@ -17,8 +17,8 @@ from agentgrpo.cli.commands import eval_config
 from agentgrpo.learner.batch import collate_episodes
 from agentgrpo.learner.logprobs import batched_logprobs
 from agentgrpo.rewards.calls import reward_functions
-from agentgrpo.round import RewardShaping, RoundParts, RoundPlan, play_and_batch
-from agentgrpo.rounds import play_round
+from agentgrpo.round_pipeline import RewardShaping, RoundParts, RoundPlan, play_and_batch
+from agentgrpo.scoring import play_round
 from agentgrpo.wiring import build_parts, episode_config_of
 from environments import Counter
 from rollout import EpisodeConfig, TransformersBackend

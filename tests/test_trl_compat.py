@@ -584,7 +584,7 @@ def test_completions_no_reward_function_scores_are_logged_with_their_arguments_a
     with caplog.at_level(logging.WARNING, logger="agentgrpo"):
         trainer.train()
     [warning] = [r for r in caplog.records if "All reward functions returned None" in r.message]
-    assert warning.levelno == logging.WARNING and warning.name == "agentgrpo.rounds"
+    assert warning.levelno == logging.WARNING and warning.name == "agentgrpo.scoring"
     # TRL's text: the row's arguments (its columns, then prompt and completion), then its advice.
     first, arguments, advice = warning.getMessage().split("\n")
     assert first == "All reward functions returned None for the following kwargs:"

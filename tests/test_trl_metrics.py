@@ -38,7 +38,7 @@ from agentgrpo.models import router_aux_loss_coef
 from agentgrpo.reporting.completions import CompletionsTable, plain_table, table_integrations
 from agentgrpo.reporting.metrics import RewardLayout, reward_metrics, round_metrics, tool_metrics
 from agentgrpo.reporting.round_report import logged_metrics
-from agentgrpo.rounds import RewardLogs
+from agentgrpo.scoring import RewardLogs
 from environments import Counter
 
 NAN = float("nan")

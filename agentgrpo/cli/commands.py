@@ -532,7 +532,7 @@ def _eval_engine(
     from agentgrpo.doctor import startup_checks
     from agentgrpo.models import load_tokenizer
     from agentgrpo.rewards.calls import reward_functions
-    from agentgrpo.rounds import environment_reward_name
+    from agentgrpo.scoring import environment_reward_name
     from agentgrpo.wiring import build_parts
 
     rewards = reward_functions(sources.reward_functions(namespace.reward), None)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from agentgrpo.learner.advantages import combine_rewards
-from agentgrpo.rounds import Scorer, play_round
+from agentgrpo.scoring import Scorer, play_round
 from rollout import Episode, RolloutEngine
 
 

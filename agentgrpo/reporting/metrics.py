@@ -30,7 +30,7 @@ import torch
 from rollout import Episode
 
 if TYPE_CHECKING:
-    from agentgrpo.round import RewardShaping
+    from agentgrpo.round_pipeline import RewardShaping
 
 TOOL_ERROR_KINDS = ("parse", "unknown_tool", "bad_arguments", "exception", "timeout")
 _COLUMNS = (

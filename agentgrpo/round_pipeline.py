@@ -1,6 +1,6 @@
-"""One generation round as plain code: rows in, micro-batches out, each stage named in order.
+"""The stages of a generation round, in order: rows in, micro-batches out.
 
-A round plays `num_generations` episodes per row and scores them (`rounds.play_round`), combines
+A round plays `num_generations` episodes per row and scores them (`scoring.play_round`), combines
 the reward columns, turns rewards into group-relative advantages, lays the episodes out as one
 `TrainingBatch`, adds the old and reference logprobs the loss needs, and cuts the batch into the
 micro-batches the optimizer steps consume. `play_and_batch` is that list of stages; everything
@@ -197,7 +197,7 @@ class RewardShaping:
     def combine(self, rewards_N_F: torch.Tensor, num_generations: int) -> torch.Tensor:
         """rewards_N: the weighted columns; 0 where every column is None.
 
-        `rounds.warn_if_unscored` has already logged such episodes when they were scored.
+        `scoring.warn_if_unscored` has already logged such episodes when they were scored.
         """
         weights_F = torch.as_tensor(self.weights_or_ones(rewards_N_F.shape[1]), dtype=torch.float32)
         rewards_N = combine_rewards(rewards_N_F, weights_F, num_generations, self.aggregation)

@@ -1,4 +1,4 @@
-"""One generation round: play the episodes, and score each group the moment it ends.
+"""Scoring episodes: `Scorer`, and `play_round`, which scores each group the moment it ends.
 
 Scoring runs inside the engine's `on_group` hook, so slow (for example I/O-bound, async) reward
 functions overlap with the generation of the groups still playing instead of adding to the step.
@@ -209,7 +209,7 @@ def warn_if_unscored(
 
     The text starts as TRL's does, with the arguments the reward functions received for that
     completion (its row's columns, its environment, then its prompt and completion). Such an
-    episode gets reward 0 (`round.RewardShaping.combine`). The warning goes through this
+    episode gets reward 0 (`round_pipeline.RewardShaping.combine`). The warning goes through this
     module's logger, as TRL logs its own, so the same log filters catch it.
     """
     unscored_N = rewards_N_F.isnan().all(dim=1)

@@ -1,0 +1,106 @@
+"""What the trainer logs between two logs: metric values per mode, and the latest round's views.
+
+`TrainerLog` queues metric values ("train" or "eval") until the Trainer's next `log`, which takes
+their means, and keeps the latest round's episodes, episode records and completions table. Every
+distributed step (gathers) comes in as a function, so it runs on CPU without a Trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+
+import torch
+
+from agentgrpo.learner.loss_metrics import reduce_over_processes
+from agentgrpo.reporting.completions import CompletionsTable
+from agentgrpo.reporting.metrics import RewardLayout
+from agentgrpo.reporting.round_report import (
+    GatherObjects,
+    completions_table,
+    episode_records,
+    gathered_metrics,
+    logged_metrics,
+)
+from agentgrpo.round_pipeline import Gather, Round
+from agentgrpo.scoring import Scorer
+from rollout import Episode, EpisodeRecord
+
+
+class TrainerLog:
+    """Metric values queued for the next log, and the latest round's episodes and tables.
+
+    Attributes:
+        metrics: Mode ("train" or "eval") to metric name to the values since the last log.
+        episodes: The latest round's episodes on this process, each with its combined reward.
+        records: The latest training round's episode records on this process.
+        completions: The latest round's completions table, or None.
+    """
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.episodes: list[tuple[Episode, float]] = []
+        self.records: list[EpisodeRecord] = []
+        self.completions: CompletionsTable | None = None
+
+    def add(self, mode: str, metrics: Mapping[str, float]) -> None:
+        """Queue metric values for the next log of `mode` ("train" or "eval")."""
+        for name, value in metrics.items():
+            self.metrics[mode][name].append(value)
+
+    def add_reduced(self, mode: str, metrics: Mapping[str, torch.Tensor], gather: Gather) -> None:
+        """Queue each scalar metric reduced over the processes (one gather for all of them).
+
+        See `loss_metrics.reduce_over_processes`: `*_min` the minimum, `*_max` the maximum.
+        """
+        names = sorted(metrics)
+        local_1_M = torch.stack([metrics[n].float().reshape(()) for n in names]).unsqueeze(0)
+        values_M = reduce_over_processes(names, gather(local_1_M))
+        self.add(mode, dict(zip(names, values_M, strict=True)))
+
+    def take_means(self, mode: str) -> dict[str, float | None]:
+        """Each queued metric's mean, NaN values left out (None when all were NaN); then clear."""
+        means: dict[str, float | None] = {}
+        for name, values in self.metrics[mode].items():
+            valid = [v for v in values if not math.isnan(v)]
+            means[name] = sum(valid) / len(valid) if valid else None
+        self.metrics[mode].clear()
+        return means
+
+    def record_round(
+        self,
+        round_: Round,
+        mode: str,
+        scorer: Scorer,
+        layout: RewardLayout,
+        gathers: tuple[Gather, GatherObjects],
+        tokens_seen: int,
+        step: int,
+        process_index: int,
+        with_completions: bool,
+    ) -> int:
+        """Queue the round's metrics; keep its episodes, records and completions table.
+
+        The metrics include those reward functions logged with `log_metric` during the round.
+        `tokens_seen` is the run's training tokens before the round, `step` the global step the
+        round was played at. Returns the training tokens seen after it (a training round adds
+        its tokens over every process; an evaluation round adds none).
+        """
+        gather, gather_objects = gathers
+        metrics = gathered_metrics(round_, gather, layout)
+        round_tokens = int(metrics.pop("num_tokens_round"))
+        if mode == "train":
+            tokens_seen += round_tokens
+        logs, names, size = scorer.logs, scorer.names, layout.num_generations
+        self.add(mode, metrics | logged_metrics(logs.take_metrics(), gather, gather_objects))
+        # As TRL: the training tokens seen so far, in eval logs too; the latest value, not a mean.
+        self.metrics[mode]["num_tokens"] = [float(tokens_seen)]
+        extra = logs.take_extra(len(round_.episodes) // size, size)
+        if with_completions:
+            views = [scorer.views(episode) for episode in round_.episodes]
+            self.completions = completions_table(round_, views, names, extra, gather_objects, step)
+        self.episodes = list(zip(round_.episodes, round_.rewards_N.tolist(), strict=True))
+        if mode == "train":
+            self.records = episode_records(round_, names, step, process_index)
+        return tokens_seen
