@@ -5,6 +5,9 @@ A process killed mid-save leaves only a temporary folder (removed at the next st
 A save that fails because the folder is full, read-only or not writable raises
 `run_folder.OutputDirUnwritable`, which says so; a failed checkpoint's temporary folder is
 removed at once, so a full disk gets back the room it took.
+
+Besides the Trainer's files, a checkpoint holds this process's torch thread count
+(`thread_count`) and the adaptive entropy controller's state (`LossStep.save`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from typing import Any
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from agentgrpo import checkpoints
+from agentgrpo import checkpoints, thread_count
+from agentgrpo.loss_step import LossStep
 from agentgrpo.run_folder import explained_write_errors
 
 
@@ -26,10 +30,12 @@ class AtomicCheckpoints(Trainer):
     The Trainer writes `checkpoint-<step>` inside `checkpoints.temporary_dir` (through
     `_get_output_dir`); once every process has written its files, the main process renames it
     into the output folder, then rotates old checkpoints and pushes to the Hub as the Trainer
-    would have.
+    would have. A checkpoint also keeps the thread count and the loss step's state.
     """
 
     _staging_dir: Path | None = None  # set while a checkpoint is being written
+    loss_step: LossStep  # set by the trainer
+    model: Any  # a causal LM, possibly PEFT-wrapped
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Trainer's checkpoint save, written to a temporary folder and renamed when whole."""
@@ -85,3 +91,35 @@ class AtomicCheckpoints(Trainer):
         """Push once the checkpoint is in its final folder (see `_publish_checkpoint`)."""
         if self._staging_dir is None:
             super()._push_from_checkpoint(checkpoint_folder)
+
+    def _resume_point(self, resume_from_checkpoint: Any) -> str | None:
+        """The checkpoint to resume from, checked, or None to start afresh.
+
+        `resume_from_checkpoint` is a checkpoint folder, or True for the latest intact one in
+        `output_dir` (incomplete ones are skipped with a warning); anything else that is not a
+        checkpoint, or a checkpoint of another architecture, is a ValueError before training
+        starts. A resumed run takes the torch thread count the checkpoint recorded (with a
+        warning if that changes it; see `thread_count`).
+        """
+        checkpoint = checkpoints.resume_point(resume_from_checkpoint, str(self.args.output_dir))
+        if checkpoint is not None:
+            checkpoints.check_architecture(checkpoint, self.model.config.to_dict())
+            thread_count.restore(checkpoint, self.args.process_index, self.args.world_size)
+        return checkpoint
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """The Trainer's RNG states, and this process's torch thread count (`thread_count`)."""
+        super()._save_rng_state(output_dir)
+        thread_count.save(output_dir, self.args.process_index, self.args.world_size)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Trainer's save, plus the adaptive entropy controller's state (`LossStep.save`)."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            self.loss_step.save(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Trainer's load, plus the adaptive entropy controller's state when saved."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            self.loss_step.load(checkpoint)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from agentgrpo.data import rows_collator
+from agentgrpo.data import is_iterable_dataset, rows_collator
 from agentgrpo.round_pipeline import RoundPlan
 
 
@@ -130,3 +130,12 @@ def stream_loader(dataset: Any, rows_per_batch: int) -> torch.utils.data.DataLoa
     return torch.utils.data.DataLoader(
         dataset, batch_size=rows_per_batch, collate_fn=rows_collator, num_workers=0
     )
+
+
+def eval_loader(
+    dataset: Any, prompts_per_process: int, num_workers: int = 0
+) -> torch.utils.data.DataLoader:
+    """Every eval row once, in order: `stream_loader` for a stream, else `eval_rows_loader`."""
+    if is_iterable_dataset(dataset):  # streamed: no len(), read in order by one worker
+        return stream_loader(dataset, prompts_per_process)
+    return eval_rows_loader(dataset, prompts_per_process, num_workers)

@@ -21,7 +21,7 @@ import anyio
 import torch
 from accelerate.utils import gather_object
 
-from agentgrpo import checkpoints, porting, run_folder, thread_count
+from agentgrpo import checkpoints, porting, run_folder
 from agentgrpo.config import GRPOConfig
 from agentgrpo.data import (
     adapt_to_iterable_datasets,
@@ -44,11 +44,10 @@ from agentgrpo.models import (
     reward_model_kwargs,
     router_aux_loss_coef,
 )
-from agentgrpo.reporting.completions import CompletionsTable, log_to_integrations, print_table
 from agentgrpo.reporting.metrics import RewardLayout
 from agentgrpo.reporting.run_log import EpisodeLog
 from agentgrpo.reporting.trackers import check_trackers
-from agentgrpo.reporting.trainer_log import TrainerLog
+from agentgrpo.reporting.trainer_log import LoggedRounds, TrainerLog
 from agentgrpo.rewards.calls import check_trainer_arguments, reward_functions
 from agentgrpo.round_pipeline import (
     RewardShaping,
@@ -58,20 +57,20 @@ from agentgrpo.round_pipeline import (
     play_and_batch,
     round_seed,
 )
-from agentgrpo.sampler import eval_rows_loader, round_rows_loader, stream_loader
+from agentgrpo.sampler import eval_loader, round_rows_loader
 from agentgrpo.scoring import play_round, score_played
 from agentgrpo.trl_attributes import TRLAttributes
 from agentgrpo.warm_start import warm_start_from_environment
 from agentgrpo.weight_sync import build_generator, check_zero3_generation, generation_weights
 from agentgrpo.wiring import build_parts
-from rollout import Episode, EpisodeRecord
+from rollout import Episode
 from rollout.agents import Agent
 
 # Where `save_warm_start` puts the warm-started model, in the output folder.
 WARM_START_DIR = "warm_start"
 
 
-class GRPOTrainer(TRLAttributes):
+class GRPOTrainer(TRLAttributes, LoggedRounds):
     """Train a causal LM with GRPO on single-turn prompts or multi-turn tool-calling episodes.
 
     Accepts the arguments of TRL's `GRPOTrainer` with the same meanings, so a TRL script ports
@@ -191,8 +190,10 @@ class GRPOTrainer(TRLAttributes):
         )
         self.model_accepts_loss_kwargs = False  # compute_loss normalises; Trainer divides by GA
         router_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)
-        self._log = TrainerLog()
-        self._metrics = self._log.metrics  # TRL's name for the queued metric values
+        self._trainer_log = TrainerLog(
+            self._gather, self._gather_objects, accelerator.process_index, args.log_completions
+        )
+        self._metrics = self._trainer_log.metrics  # TRL's name for the queued metric values
         self.ref_model = reference_model(self.model, args)
         if args.sync_ref_model:
             policy = accelerator.unwrap_model(self.model)
@@ -256,11 +257,8 @@ class GRPOTrainer(TRLAttributes):
 
         With `save_warm_start`, the warm-started model is saved to `output_dir/warm_start`
         before GRPO's first step. `resume_from_checkpoint` is a checkpoint folder, or True for
-        the latest intact one in `output_dir` (incomplete ones are skipped with a warning);
-        anything else that is not a checkpoint, or a checkpoint of another architecture, is a
-        ValueError before training starts. A resumed run skips the warm start: its checkpoint
-        already holds warm-started weights, and takes the torch thread count the checkpoint
-        recorded (with a warning if that changes it; see `thread_count`). Temporary folders
+        the latest intact one in `output_dir` (see `_resume_point`). A resumed run skips the
+        warm start: its checkpoint already holds warm-started weights. Temporary folders
         that a killed checkpoint save left are removed first. The output folder is locked
         while training (`run_folder.hold`): a second run into it fails at once with
         `run_folder.OutputDirBusy`. A Ctrl-C stops training at once (the KeyboardInterrupt
@@ -270,10 +268,7 @@ class GRPOTrainer(TRLAttributes):
         """
         check_environment_column(self.train_dataset, self.engine)
         output_dir = str(self.args.output_dir)  # TrainingArguments always sets one
-        checkpoint = checkpoints.resume_point(resume_from_checkpoint, output_dir)
-        if checkpoint is not None:
-            checkpoints.check_architecture(checkpoint, self.model.config.to_dict())
-            thread_count.restore(checkpoint, self.args.process_index, self.args.world_size)
+        checkpoint = self._resume_point(resume_from_checkpoint)
         with run_folder.hold(output_dir) if self.args.should_save else contextlib.nullcontext():
             if self.args.should_save:
                 checkpoints.remove_temporary(output_dir)
@@ -282,13 +277,6 @@ class GRPOTrainer(TRLAttributes):
                 if self.args.save_warm_start:
                     self.save_model(os.path.join(output_dir, WARM_START_DIR))
             return super().train(checkpoint, *args, **kwargs)
-
-    def _save_rng_state(self, output_dir: str) -> None:
-        """The Trainer's RNG states, and this process's torch thread count (`thread_count`)."""
-        super()._save_rng_state(output_dir)
-        thread_count.save(output_dir, self.args.process_index, self.args.world_size)
-
-    # ------------------------------------------------------------------ warm start
 
     def _warm_start(self) -> None:
         """Fine-tune on the environment's demonstrations (`warm_start_from_environment`)."""
@@ -324,15 +312,12 @@ class GRPOTrainer(TRLAttributes):
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        plan = self._eval_plan
-        if is_iterable_dataset(dataset):  # streamed: no len(), read in order by one worker
+        if is_iterable_dataset(dataset):  # each process reads its own rows of the stream
             # A stream first seen here (`evaluate(eval_dataset=...)`) is set up as at init.
             adapt_to_iterable_datasets(self.args, None, dataset)
             self.accelerator.dataloader_config.dispatch_batches = False
-            return self.accelerator.prepare(stream_loader(dataset, plan.prompts_per_process))
-        loader = eval_rows_loader(
-            dataset, plan.prompts_per_process, self.args.dataloader_num_workers
-        )
+        rows = self._eval_plan.prompts_per_process
+        loader = eval_loader(dataset, rows, self.args.dataloader_num_workers)
         return self.accelerator.prepare(loader)
 
     @property
@@ -360,16 +345,12 @@ class GRPOTrainer(TRLAttributes):
         step, process = self.state.global_step, self.accelerator.process_index
         seed = round_seed(self.args.seed, plan.train, step, process)
         round_ = play_and_batch(self._round_parts, plan, rows, seed)
-        self.state.num_input_tokens_seen = self._log.record_round(
-            round_,
-            self._mode,
-            self.scorer,
-            self._reward_layout(plan),
-            (self._gather, self._gather_objects),
-            self.state.num_input_tokens_seen,
-            self.state.global_step,
-            self.accelerator.process_index,
-            bool(self.args.log_completions),
+        # an agent offers tools with its requests: its calls, turns and forks count too
+        with_tools = self.engine.context.has_tools or self.engine.player is not None
+        shaping, tokens_seen = self._round_parts.shaping, self.state.num_input_tokens_seen
+        layout = RewardLayout.of(self.scorer.names, shaping, plan.num_generations, with_tools)
+        self.state.num_input_tokens_seen = self._trainer_log.record_round(
+            round_, self._mode, self.scorer, layout, tokens_seen, step
         )
         return round_
 
@@ -425,7 +406,7 @@ class GRPOTrainer(TRLAttributes):
         fixed = step.entropy_bonus and step.entropy_control is None
         if fixed and training and self.accelerator.sync_gradients:
             self._metrics["train"]["entropy_coef"].append(step.loss_config.entropy_coef)
-        self._log.add_reduced(self._mode, metrics, self._gather)
+        self._trainer_log.add_reduced(self._mode, metrics)
         return loss
 
     @property
@@ -459,89 +440,17 @@ class GRPOTrainer(TRLAttributes):
             if self.loss_step.entropy_control is not None:
                 coef = self.loss_step.end_entropy_window(self._reduce_sum)
                 self._metrics["train"]["entropy_coef"].append(coef)
-            self._log.add("train", self.loss_step.sampling.close(self._gather))
+            self._trainer_log.add("train", self.loss_step.sampling.close(self._gather))
         return loss
 
     def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the processes."""
         return self.accelerator.reduce(tensor.to(self.accelerator.device), reduction="sum")
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Trainer's save, plus the adaptive entropy controller's state (`LossStep.save`)."""
-        super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save:
-            self.loss_step.save(output_dir)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Trainer's load, plus the adaptive entropy controller's state when saved."""
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            self.loss_step.load(checkpoint)
-
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation: generate with `num_generations_eval`, score, and report the loss."""
         with torch.no_grad():
             batch = self._prepare_inputs(inputs)
             loss = self.compute_loss(model, batch)
-        self._log.add("eval", self.loss_step.sampling.close(self._gather))
+        self._trainer_log.add("eval", self.loss_step.sampling.close(self._gather))
         return loss.detach(), None, None
-
-    # ------------------------------------------------------------------ logging
-
-    def _reward_layout(self, plan: RoundPlan) -> RewardLayout:
-        """How this run's reward columns are named, weighted and scaled, for the metrics."""
-        # an agent offers tools with its requests: its calls, turns and forks count too
-        with_tools = self.engine.context.has_tools or self.engine.player is not None
-        shaping, names = self._round_parts.shaping, self.scorer.names
-        return RewardLayout.of(names, shaping, plan.num_generations, with_tools)
-
-    @property
-    def last_records(self) -> list[EpisodeRecord]:
-        """The latest training round's episodes on this process, as the episode record holds them.
-
-        Each has its per-function rewards (None where a function returned None), the combined
-        reward, the advantage the loss used, and `policy_version`: the global step the round
-        was generated at (it is first trained at the next step). Empty before the first round;
-        replaced, never mutated, by the next training round (eval rounds leave it alone).
-        """
-        return self._log.records
-
-    @property
-    def last_completions(self) -> CompletionsTable | None:
-        """The latest round's completions table (every process's rows), with `log_completions`.
-
-        None before the first round or without `log_completions`; replaced by the next round.
-        Its `step` is the global step the round was played at; the logged table's is the log's.
-        """
-        return self._log.completions
-
-    @property
-    def last_episodes(self) -> list[tuple[Episode, float]]:
-        """The latest round's episodes on this process (train or eval), each with its reward.
-
-        Rewards are the combined (weighted) totals. Empty before the first round. Read-only:
-        the list is replaced, never mutated, by the next round.
-        """
-        return self._log.episodes
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the GRPO metrics gathered since the last log, under TRL's names; show completions.
-
-        With `log_completions`, a log holding round metrics prints the latest round's
-        completions table (its `step` column set to the global step) and logs it to the
-        `report_to` integrations that take tables.
-
-        Each metric is the mean of its values since the last log, NaN values left out (None
-        when every value was NaN, e.g. a reward function that returned None throughout).
-        """
-        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
-        prefix = "eval_" if mode == "eval" else ""
-        for name, mean in self._log.take_means(mode).items():
-            logs[prefix + name] = mean  # type: ignore[assignment]  # None: every value was NaN
-        super().log(logs, start_time)
-        table = self._log.completions
-        with_round = prefix + "reward" in logs  # not, e.g., the end-of-training summary
-        if with_round and self.accelerator.is_main_process and table is not None:
-            table = replace(table, step=self.state.global_step)
-            print_table(table, self.args.num_completions_to_print)
-            log_to_integrations(table, self.args.report_to, self.args.log_unique_prompts)

@@ -84,7 +84,7 @@ class TRLAttributes(AtomicCheckpoints):
     agent: Agent | None
     _reward_functions: list[RewardFunction]
     _round_parts: RoundParts
-    _log: TrainerLog
+    _trainer_log: TrainerLog
 
     # --- GRPOConfig fields TRL copies onto the trainer -----------------------------------------
     max_completion_length = _ConfigField()
@@ -370,9 +370,9 @@ class TRLAttributes(AtomicCheckpoints):
 
         None without environments or before the first round (TRL's value before a batch).
         """
-        if self.environment_factories is None or not self._log.episodes:
+        if self.environment_factories is None or not self._trainer_log.episodes:
             return None
-        return [episode.environment for episode, _ in self._log.episodes]
+        return [episode.environment for episode, _ in self._trainer_log.episodes]
 
     @property
     def chat_template(self) -> str | None:

@@ -1,8 +1,8 @@
 """What the trainer logs between two logs: metric values per mode, and the latest round's views.
 
 `TrainerLog` queues metric values ("train" or "eval") until the Trainer's next `log`, which takes
-their means, and keeps the latest round's episodes, episode records and completions table. Every
-distributed step (gathers) comes in as a function, so it runs on CPU without a Trainer.
+their means, and keeps the latest round's episodes, episode records and completions table. The
+distributed steps (gathers) come in as functions, so it runs on CPU without a Trainer.
 """
 
 from __future__ import annotations
@@ -10,11 +10,14 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
+from transformers import Trainer
 
+from agentgrpo.config import GRPOConfig
 from agentgrpo.learner.loss_metrics import reduce_over_processes
-from agentgrpo.reporting.completions import CompletionsTable
+from agentgrpo.reporting.completions import CompletionsTable, log_to_integrations, print_table
 from agentgrpo.reporting.metrics import RewardLayout
 from agentgrpo.reporting.round_report import (
     GatherObjects,
@@ -31,6 +34,12 @@ from rollout import Episode, EpisodeRecord
 class TrainerLog:
     """Metric values queued for the next log, and the latest round's episodes and tables.
 
+    Args:
+        gather: Gathers tensors across processes (`round_pipeline.Gather`).
+        gather_objects: Gathers lists across processes.
+        process_index: This process's index, recorded in its episode records.
+        with_completions: Keep each round's completions table (`log_completions`).
+
     Attributes:
         metrics: Mode ("train" or "eval") to metric name to the values since the last log.
         episodes: The latest round's episodes on this process, each with its combined reward.
@@ -38,7 +47,15 @@ class TrainerLog:
         completions: The latest round's completions table, or None.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        gather: Gather,
+        gather_objects: GatherObjects,
+        process_index: int = 0,
+        with_completions: bool = False,
+    ) -> None:
+        self.gather, self.gather_objects = gather, gather_objects
+        self.process_index, self.with_completions = process_index, with_completions
         self.metrics: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.episodes: list[tuple[Episode, float]] = []
         self.records: list[EpisodeRecord] = []
@@ -49,14 +66,14 @@ class TrainerLog:
         for name, value in metrics.items():
             self.metrics[mode][name].append(value)
 
-    def add_reduced(self, mode: str, metrics: Mapping[str, torch.Tensor], gather: Gather) -> None:
+    def add_reduced(self, mode: str, metrics: Mapping[str, torch.Tensor]) -> None:
         """Queue each scalar metric reduced over the processes (one gather for all of them).
 
         See `loss_metrics.reduce_over_processes`: `*_min` the minimum, `*_max` the maximum.
         """
         names = sorted(metrics)
         local_1_M = torch.stack([metrics[n].float().reshape(()) for n in names]).unsqueeze(0)
-        values_M = reduce_over_processes(names, gather(local_1_M))
+        values_M = reduce_over_processes(names, self.gather(local_1_M))
         self.add(mode, dict(zip(names, values_M, strict=True)))
 
     def take_means(self, mode: str) -> dict[str, float | None]:
@@ -74,11 +91,8 @@ class TrainerLog:
         mode: str,
         scorer: Scorer,
         layout: RewardLayout,
-        gathers: tuple[Gather, GatherObjects],
         tokens_seen: int,
         step: int,
-        process_index: int,
-        with_completions: bool,
     ) -> int:
         """Queue the round's metrics; keep its episodes, records and completions table.
 
@@ -87,7 +101,7 @@ class TrainerLog:
         round was played at. Returns the training tokens seen after it (a training round adds
         its tokens over every process; an evaluation round adds none).
         """
-        gather, gather_objects = gathers
+        gather, gather_objects = self.gather, self.gather_objects
         metrics = gathered_metrics(round_, gather, layout)
         round_tokens = int(metrics.pop("num_tokens_round"))
         if mode == "train":
@@ -97,10 +111,72 @@ class TrainerLog:
         # As TRL: the training tokens seen so far, in eval logs too; the latest value, not a mean.
         self.metrics[mode]["num_tokens"] = [float(tokens_seen)]
         extra = logs.take_extra(len(round_.episodes) // size, size)
-        if with_completions:
+        if self.with_completions:
             views = [scorer.views(episode) for episode in round_.episodes]
             self.completions = completions_table(round_, views, names, extra, gather_objects, step)
         self.episodes = list(zip(round_.episodes, round_.rewards_N.tolist(), strict=True))
         if mode == "train":
-            self.records = episode_records(round_, names, step, process_index)
+            self.records = episode_records(round_, names, step, self.process_index)
         return tokens_seen
+
+
+class LoggedRounds(Trainer):
+    """transformers' `Trainer` whose logs carry the GRPO metrics of a `TrainerLog`.
+
+    The trainer sets `_trainer_log`; this class reads it in `log` and offers the latest round's
+    episodes, records and completions table as public attributes.
+    """
+
+    args: GRPOConfig
+    _trainer_log: TrainerLog
+
+    @property
+    def last_records(self) -> list[EpisodeRecord]:
+        """The latest training round's episodes on this process, as the episode record holds them.
+
+        Each has its per-function rewards (None where a function returned None), the combined
+        reward, the advantage the loss used, and `policy_version`: the global step the round
+        was generated at (it is first trained at the next step). Empty before the first round;
+        replaced, never mutated, by the next training round (eval rounds leave it alone).
+        """
+        return self._trainer_log.records
+
+    @property
+    def last_completions(self) -> CompletionsTable | None:
+        """The latest round's completions table (every process's rows), with `log_completions`.
+
+        None before the first round or without `log_completions`; replaced by the next round.
+        Its `step` is the global step the round was played at; the logged table's is the log's.
+        """
+        return self._trainer_log.completions
+
+    @property
+    def last_episodes(self) -> list[tuple[Episode, float]]:
+        """The latest round's episodes on this process (train or eval), each with its reward.
+
+        Rewards are the combined (weighted) totals. Empty before the first round. Read-only:
+        the list is replaced, never mutated, by the next round.
+        """
+        return self._trainer_log.episodes
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the GRPO metrics gathered since the last log, under TRL's names; show completions.
+
+        With `log_completions`, a log holding round metrics prints the latest round's
+        completions table (its `step` column set to the global step) and logs it to the
+        `report_to` integrations that take tables.
+
+        Each metric is the mean of its values since the last log, NaN values left out (None
+        when every value was NaN, e.g. a reward function that returned None throughout).
+        """
+        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
+        prefix = "eval_" if mode == "eval" else ""
+        for name, mean in self._trainer_log.take_means(mode).items():
+            logs[prefix + name] = mean  # type: ignore[assignment]  # None: every value was NaN
+        super().log(logs, start_time)
+        table = self._trainer_log.completions
+        with_round = prefix + "reward" in logs  # not, e.g., the end-of-training summary
+        if with_round and self.accelerator.is_main_process and table is not None:
+            table = replace(table, step=self.state.global_step)
+            print_table(table, self.args.num_completions_to_print)
+            log_to_integrations(table, self.args.report_to, self.args.log_unique_prompts)
