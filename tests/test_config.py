@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from agentgrpo import config as config_module
-from agentgrpo.config import GRPOConfig
+from agentgrpo.config import LOSS_TYPES, GRPOConfig
+from agentgrpo.config import grpo as config_module
 
 # (field, default) as TRL 1.16 declares them: a TRL script relies on these.
 TRL_DEFAULTS = [
@@ -293,7 +293,7 @@ def test_pad_to_multiple_of_accepts_command_line_text(make):
 
 
 def test_every_trl_loss_type_is_accepted(make):
-    for loss_type in config_module.LOSS_TYPES:
+    for loss_type in LOSS_TYPES:
         assert make(loss_type=loss_type).loss_type == loss_type
 
 
