@@ -29,7 +29,7 @@ from transformers import GenerationConfig
 from agentgrpo.checkpoint_saving import AtomicCheckpoints
 from agentgrpo.config import GRPOConfig
 from agentgrpo.learner.entropy_control import AdaptiveEntropy
-from agentgrpo.learner.losses import VespoShape, vespo_weights
+from agentgrpo.learner.objectives import VespoShape, vespo_weights
 from agentgrpo.learner.token_weights import high_entropy_mask, trl_off_policy_mask
 from agentgrpo.loss_step import LossStep
 from agentgrpo.reporting.trainer_log import TrainerLog
@@ -272,7 +272,7 @@ class TRLAttributes(AtomicCheckpoints):
         `log w` sums the active tokens' log ratios (each clamped to [-20, 20]) and, when
         `importance_sampling_ratio` is given, their log sampler corrections (each clamped to
         [log 1e-8, 20]); `(k, lambda)` are the `_pos` pair where the advantage is >= 0, else
-        the `_neg` pair (see `losses.vespo_weights`).
+        the `_neg` pair (see `objectives.vespo_weights`).
 
         Args:
             advantages: (B, 1).

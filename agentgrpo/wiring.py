@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentgrpo.learner.losses import LossConfig, VespoShape
+from agentgrpo.learner.losses import LossConfig
+from agentgrpo.learner.objectives import VespoShape
 from agentgrpo.rewards.calls import RewardFunction
 from agentgrpo.scoring import Scorer, environment_reward_classes
 from rollout import EpisodeConfig, GenerationBackend, RolloutEngine

@@ -23,7 +23,9 @@ from tiny_model import tiny_llama
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.data import episodes_from_rollout_func
 from agentgrpo.learner.batch import collate_episodes
-from agentgrpo.learner.losses import aggregate, log_importance_ratio, masked_mean_per_episode
+from agentgrpo.learner.losses import aggregate
+from agentgrpo.learner.masked import masked_mean_per_episode
+from agentgrpo.learner.objectives import log_importance_ratio
 from agentgrpo.learner.token_weights import off_policy_sequence_mask, sampler_correction
 from agentgrpo.reporting.metrics import RewardLayout, episode_stats, round_metrics
 from agentgrpo.round_pipeline import RoundPlan, split_micro_batches

@@ -7,14 +7,12 @@ import math
 import pytest
 import torch
 
-from agentgrpo.learner.losses import (
-    LossConfig,
-    aggregate,
+from agentgrpo.learner.losses import LossConfig, aggregate, policy_loss
+from agentgrpo.learner.objectives import (
     cispo_loss,
     clipped_surrogate_loss,
     kl_k3,
     log_importance_ratio,
-    policy_loss,
     sapo_loss,
 )
 from agentgrpo.learner.token_weights import (

@@ -33,7 +33,8 @@ from agentgrpo.learner.loss_metrics import (
     reduce_over_processes,
     vespo_metrics,
 )
-from agentgrpo.learner.losses import LossConfig, PolicyTerm, policy_loss
+from agentgrpo.learner.losses import LossConfig, policy_loss
+from agentgrpo.learner.objectives import PolicyTerm
 from agentgrpo.models import router_aux_loss_coef
 from agentgrpo.reporting.completions import CompletionsTable, plain_table, table_integrations
 from agentgrpo.reporting.metrics import RewardLayout, reward_metrics, round_metrics, tool_metrics

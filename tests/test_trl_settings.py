@@ -22,15 +22,8 @@ from transformers import BitsAndBytesConfig, Gemma2Config, Gemma2ForCausalLM
 
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.learner.entropy_control import AdaptiveEntropy, next_entropy_coef
-from agentgrpo.learner.losses import (
-    LossConfig,
-    VespoShape,
-    aggregate,
-    cispo_loss,
-    policy_loss,
-    vespo_loss,
-    vespo_weights,
-)
+from agentgrpo.learner.losses import LossConfig, aggregate, policy_loss
+from agentgrpo.learner.objectives import VespoShape, cispo_loss, vespo_loss, vespo_weights
 from agentgrpo.models import cast_lm_head_to_fp32, policy_init_kwargs
 from agentgrpo.porting import loss_setting_warnings
 

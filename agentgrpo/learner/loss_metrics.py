@@ -26,7 +26,7 @@ from agentgrpo.learner.masked import episode_of_rows, masked_mean, masked_sum_an
 
 
 class ClipFlags(Protocol):
-    """Where a policy term clipped (`losses.PolicyTerm` is one)."""
+    """Where a policy term clipped (`objectives.PolicyTerm` is one)."""
 
     @property
     def clipped_low_B_T(self) -> torch.Tensor:

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from agentgrpo.learner.batch import TrainingBatch
-from agentgrpo.learner.losses import IMPORTANCE_LEVELS, log_importance_ratio
 from agentgrpo.learner.masked import masked_mean_per_episode, masked_sum_and_count_per_episode
+from agentgrpo.learner.objectives import IMPORTANCE_LEVELS, log_importance_ratio
 
 # --------------------------------------------------------------------------- sampler mismatch
 
