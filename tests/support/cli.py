@@ -1,0 +1,25 @@
+"""The `agentgrpo` command as tests read its output."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def eval_figures(stdout: str) -> dict[str, str]:
+    """`agentgrpo eval`'s printed figures, `episodes` and `success_rate` among them, by name."""
+    return dict(line.split() for line in stdout.splitlines() if len(line.split()) == 2)
+
+
+def agentgrpo(
+    *args: str, cwd: Path | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """Run `python -m agentgrpo ARGS` as a user would, capturing its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "agentgrpo", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+    )
