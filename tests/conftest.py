@@ -86,7 +86,7 @@ def user_error(capsys, monkeypatch, tmp_path):
         assert main(list(argv)) == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err
-        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        errors = [line for line in err.split("\n") if line.startswith("error:")]
         assert len(errors) == 1, err
         return errors[0]
 

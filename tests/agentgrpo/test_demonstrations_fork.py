@@ -11,7 +11,6 @@ import anyio
 import pytest
 import torch
 
-from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.warm_start import warm_start
 from environments import Counter, class_tools
 from rollout import ChatRenderer, EpisodeRow, TemplateDriftError
@@ -19,6 +18,7 @@ from rollout.demonstrations import DemonstrationRow, demonstration_ids
 from tests.support.episodes import scripted_backend
 from tests.support.parsing import qwen3_engine, trl_template
 from tests.support.tiny_model import tiny_llama
+from tests.support.trainer import train_after_warm_start
 
 THINKING_OFF = {"enable_thinking": False}
 ROW = {"prompt": "Make the counter reach 3.", "target": 3}
@@ -124,23 +124,7 @@ def test_trainer_warm_starts_through_qwen3s_forking_template(tokenizer, tmp_path
     assert len(demonstration_ids(qwen3_renderer(tokenizer), demo, "<|im_end|>")) == 2
     model = tiny_llama(tokenizer)
     before = [p.detach().clone() for p in model.parameters()]
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=16,
-        chat_template=trl_template("qwen3"),
-        chat_template_kwargs=THINKING_OFF,
-        tool_call_parser="hermes",
-        warm_start_steps=2,
-        warm_start_learning_rate=1e-3,
-        learning_rate=0.0,  # GRPO changes nothing: every change below is the warm start's
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-    )
-    trainer = GRPOTrainer(model, args=args, processing_class=tokenizer, environment_factory=Counter)
-    trainer.train()
+    template = dict(chat_template=trl_template("qwen3"), chat_template_kwargs=THINKING_OFF)
+    train_after_warm_start(model, tokenizer, tmp_path, 2, **template, tool_call_parser="hermes")
     assert "warm start 2/2" in capsys.readouterr().out
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

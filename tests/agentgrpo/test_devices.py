@@ -11,8 +11,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.cli import build_parser, main
+from agentgrpo import GRPOConfig
+from agentgrpo.cli import build_parser
 from agentgrpo.cli.commands import _run_settings
 from agentgrpo.devices import (
     check_available,
@@ -31,27 +31,17 @@ from agentgrpo.precision import (
 )
 from agentgrpo.weight_sync import COLOCATE_BATCHED_TOKENS, colocate_engine_args
 from environments import Counter
-from tests.support.tiny_model import tiny_llama
+from tests.support.trainer import tiny_trainer
 
 CUDA_BUILT = torch.backends.cuda.is_built()
 cpu_only_torch = pytest.mark.skipif(CUDA_BUILT, reason="checks a CPU-only build of torch")
 
 
 @pytest.fixture
-def user_error(capsys, monkeypatch, tmp_path):
-    """Run a command in-process from tmp_path; assert status 2 and one `error:` line; return it."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # restored, whatever a run sets
-
-    def run(*argv: str) -> str:
-        assert main(list(argv)) == 2
-        err = capsys.readouterr().err
-        assert "Traceback" not in err
-        errors = [line for line in err.split("\n") if line.startswith("error:")]
-        assert len(errors) == 1, err
-        return errors[0]
-
-    return run
+def user_error(user_error, monkeypatch):
+    """conftest's `user_error`, with CUDA_VISIBLE_DEVICES restored whatever a run sets."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return user_error
 
 
 # ---------------------------------------------------------------------- --device
@@ -271,12 +261,11 @@ def test_the_trainer_serves_micro_batches_on_its_device(tokenizer, tmp_path):
         max_completion_length=4,
         beta=0.1,  # reference logprobs too
     )
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer),
+    trainer = tiny_trainer(
+        tokenizer,
         lambda completions, **kw: [float(len(c)) for c in completions],
         args,
         Dataset.from_dict({"prompt": ["Hello", "One two"]}),
-        processing_class=tokenizer,
     )
     trainer.model.train()
     batch = trainer._prepare_inputs([{"prompt": "Hello"}, {"prompt": "One two"}])

@@ -25,7 +25,6 @@ from agentgrpo.doctor.checks import parser_label
 from environments import Counter, class_tools
 from rollout import (
     PARSERS,
-    EpisodeConfig,
     ParsedTurn,
     RolloutEngine,
     ScriptedBackend,
@@ -33,7 +32,7 @@ from rollout import (
     load_template,
 )
 from rollout.parsers import get_parser, parse_hermes
-from tests.support.episodes import scripted_backend, tool_call
+from tests.support.episodes import counter_engine, scripted_backend, tool_call
 from tests.support.parsing import trl_template
 from tests.support.tiny_model import tiny_llama
 
@@ -242,18 +241,14 @@ def test_an_environment_without_rows_is_a_warning(tokenizer):
 # ---------------------------------------------------------------------- generation
 
 
-def counter_engine(tokenizer, backend) -> RolloutEngine:
-    return RolloutEngine(
-        backend,
-        tokenizer,
-        environment_factory=Counter,
-        chat_template="chatml_tools",
-        config=EpisodeConfig(max_completion_length=256, max_turns=2, temperature=0.0),
-    )
+def greedy_counter_engine(tokenizer, backend) -> RolloutEngine:
+    """Greedy Counter episodes of up to 2 turns and 256 tokens."""
+    episode = dict(max_completion_length=256, max_turns=2, temperature=0.0)
+    return counter_engine(backend, tokenizer, **episode)
 
 
 def test_generation_reports_the_tool_call_rate_of_played_episodes(tokenizer):
-    engine = counter_engine(
+    engine = greedy_counter_engine(
         tokenizer, scripted_backend(tokenizer, [tool_call("increment", step=7), "Done."])
     )
     result = check_generation(engine, Counter.dataset(), 3)
@@ -262,7 +257,7 @@ def test_generation_reports_the_tool_call_rate_of_played_episodes(tokenizer):
 
 
 def test_generation_warns_about_calls_the_parser_cannot_read(tokenizer):
-    engine = counter_engine(
+    engine = greedy_counter_engine(
         tokenizer, scripted_backend(tokenizer, ["<tool_call>{oops</tool_call>"])
     )
     result = check_generation(engine, Counter.dataset(), 2)
@@ -274,7 +269,7 @@ def test_a_real_model_that_never_calls_a_tool_is_a_warning(tokenizer):
     from rollout import TransformersBackend
 
     backend = TransformersBackend.from_tokenizer(tiny_llama(tokenizer), tokenizer, seed=0)
-    result = check_generation(counter_engine(tokenizer, backend), Counter.dataset(), 2)
+    result = check_generation(greedy_counter_engine(tokenizer, backend), Counter.dataset(), 2)
     assert result.status is Status.WARNING and "0 called a tool (0%)" in result.message
     assert "--warm-start-steps" in result.fix
 
@@ -283,7 +278,7 @@ def test_a_real_model_that_never_calls_a_tool_is_a_warning(tokenizer):
 
 
 def test_start_up_checks_pass_the_default_run_silently(tokenizer, capsys):
-    engine = counter_engine(tokenizer, scripted_backend(tokenizer, ["Done."]))
+    engine = greedy_counter_engine(tokenizer, scripted_backend(tokenizer, ["Done."]))
     results = startup_checks(engine)
     assert {r.status for r in results} == {Status.OK}
     assert capsys.readouterr().out == ""
@@ -293,7 +288,7 @@ def test_start_up_checks_stop_a_run_whose_turns_never_stop(tokenizer):
     endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     backend = ScriptedBackend(lambda context: [endoftext], [endoftext])
     with pytest.raises(SetupCheckError, match="stop: the template ends an assistant"):
-        startup_checks(counter_engine(tokenizer, backend))
+        startup_checks(greedy_counter_engine(tokenizer, backend))
 
 
 def test_start_up_checks_print_a_fork_warning_and_go_on(tokenizer, capsys):

@@ -32,12 +32,9 @@ def test_the_plan_of_one_optimizer_step_per_round(tmp_path):
     # 4 episodes a micro-batch x 2 accumulation steps = 8 completions a round, 2 groups of 4,
     # cut into 2 micro-batches of 4: one optimizer step.
     args = grpo_config(
-        tmp_path,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_generations=4,
+        tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
         max_steps=3,
-    )
+    )  # fmt: skip
     plan = RoundPlan.from_config(args, num_processes=1)
     assert (plan.prompts_per_process, plan.episodes_per_process) == (2, 8)
     assert (plan.micro_batch_size, plan.micro_batches, plan.repeats) == (4, 2, 2)
@@ -57,14 +54,9 @@ def test_two_processes_split_the_round_by_whole_groups(tmp_path):
 def test_several_updates_per_round_need_old_logprobs_and_share_the_tokens(tmp_path):
     # steps_per_generation=4 with accumulation 2: two optimizer steps per pass, two passes.
     args = grpo_config(
-        tmp_path,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        steps_per_generation=4,
-        num_generations=2,
-        num_iterations=2,
-        max_steps=5,
-    )
+        tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        steps_per_generation=4, num_generations=2, num_iterations=2, max_steps=5,
+    )  # fmt: skip
     plan = RoundPlan.from_config(args, num_processes=1)
     assert (plan.prompts_per_process, plan.micro_batches, plan.repeats) == (4, 4, 8)
     assert plan.optimizer_steps == 2.0 and plan.needs_old_logprobs
@@ -77,13 +69,9 @@ def test_several_updates_per_round_need_old_logprobs_and_share_the_tokens(tmp_pa
 
 def test_an_optimizer_step_can_span_two_rounds(tmp_path):
     args = grpo_config(
-        tmp_path,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=4,
-        steps_per_generation=2,
-        num_generations=2,
-        max_steps=3,
-    )
+        tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+        steps_per_generation=2, num_generations=2, max_steps=3,
+    )  # fmt: skip
     plan = RoundPlan.from_config(args, num_processes=1)
     assert plan.optimizer_steps == 0.5
     assert plan.num_items(100.0) == 200.0  # a step holds this round's tokens and the next's
@@ -113,15 +101,10 @@ def completion_tokens(completion_ids: list[list[int]]) -> list[float]:
 
 def test_a_whole_round_runs_on_cpu_without_a_trainer(tmp_path, tokenizer, tiny_model):
     args = grpo_config(
-        tmp_path,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        steps_per_generation=4,
-        num_generations=4,
-        max_completion_length=6,
-        scale_rewards="none",
+        tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        steps_per_generation=4, num_generations=4, max_completion_length=6, scale_rewards="none",
         beta=0.1,
-    )
+    )  # fmt: skip
     set_seed(0)
     backend = TransformersBackend.from_tokenizer(tiny_model, tokenizer, seed=0)
     run = build_parts(args, backend, tokenizer, None, (), reward_functions(completion_tokens))
@@ -172,23 +155,11 @@ def test_eval_and_training_play_episodes_with_the_same_settings(tmp_path, tokeni
         "--max-completion-length=32",
     ]
     namespace = build_parser()[0].parse_args(options)
+    episode = dict(temperature=0.7, top_p=0.9, top_k=5, tool_timeout_s=3.0, max_turns=3)
+    expected = EpisodeConfig(max_completion_length=32, **episode)
+    # chatml_tools: eval's default for the default model
     training = grpo_config(
-        tmp_path,
-        temperature=0.7,
-        top_p=0.9,
-        top_k=5,
-        tool_timeout_s=3.0,
-        max_turns=3,
-        max_completion_length=32,
-        chat_template="chatml_tools",  # eval's default for the default model
-    )
-    expected = EpisodeConfig(
-        max_completion_length=32,
-        max_turns=3,
-        tool_timeout_s=3.0,
-        temperature=0.7,
-        top_p=0.9,
-        top_k=5,
+        tmp_path, max_completion_length=32, **episode, chat_template="chatml_tools"
     )
     assert episode_config_of(eval_config(namespace, Counter)) == expected
     backend = scripted_backend(tokenizer, ["Done."])

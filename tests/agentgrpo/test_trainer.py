@@ -16,6 +16,7 @@ from rollout import ToolTemplateError
 from tests.support.episodes import scripted_episode, tool_call
 from tests.support.teach import teach
 from tests.support.tiny_model import tiny_llama
+from tests.support.trainer import logged, rank_in_call, short_run_config, tiny_trainer
 
 PROMPTS = Dataset.from_dict({"prompt": ["The sky is", "Hello", "One two", "A B C"] * 40})
 
@@ -25,46 +26,18 @@ def low_token_share(completion_ids, **kwargs):
     return [sum(t < 10_000 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def rank_in_call(completion_ids, **kwargs):
-    """Toy reward 0, 1, 2, ... in the order given: no group ever ties.
-
-    The tests of training mechanics need every step to move the weights. With a reward read
-    from the samples, such as `low_token_share`, all 4 completions of a group can score the
-    same (a valid draw), leaving a step with zero advantages and no gradient.
-    """
-    return [float(k) for k in range(len(completion_ids))]
-
-
 def config(tmp_path, **overrides) -> GRPOConfig:
-    fields = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        top_k=10,
-        learning_rate=1e-2,
-        max_steps=2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
+    """The short run, 8 rows a step, sampling from the 10 likeliest tokens."""
+    return short_run_config(
+        tmp_path, **({"per_device_train_batch_size": 8, "top_k": 10} | overrides)
     )
-    return GRPOConfig(**(fields | overrides))
-
-
-def rewards_logged(trainer) -> list[float]:
-    return [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
 
 
 def test_mean_reward_rises_on_a_toy_task(tokenizer, tmp_path):
     args = config(tmp_path, per_device_train_batch_size=16, num_generations=8, max_steps=8)
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer), low_token_share, args, PROMPTS, processing_class=tokenizer
-    )
+    trainer = tiny_trainer(tokenizer, low_token_share, args, PROMPTS)
     trainer.train()
-    rewards = rewards_logged(trainer)
+    rewards = logged(trainer, "reward")
     assert len(rewards) == 8
     # Learning, with a wide margin: from about 0.2 at the start, the mean of the last 4 steps
     # rose by 0.31 to 0.59 over seeds 0-7 (model and trainer seed). The earlier check, 0.3 over
@@ -102,7 +75,7 @@ def test_mean_reward_rises_on_a_tool_calling_environment(tokenizer, tmp_path):
         environment_factory=Counter,
     )
     trainer.train()
-    rewards = rewards_logged(trainer)
+    rewards = logged(trainer, "reward")
     history = trainer.state.log_history
     calls = [e["tools/call_frequency"] for e in history if "tools/call_frequency" in e]
     assert min(calls) > 0.5  # real tool calls throughout (calls per episode)
@@ -145,12 +118,11 @@ class StopAfter(TrainerCallback):
 
 def test_resuming_from_a_checkpoint_gives_the_same_weights(tokenizer, tmp_path):
     def run(output_dir, callbacks=(), resume=None):
-        trainer = GRPOTrainer(
-            tiny_llama(tokenizer),
+        trainer = tiny_trainer(
+            tokenizer,
             low_token_share,
             config(output_dir, max_steps=4),
             PROMPTS,
-            processing_class=tokenizer,
             callbacks=list(callbacks),
         )
         trainer.train(resume_from_checkpoint=resume)
@@ -187,9 +159,7 @@ def test_peft_lora_trains_the_adapter_and_leaves_the_base_weights(tokenizer, tmp
 
 def test_a_positive_beta_uses_a_reference_model_and_logs_kl(tokenizer, tmp_path):
     args = config(tmp_path, beta=0.1, max_steps=2)
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
-    )
+    trainer = tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
     assert trainer.ref_model is not None
     trainer.train()
     kls = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
@@ -199,9 +169,7 @@ def test_a_positive_beta_uses_a_reference_model_and_logs_kl(tokenizer, tmp_path)
 
 def test_several_updates_per_round_use_the_generating_policys_logprobs(tokenizer, tmp_path):
     args = config(tmp_path, num_iterations=2, max_steps=2)
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
-    )
+    trainer = tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
     rounds = []
     original = trainer._new_round
     trainer._new_round = lambda *a: rounds.append(1) or original(*a)
@@ -217,13 +185,8 @@ def test_several_updates_per_round_use_the_generating_policys_logprobs(tokenizer
 
 def test_evaluation_generates_and_reports_eval_rewards(tokenizer, tmp_path):
     args = config(tmp_path, per_device_eval_batch_size=8, num_generations_eval=2)
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer),
-        low_token_share,
-        args,
-        PROMPTS,
-        eval_dataset=PROMPTS.select(range(8)),
-        processing_class=tokenizer,
+    trainer = tiny_trainer(
+        tokenizer, low_token_share, args, PROMPTS, eval_dataset=PROMPTS.select(range(8))
     )
     metrics = trainer.evaluate()
     assert 0.0 <= metrics["eval_reward"] <= 1.0
@@ -246,27 +209,20 @@ def test_a_custom_rollout_func_replaces_the_engine(tokenizer, tmp_path):
     def uses_extra_field(completions, bonus, **kwargs):
         return bonus
 
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer),
+    trainer = tiny_trainer(
+        tokenizer,
         uses_extra_field,
         config(tmp_path, max_steps=1),
         PROMPTS,
-        processing_class=tokenizer,
         rollout_func=rollout_func,
     )
     trainer.train()
-    assert rewards_logged(trainer) == [0.5]
+    assert logged(trainer, "reward") == [0.5]
     assert trainer.state.log_history[0]["completions/mean_length"] == 2  # env tokens excluded
 
 
 def test_the_trained_model_saves_and_reloads(tokenizer, tmp_path):
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer),
-        low_token_share,
-        config(tmp_path, max_steps=1),
-        PROMPTS,
-        processing_class=tokenizer,
-    )
+    trainer = tiny_trainer(tokenizer, low_token_share, config(tmp_path, max_steps=1), PROMPTS)
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     saved = json.loads((tmp_path / "final" / "config.json").read_text())
@@ -278,9 +234,7 @@ def test_a_reward_function_that_raises_stops_the_run_naming_it(tokenizer, tmp_pa
     def broken_reward(completions, **kwargs):
         raise KeyError("answer")
 
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer), broken_reward, config(tmp_path), PROMPTS, processing_class=tokenizer
-    )
+    trainer = tiny_trainer(tokenizer, broken_reward, config(tmp_path), PROMPTS)
     with pytest.raises(RewardFunctionError, match="broken_reward"):
         trainer.train()
 
@@ -333,9 +287,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tokenizer, tmp_path)
         ref_model_sync_steps=1,
         max_steps=1,
     )
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
-    )
+    trainer = tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
     start = trainer.ref_model.lm_head.weight.clone()
     trainer.train()
     assert not torch.equal(trainer.ref_model.lm_head.weight, start)  # alpha 1: ref := policy

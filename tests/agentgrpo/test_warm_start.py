@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.warm_start import environment_demonstrations, warm_start
 from environments import Counter, class_tools
 from rollout import ChatRenderer, TemplateDriftError, load_template
 from rollout.demonstrations import demonstration_ids
 from tests.support.episodes import scripted_episode, single_row, tool_call
 from tests.support.tiny_model import tiny_llama
+from tests.support.trainer import train_after_warm_start
 
 
 @pytest.fixture(scope="module")
@@ -83,23 +83,9 @@ def test_an_environment_without_demonstrations_is_a_clear_error():
 def test_trainer_warm_starts_before_grpo_and_not_on_resume(tokenizer, tmp_path, capsys):
     model = tiny_llama(tokenizer)
     before = [p.detach().clone() for p in model.parameters()]
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=16,
-        chat_template="chatml_tools",
-        warm_start_steps=3,
-        warm_start_learning_rate=1e-3,
-        save_warm_start=True,
-        learning_rate=0.0,  # GRPO changes nothing: every change below is the warm start's
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
+    trainer = train_after_warm_start(
+        model, tokenizer, tmp_path, 3, chat_template="chatml_tools", save_warm_start=True
     )
-    trainer = GRPOTrainer(model, args=args, processing_class=tokenizer, environment_factory=Counter)
-    trainer.train()
     assert "warm start 3/3" in capsys.readouterr().out
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "warm_start")  # as GRPO began

@@ -27,6 +27,7 @@ from agentgrpo.cli import main
 from agentgrpo.reporting.run_log import MetricsLog, read_metrics
 from tests.support.paths import SCRIPTS
 from tests.support.tiny_model import tiny_llama
+from tests.support.trainer import tiny_trainer
 
 KILL_ON_OPEN = SCRIPTS / "kill_on_open.py"
 
@@ -400,7 +401,7 @@ def test_resume_refuses_a_command_that_differs_from_the_saved_run_naming_each_di
 
 
 def test_resuming_in_python_with_another_architecture_names_the_difference(tokenizer, tmp_path):
-    from agentgrpo import GRPOConfig, GRPOTrainer
+    from agentgrpo import GRPOConfig
 
     checkpoint = save_checkpoint(tmp_path, 3)
     tiny_llama(tokenizer, num_attention_heads=2).config.to_json_file(checkpoint / "config.json")
@@ -408,9 +409,7 @@ def test_resuming_in_python_with_another_architecture_names_the_difference(token
         output_dir=str(tmp_path), report_to="none", use_cpu=True, max_completion_length=8,
         per_device_train_batch_size=2, num_generations=2, max_steps=4,
     )  # fmt: skip
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer), lambda completions, **_: [0.0] * len(completions), args,
-        Dataset.from_dict({"prompt": ["Hi"] * 4}), processing_class=tokenizer,
-    )  # fmt: skip
+    rows = Dataset.from_dict({"prompt": ["Hi"] * 4})
+    trainer = tiny_trainer(tokenizer, lambda completions, **_: [0.0] * len(completions), args, rows)
     with pytest.raises(ValueError, match=r"model num_attention_heads 4 \(saved run: 2\)"):
         trainer.train(resume_from_checkpoint=True)

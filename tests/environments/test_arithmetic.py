@@ -10,15 +10,18 @@ import pytest
 from environments import (
     Arithmetic,
     check_environment,
-    class_tools,
     environment_tools,
     resolve_environment,
     tool_names,
 )
-from rollout import ChatRenderer, EpisodeConfig, Finish, RolloutEngine
-from rollout.demonstrations import demonstration_ids
-from rollout.template import load_template
-from tests.support.episodes import replay, scripted_backend, tool_call
+from rollout import Finish
+from tests.support.episodes import (
+    assert_demonstrations_train_every_call,
+    chatml_engine,
+    replay,
+    scripted_backend,
+    tool_call,
+)
 from tools import ToolErrorKind, calculator, call_tool
 
 
@@ -209,13 +212,8 @@ def test_an_episode_calculates_submits_and_ends_with_reward_one(tokenizer):
         tool_call("submit", answer=row["answer"]),
         "never sampled: submit ends the episode",
     ]
-    engine = RolloutEngine(
-        scripted_backend(tokenizer, turns),
-        tokenizer,
-        environment_factory=Arithmetic,
-        chat_template="chatml_tools",
-        config=EpisodeConfig(max_completion_length=512, max_turns=5),
-    )
+    backend = scripted_backend(tokenizer, turns)
+    engine = chatml_engine(backend, tokenizer, Arithmetic, max_completion_length=512, max_turns=5)
     [episode] = anyio.run(engine.run, [row])
     assert episode.finish is Finish.ENV_DONE
     assert episode.env_reward == 1.0
@@ -225,12 +223,7 @@ def test_an_episode_calculates_submits_and_ends_with_reward_one(tokenizer):
 
 
 def test_demonstrations_lay_out_with_the_engines_template_for_the_warm_start(tokenizer):
-    schemas = [tool.schema for tool in class_tools(Arithmetic).values()]
-    renderer = ChatRenderer(tokenizer, load_template(tokenizer, "chatml_tools"), schemas)
-    for conversation in Arithmetic.demonstrations(4):
-        [(ids, mask)] = demonstration_ids(renderer, conversation, "<|im_end|>")
-        trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
-        assert trained.count("<tool_call>") == sum("tool_calls" in m for m in conversation)
+    assert_demonstrations_train_every_call(tokenizer, Arithmetic)
 
 
 def test_of_two_submissions_in_one_turn_exactly_one_counts():

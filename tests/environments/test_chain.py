@@ -10,8 +10,8 @@ import pytest
 
 from environments import Chain, check_environment, resolve_environment, tool_names
 from environments.contract import episode_limits
-from rollout import EpisodeConfig, Finish, RolloutEngine
-from tests.support.episodes import replay, scripted_backend, tool_call
+from rollout import Finish
+from tests.support.episodes import chatml_engine, replay, scripted_backend, tool_call
 
 _STEP = re.compile(r"(add|subtract|multiply by) (\d+)")
 
@@ -133,13 +133,8 @@ def test_an_episode_of_three_steps_and_a_submission_reaches_reward_one(tokenizer
         turns.append(tool_call(name, a=value, b=number))
         value = int(getattr(started(), name)(value, number))
     turns += [tool_call("submit", answer=value), "never sampled: submit ends the episode"]
-    engine = RolloutEngine(
-        scripted_backend(tokenizer, turns),
-        tokenizer,
-        environment_factory=Chain,
-        chat_template="chatml_tools",
-        config=EpisodeConfig(**episode_limits(Chain)),
-    )
+    backend = scripted_backend(tokenizer, turns)
+    engine = chatml_engine(backend, tokenizer, Chain, **episode_limits(Chain))
     [episode] = anyio.run(engine.run, [row])
     assert episode.finish is Finish.ENV_DONE and episode.env_reward == 1.0
     assert (episode.stats.tool_calls, episode.stats.tool_failures) == (4, 0)

@@ -178,13 +178,13 @@ def test_run_and_eval_use_the_environments_limits_unless_told_otherwise(tmp_path
 
 
 def test_the_start_up_summary_shows_the_limits_and_where_they_came_from(tiny_model_dir, tmp_path):
-    from tests.support.cli import agentgrpo
+    from tests.support.cli import tiny_run
 
     out = tmp_path / "out"
-    result = agentgrpo(
-        "run", "env:Arithmetic", "--model", str(tiny_model_dir), "--output-dir", str(out),
+    result = tiny_run(
+        "env:Arithmetic", tiny_model_dir, out,
         "--max-steps", "1", "--per-device-train-batch-size", "2", "--num-generations", "2",
-        "--max-turns", "2", "--chat-template", "chatml_tools", "--save-steps", "1",
+        "--max-turns", "2", "--save-steps", "1",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     line = "episodes     up to 192 tokens, 2 turns (the environment's max_completion_length)"
@@ -194,13 +194,12 @@ def test_the_start_up_summary_shows_the_limits_and_where_they_came_from(tiny_mod
 
 
 def test_the_start_up_summary_names_the_environments_run_defaults(tiny_model_dir, tmp_path):
-    from tests.support.cli import agentgrpo
+    from tests.support.cli import tiny_run
 
-    result = agentgrpo(
-        "run", "env:Chain", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "o"),
+    result = tiny_run(
+        "env:Chain", tiny_model_dir, tmp_path / "o",
         "--max-steps", "1", "--per-device-train-batch-size", "2", "--num-generations", "2",
-        "--max-turns", "1", "--max-completion-length", "16", "--chat-template", "chatml_tools",
-        "--save-strategy", "no",
+        "--max-turns", "1", "--max-completion-length", "16", "--save-strategy", "no",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "lr 3e-05" in result.stdout  # no warm start for a model of one's own: only the lr

@@ -28,10 +28,13 @@ from environments import (
 )
 from environments import guess_number as guess_number_module
 from environments.guess_number import DEMO_HIGHS
-from rollout import ChatRenderer, EpisodeConfig, Finish, RolloutEngine
-from rollout.demonstrations import demonstration_ids
-from rollout.template import load_template
-from tests.support.episodes import scripted_backend, tool_call
+from rollout import Finish
+from tests.support.episodes import (
+    assert_demonstrations_train_every_call,
+    chatml_engine,
+    scripted_backend,
+    tool_call,
+)
 from tools import ToolErrorKind, call_tool
 
 CLOSED: list[str] = []  # the names of the toy envs closed, in order
@@ -494,13 +497,8 @@ def test_a_group_plays_the_same_game_through_the_engine_and_every_env_is_closed(
     secret = started(GuessNumber, seed=10).env.unwrapped.secret
     wrong = 1 if secret != 1 else 2
     turns = [tool_call("guess", number=wrong), tool_call("guess", number=secret), "never"]
-    engine = RolloutEngine(
-        scripted_backend(tokenizer, turns),
-        tokenizer,
-        environment_factory=GuessNumber,
-        chat_template="chatml_tools",
-        config=EpisodeConfig(max_completion_length=512, max_turns=5),
-    )
+    backend = scripted_backend(tokenizer, turns)
+    engine = chatml_engine(backend, tokenizer, GuessNumber, max_completion_length=512, max_turns=5)
     row = GuessNumber.dataset("eval")[0]
     episodes = anyio.run(engine.run, [row], 3, 10)
     for episode in episodes:
@@ -521,12 +519,7 @@ def test_a_group_plays_the_same_game_through_the_engine_and_every_env_is_closed(
 
 
 def test_demonstrations_lay_out_with_the_engines_template_for_the_warm_start(tokenizer):
-    schemas = [tool.schema for tool in class_tools(GuessNumber).values()]
-    renderer = ChatRenderer(tokenizer, load_template(tokenizer, "chatml_tools"), schemas)
-    for conversation in GuessNumber.demonstrations(4):
-        [(ids, mask)] = demonstration_ids(renderer, conversation, "<|im_end|>")
-        trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
-        assert trained.count("<tool_call>") == sum("tool_calls" in m for m in conversation)
+    assert_demonstrations_train_every_call(tokenizer, GuessNumber)
 
 
 def test_calls_of_one_turn_run_concurrently_but_step_the_env_one_at_a_time():

@@ -20,9 +20,9 @@ from environments import (
 )
 from environments.contract import episode_limits
 from environments.gym_ids import MAX_TURNS
-from rollout import EpisodeConfig, Finish, RolloutEngine
-from tests.support.cli import eval_figures
-from tests.support.episodes import scripted_backend, tool_call
+from rollout import Finish
+from tests.support.cli import eval_figures, tiny_run
+from tests.support.episodes import chatml_engine, scripted_backend, tool_call
 
 TOY_TEXT = ["gym:FrozenLake-v1", "gym:Taxi-v4", "gym:CliffWalking-v1", "gym:FrozenLake8x8-v1"]
 FROZEN = "gym:FrozenLake-v1,is_slippery=false"
@@ -171,13 +171,8 @@ def test_malformed_or_refused_arguments_are_spec_errors(spec, message):
 def test_a_scripted_group_reaches_the_goal_and_scores_the_episode_return(tokenizer):
     cls = resolve_environment(FROZEN)
     turns = [tool_call("act", action=action) for action in TO_THE_GOAL] + ["never"]
-    engine = RolloutEngine(
-        scripted_backend(tokenizer, turns),
-        tokenizer,
-        environment_factory=cls,
-        chat_template="chatml_tools",
-        config=EpisodeConfig(**episode_limits(cls)),
-    )
+    backend = scripted_backend(tokenizer, turns)
+    engine = chatml_engine(backend, tokenizer, cls, **episode_limits(cls))
     row = cls.dataset("eval")[0]
     episodes = anyio.run(engine.run, [row], 2, 10)
     for episode in episodes:
@@ -211,11 +206,10 @@ def test_a_gym_id_the_cli_cannot_play_is_one_error_line(capsys, spec, expected):
 @pytest.mark.slow
 def test_run_and_eval_take_a_gym_id(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    result = agentgrpo(
-        "run", "gym:FrozenLake-v1", "--model", str(tiny_model_dir), "--output-dir", str(out),
+    result = tiny_run(
+        "gym:FrozenLake-v1", tiny_model_dir, out,
         "--max-steps", "1", "--per-device-train-batch-size", "2", "--num-generations", "2",
         "--max-completion-length", "24", "--max-turns", "2", "--warm-start-steps", "0",
-        "--chat-template", "chatml_tools",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "gym:FrozenLake-v1" in result.stdout

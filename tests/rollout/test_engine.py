@@ -27,6 +27,7 @@ from rollout import (
 from tests.support.episodes import (
     COUNTER_ROW,
     COUNTER_TURNS,
+    Workbench,
     counter_segments,
     scripted_backend,
     single_row,
@@ -127,25 +128,8 @@ async def test_a_bad_tool_call_becomes_an_error_message_and_the_episode_goes_on(
     assert episode.env_reward == 1.0
 
 
-class Flaky(Counter):
+class Flaky(Workbench):
     _released = threading.Event()  # each test sets its own, once the episode is over
-
-    def explode(self, x: int) -> int:
-        """Raise, always.
-
-        Args:
-            x: Ignored.
-        """
-        raise RuntimeError("boom")
-
-    async def hang(self, x: int) -> int:
-        """Never return.
-
-        Args:
-            x: Ignored.
-        """
-        await anyio.sleep(60)
-        return x
 
     def block(self, x: int) -> int:
         """Block a thread until the test lets go (at most 60 s).

@@ -21,9 +21,7 @@ from agentgrpo.learner.advantages import group_advantages
 from agentgrpo.reporting.run_log import episode_file, read_episodes, recorded_steps
 from environments import Counter
 from rollout import (
-    EpisodeConfig,
     EpisodeRecord,
-    RolloutEngine,
     ScriptedBackend,
     read_records,
     record_from_dict,
@@ -31,30 +29,9 @@ from rollout import (
     record_to_dict,
 )
 from rollout.record import TAG
-from tests.support.episodes import single_row, tool_call
+from tests.support.episodes import Workbench, chatml_engine, single_row, tool_call
 from tests.support.tiny_model import tiny_llama
-
-
-class Workbench(Counter):
-    """Counter with a tool that raises and one that never returns."""
-
-    def explode(self, x: int) -> int:
-        """Raise, always.
-
-        Args:
-            x: Ignored.
-        """
-        raise RuntimeError("boom")
-
-    async def hang(self, x: int) -> int:
-        """Never return.
-
-        Args:
-            x: Ignored.
-        """
-        await anyio.sleep(60)
-        return x
-
+from tests.support.trainer import short_run_config
 
 # Turn 1: a good call, an unknown tool, bad arguments and a garbled call; turn 2: a tool that
 # raises and one that times out; turn 3: the answer.
@@ -85,12 +62,9 @@ def by_turn(tokenizer, turns: list[str]) -> ScriptedBackend:
 
 @pytest.fixture(scope="module")
 def workbench_episode(tokenizer):
-    engine = RolloutEngine(
-        by_turn(tokenizer, WORKBENCH_TURNS),
-        tokenizer,
-        environment_factory=Workbench,
-        chat_template="chatml_tools",
-        config=EpisodeConfig(max_completion_length=1024, tool_timeout_s=0.3),
+    backend = by_turn(tokenizer, WORKBENCH_TURNS)
+    engine = chatml_engine(
+        backend, tokenizer, Workbench, max_completion_length=1024, tool_timeout_s=0.3
     )
     [episode] = anyio.run(engine.run, [{"prompt": "Reach 3.", "target": 3}])
     return episode
@@ -220,23 +194,9 @@ class RoundsSeen(TrainerCallback):
 
 
 def counter_config(output_dir, **overrides) -> GRPOConfig:
-    fields = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=48,
-        max_turns=3,
-        chat_template="chatml_tools",
-        learning_rate=1e-3,
-        max_steps=2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    return GRPOConfig(**(fields | overrides))
+    """The short run on Counter episodes: up to 3 turns and 48 tokens, at lr 1e-3."""
+    episodes = dict(max_completion_length=48, max_turns=3, chat_template="chatml_tools")
+    return short_run_config(output_dir, **(episodes | {"learning_rate": 1e-3} | overrides))
 
 
 def train_counter(model, tokenizer, args, resume=None, stop_at=None) -> RoundsSeen:

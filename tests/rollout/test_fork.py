@@ -16,7 +16,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from agentgrpo import GRPOConfig, GRPOTrainer
+from agentgrpo import GRPOTrainer
 from agentgrpo.data import episodes_from_rollout_func
 from agentgrpo.learner.batch import collate_episodes
 from agentgrpo.learner.losses import aggregate, log_importance_ratio, masked_mean_per_episode
@@ -38,6 +38,7 @@ from tests.support.episodes import scripted_backend, tool_call
 from tests.support.parsing import qwen3_engine, trl_template
 from tests.support.teach import teach
 from tests.support.tiny_model import tiny_llama
+from tests.support.trainer import rank_in_call, short_run_config, tiny_trainer
 
 pytestmark = pytest.mark.anyio
 
@@ -273,27 +274,11 @@ def test_grpo_trains_through_qwen3s_template_forking_every_turn(tokenizer, tmp_p
     model = tiny_llama(tokenizer)
     teach(model, [episode], lr=1e-2, steps=300, until_learned=True)  # then greedy forks
     before = [p.detach().clone() for p in model.parameters()]
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=64,
-        max_turns=3,
+    args = short_run_config(
+        tmp_path, max_completion_length=64, max_turns=3, learning_rate=1e-4,
         top_k=1,  # greedy: every episode calls the tool, then answers
-        learning_rate=1e-4,
-        max_steps=2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        chat_template=template,
-        chat_template_kwargs=thinking_off,
-    )
-
-    def rank_in_call(completion_ids, **kwargs):  # never a tie, so every step has a gradient
-        return [float(k) for k in range(len(completion_ids))]
+        chat_template=template, chat_template_kwargs=thinking_off,
+    )  # fmt: skip
 
     trainer = GRPOTrainer(
         model,
@@ -330,27 +315,12 @@ def test_a_rollout_func_with_episode_ids_trains_on_every_row(tokenizer, tmp_path
         assert all(len(ids) == 4 for ids in completion_ids)  # both rows' completions
         return [float(k) for k in range(len(completion_ids))]
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=1,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
+    # GRPOConfig's own learning rate and seed
+    args = short_run_config(
+        tmp_path, per_device_train_batch_size=8, max_steps=1, learning_rate=1e-6, seed=42
     )
     prompts = Dataset.from_dict({"prompt": ["The sky is", "Hello"] * 4})
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer),
-        rank_in_call,
-        args,
-        prompts,
-        processing_class=tokenizer,
-        rollout_func=rollout_func,
-    )
+    trainer = tiny_trainer(tokenizer, rank_in_call, args, prompts, rollout_func=rollout_func)
     trainer.train()
     [log] = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert log["episodes/rows_mean"] == 2.0

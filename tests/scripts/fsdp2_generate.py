@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentgrpo.weight_sync import fsdp2_unsharded
+from tests.support.tiny_model import tiny_config
 
 
 def play(rank: int, port: int) -> None:
@@ -27,15 +28,8 @@ def play(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)  # the same weights on both processes
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
-    model = LlamaForCausalLM(config)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    model = LlamaForCausalLM(tiny_config(LlamaConfig, 256, **sizes))
     ids_1_T = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         whole_1_T_V = model(ids_1_T).logits

@@ -1,4 +1,4 @@
-"""The `agentgrpo` command as tests read its output."""
+"""The `agentgrpo` command as tests run it and read its output."""
 
 from __future__ import annotations
 
@@ -23,3 +23,16 @@ def agentgrpo(
         cwd=cwd,
         timeout=timeout,
     )
+
+
+def tiny_run(spec: str, model_dir: Path, out: Path, *options: str) -> subprocess.CompletedProcess:
+    """`agentgrpo run SPEC OPTIONS` of the model in `model_dir` into `out`, in chatml_tools."""
+    common = (
+        "--model",
+        str(model_dir),
+        "--output-dir",
+        str(out),
+        "--chat-template",
+        "chatml_tools",
+    )
+    return agentgrpo("run", spec, *common, *options)

@@ -6,8 +6,17 @@ import json
 
 import anyio
 
-from environments import Counter, environment_tools
-from rollout import Episode, EpisodeConfig, EpisodeRow, RolloutEngine, ScriptedBackend
+from environments import Counter, class_tools, environment_tools
+from rollout import (
+    ChatRenderer,
+    Episode,
+    EpisodeConfig,
+    EpisodeRow,
+    RolloutEngine,
+    ScriptedBackend,
+    load_template,
+)
+from rollout.demonstrations import demonstration_ids
 from tools import call_tool
 
 COUNTER_ROW = {"prompt": "Make the counter reach 7.", "target": 7}
@@ -56,14 +65,29 @@ def scripted_backend(tokenizer, turns: list[str], delay_s: float = 0.0) -> Scrip
     return ScriptedBackend(respond, [eos], delay_s=delay_s)
 
 
+def chatml_engine(backend, tokenizer, environment_factory, **episode_fields) -> RolloutEngine:
+    """An engine playing `environment_factory` in the chatml_tools template.
+
+    `episode_fields` are EpisodeConfig's (its defaults where not given).
+    """
+    return RolloutEngine(
+        backend,
+        tokenizer,
+        environment_factory=environment_factory,
+        chat_template="chatml_tools",
+        config=EpisodeConfig(**episode_fields),
+    )
+
+
+def counter_engine(backend, tokenizer, **episode_fields) -> RolloutEngine:
+    """An engine playing Counter in the chatml_tools template; `episode_fields`: EpisodeConfig's."""
+    return chatml_engine(backend, tokenizer, Counter, **episode_fields)
+
+
 def scripted_episode(tokenizer, turns: list[str], row=COUNTER_ROW) -> Episode:
     """The Counter episode the engine records when the model says `turns` (k-th after k tools)."""
-    engine = RolloutEngine(
-        scripted_backend(tokenizer, turns),
-        tokenizer,
-        environment_factory=Counter,
-        chat_template="chatml_tools",
-        config=EpisodeConfig(max_completion_length=512),
+    engine = counter_engine(
+        scripted_backend(tokenizer, turns), tokenizer, max_completion_length=512
     )
     [episode] = anyio.run(engine.run, [row])
     return episode
@@ -79,3 +103,34 @@ def replay(env: object, conversation: list[dict]) -> list[str]:
             assert result.error is None, result.content
             results.append(result.content)
     return results
+
+
+class Workbench(Counter):
+    """Counter with a tool that raises and one that never returns."""
+
+    def explode(self, x: int) -> int:
+        """Raise, always.
+
+        Args:
+            x: Ignored.
+        """
+        raise RuntimeError("boom")
+
+    async def hang(self, x: int) -> int:
+        """Never return.
+
+        Args:
+            x: Ignored.
+        """
+        await anyio.sleep(60)
+        return x
+
+
+def assert_demonstrations_train_every_call(tokenizer, environment_class) -> None:
+    """Four demonstrations, laid out in the engine's template, train each of their tool calls."""
+    schemas = [tool.schema for tool in class_tools(environment_class).values()]
+    renderer = ChatRenderer(tokenizer, load_template(tokenizer, "chatml_tools"), schemas)
+    for conversation in environment_class.demonstrations(4):
+        [(ids, mask)] = demonstration_ids(renderer, conversation, "<|im_end|>")
+        trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+        assert trained.count("<tool_call>") == sum("tool_calls" in m for m in conversation)

@@ -8,7 +8,50 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+)
+
+# The sizes every tiny model shares unless a test says otherwise: 2 layers of hidden 64, grouped
+# attention (4 query heads over 2 key-value heads).
+TINY_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def tiny_config(config_class: type[PretrainedConfig], vocab_size: int, **fields: Any) -> Any:
+    """A `config_class` of the TINY_SIZES over `vocab_size` tokens; `fields` add or override."""
+    return config_class(**(TINY_SIZES | {"vocab_size": vocab_size} | fields))
+
+
+def tiny_model(
+    model_class: type[PreTrainedModel], config_class: type[PretrainedConfig], vocab_size: int,
+    seed: int = 0, **fields: Any,
+) -> Any:  # fmt: skip
+    """A randomly initialised `model_class` of `tiny_config(...)`: equal seeds, equal weights.
+
+    Left in training mode, as a model built from a config is; callers that sample call `.eval()`.
+    """
+    torch.manual_seed(seed)
+    return model_class(tiny_config(config_class, vocab_size, **fields))
+
+
+def special_ids(tokenizer: Any) -> dict[str, int | None]:
+    """The bos, eos and pad token ids of `tokenizer`, as config fields."""
+    return dict(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def tiny_llama(tokenizer: Any, seed: int = 0, num_attention_heads: int = 4) -> LlamaForCausalLM:
@@ -18,21 +61,11 @@ def tiny_llama(tokenizer: Any, seed: int = 0, num_attention_heads: int = 4) -> L
     get a real transformers model without a hub. Seeded, so equal seeds give equal weights.
     `num_attention_heads=2` gives heads of 32, a size vLLM's CPU attention supports.
     """
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_model(
+        LlamaForCausalLM, LlamaConfig, len(tokenizer), seed,
+        num_attention_heads=num_attention_heads, max_position_embeddings=2048,
+        tie_word_embeddings=True, **special_ids(tokenizer),
+    ).eval()  # fmt: skip
 
 
 # What `tiny_tokenizer` learns its merges from: ChatML turns and a little arithmetic.
@@ -78,22 +111,10 @@ def tiny_tokenizer(vocab_size: int = 384) -> Any:
     return tokenizer
 
 
-def tiny_qwen2_moe(tokenizer) -> Qwen2MoeForCausalLM:
+def tiny_qwen2_moe(tokenizer: Any) -> Qwen2MoeForCausalLM:
     """A randomly initialised 2-layer mixture-of-experts model (4 experts, 2 per token)."""
-    torch.manual_seed(0)
-    config = Qwen2MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return Qwen2MoeForCausalLM(config).eval()
+    return tiny_model(
+        Qwen2MoeForCausalLM, Qwen2MoeConfig, len(tokenizer),
+        moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+        num_experts_per_tok=2, **special_ids(tokenizer),
+    ).eval()  # fmt: skip

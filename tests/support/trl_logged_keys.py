@@ -22,6 +22,8 @@ from typing import Any
 from datasets import Dataset
 from transformers import AutoTokenizer
 
+from tests.support.runs import CounterTools, one_step
+
 # Each kind of run: its config fields beyond `settings`' (`environment`: played against the
 # Counter below, which scores itself, with one plain tool besides).
 KINDS: dict[str, dict[str, Any]] = {
@@ -40,20 +42,11 @@ KINDS: dict[str, dict[str, Any]] = {
 }
 
 
-class Counter:
+class Counter(CounterTools):
     """A counter the model increments; it scores itself by how far it got."""
 
     def reset(self, **kwargs) -> None:
         self.counter = 0
-
-    def increment(self, step: int) -> int:
-        """Add to the counter.
-
-        Args:
-            step: The value to add.
-        """
-        self.counter += step
-        return self.counter
 
     def get_reward(self) -> float:
         return float(self.counter)
@@ -73,26 +66,10 @@ def length_reward(completions, **kwargs) -> list[float]:
     return [len(str(completion)) / 100 for completion in completions]
 
 
-def settings(output_dir: str, **changes: Any) -> dict[str, Any]:
-    """One optimizer step of 4 completions (2 prompts x 2 generations) on CPU, logged."""
-    return {
-        "output_dir": output_dir,
-        "max_steps": 1,
-        "per_device_train_batch_size": 4,
-        "num_generations": 2,
-        "max_completion_length": 8,
-        "logging_steps": 1,
-        "report_to": "none",
-        "save_strategy": "no",
-        "use_cpu": True,
-        "disable_tqdm": True,
-    } | changes
-
-
 def run_logs(grpo: Any, kind: str, model_dir: str, output_dir: str) -> list[dict[str, Any]]:
     """The `log_history` of a run of `kind`, with `grpo` (the `trl` or `agentgrpo` module)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    fields = settings(output_dir, **KINDS[kind])
+    fields = one_step(output_dir, **KINDS[kind])
     arguments: dict[str, Any] = {"reward_funcs": length_reward}
     rows = Dataset.from_dict({"prompt": ["2+2=", "3+3="]})
     if kind == "environment":

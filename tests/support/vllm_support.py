@@ -15,8 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from rollout import RolloutEngine
 from rollout.backends.vllm_colocate import INSTALL_HINT
-from tests.support.episodes import single_row
+from tests.support.episodes import counter_engine, single_row
 from tests.support.teach import teach
 from tests.support.tiny_model import tiny_llama
 
@@ -30,16 +31,6 @@ VLLM_CPU_ENVIRONMENT = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
 }
-
-
-@pytest.fixture(scope="module")
-def vllm_environment(tmp_path_factory):
-    """vLLM's CPU settings and a private cache folder, for one test module."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in VLLM_CPU_ENVIRONMENT.items():
-            patch.setenv(name, value)
-        patch.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
-        yield
 
 
 def vllm_tiny_llama(tokenizer, seed: int) -> LlamaForCausalLM:
@@ -109,46 +100,21 @@ def trained_copy(model, episode, steps: int = 3) -> LlamaForCausalLM:
     return other.eval()
 
 
-def rank_in_call(completion_ids, **kwargs):
-    """Toy reward 0, 1, 2, ... in the order the completions come: no group ever ties.
-
-    The trainer scores whole groups, so the rewards inside every group differ whatever was
-    sampled: every GRPO step has nonzero advantages (a reward read from the samples, such as
-    their length, can tie in a whole group and leave a step without a gradient).
-    """
-    return [float(k) for k in range(len(completion_ids))]
-
-
 def train_two_steps(policy_path: Path, tokenizer, output_dir: Path, **vllm_fields):
     """The trainer after 2 GRPO steps on the Counter row via vLLM (`vllm_fields`: the mode).
 
     With the untaught model (distinct completions) and `rank_in_call` (distinct rewards in every
     group), each step has a nonzero gradient by construction, not by luck of the draw.
     """
-    from conftest import COUNTER_ROW
     from datasets import Dataset
 
-    from agentgrpo import GRPOConfig, GRPOTrainer
+    from agentgrpo import GRPOTrainer
     from environments import Counter
+    from tests.support.episodes import COUNTER_ROW
+    from tests.support.trainer import rank_in_call, short_run_config
 
-    args = GRPOConfig(
-        output_dir=str(output_dir),
-        use_vllm=True,
-        **vllm_fields,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=48,
-        max_turns=2,
-        learning_rate=1e-2,
-        max_steps=2,
-        logging_steps=1,
-        chat_template="chatml_tools",
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
+    episodes = dict(max_completion_length=48, max_turns=2, chat_template="chatml_tools")
+    args = short_run_config(output_dir, use_vllm=True, **vllm_fields, **episodes)
     trainer = GRPOTrainer(
         load_policy(policy_path),
         rank_in_call,
@@ -164,7 +130,8 @@ def train_two_steps(policy_path: Path, tokenizer, output_dir: Path, **vllm_field
 def play_on_final_weights(trainer):
     """The trained policy and 4 Counter episodes vLLM plays once its final weights are pushed."""
     import anyio
-    from conftest import COUNTER_ROW
+
+    from tests.support.episodes import COUNTER_ROW
 
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
     with trainer.weight_sync.generating(model, trainer.state.global_step):
@@ -179,3 +146,9 @@ def without_multiprocessing_flag() -> dict[str, str]:
     environment = dict(os.environ)
     environment.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     return environment
+
+
+def vllm_counter_engine(backend, tokenizer, temperature: float) -> RolloutEngine:
+    """Counter episodes of up to 5 turns and 256 tokens, sampled by a vLLM backend."""
+    episode = dict(max_completion_length=256, max_turns=5, temperature=temperature)
+    return counter_engine(backend, tokenizer, **episode)

@@ -16,22 +16,6 @@ from environments import Counter
 FINITE = "a finite number (1e400 reads as inf)"
 
 
-@pytest.fixture
-def user_error(capsys, monkeypatch, tmp_path):
-    """Run a command in-process from tmp_path; assert status 2 and one `error:` line; return it."""
-    monkeypatch.chdir(tmp_path)
-
-    def run(*argv: str) -> str:
-        assert main(list(argv)) == 2
-        err = capsys.readouterr().err
-        assert "Traceback" not in err
-        errors = [line for line in err.split("\n") if line.startswith("error:")]
-        assert len(errors) == 1, err
-        return errors[0]
-
-    return run
-
-
 # ---------------------------------------------------------------------- typed options
 
 

@@ -40,7 +40,7 @@ from tests.agentgrpo.learner.test_shared_prompt_forward import (
     token_ids,
     two_groups,
 )
-from tests.support.tiny_model import tiny_llama
+from tests.support.tiny_model import tiny_llama, tiny_model
 
 
 @pytest.fixture
@@ -201,19 +201,10 @@ def test_no_tensor_of_the_full_logits_size_exists_forward_or_backward(model, chu
 
 
 def tiny(config_class, model_class, tokenizer, **fields):
-    torch.manual_seed(0)
-    config = config_class(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        pad_token_id=tokenizer.pad_token_id,
+    return tiny_model(
+        model_class, config_class, len(tokenizer), head_dim=16, pad_token_id=tokenizer.pad_token_id,
         **fields,
-    )
-    return model_class(config).eval()
+    ).eval()  # fmt: skip
 
 
 TRANSFORMED_LOGITS = {

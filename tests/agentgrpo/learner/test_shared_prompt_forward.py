@@ -27,7 +27,7 @@ from agentgrpo.learner.output_head import read_logits
 from agentgrpo.learner.prefix_cache import PrefixCache, RecordingCache
 from agentgrpo.learner.shared_prompt import can_share_prompts, prompt_groups
 from rollout import Episode, EpisodeRow, EpisodeStats, Finish
-from tests.support.tiny_model import tiny_llama, tiny_qwen2_moe
+from tests.support.tiny_model import tiny_llama, tiny_model, tiny_qwen2_moe
 
 LOGPROB_TOLERANCE = 1e-5
 ENTROPY_TOLERANCE = 1e-5  # relative: an entropy sums V terms (near log V = 10.8 here)
@@ -252,19 +252,11 @@ def test_a_checkpointing_mixture_of_experts_model_shares_prompts(tokenizer):
 
 
 def test_a_sliding_window_model_takes_one_pass(tokenizer):
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_sliding_window=True,
+    sliding = tiny_model(
+        Qwen2ForCausalLM, Qwen2Config, len(tokenizer), use_sliding_window=True,
         sliding_window=4,  # shorter than the prompts: its cache would keep only 4 positions
         max_window_layers=1,
-    )
-    sliding = Qwen2ForCausalLM(config).eval()
+    ).eval()  # fmt: skip
     batch = two_groups()
     assert not can_share_prompts(sliding)
     assert model_inputs(sliding, batch) == [(6, 16)]

@@ -9,7 +9,6 @@ from datasets import Dataset
 from PIL import Image
 from transformers import PrinterCallback, ProgressCallback, TrainerControl, TrainerState
 
-from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.reporting.plot import COLOURS, line_chart
 from agentgrpo.reporting.run_log import (
     MetricsLog,
@@ -21,7 +20,7 @@ from agentgrpo.reporting.run_log import (
 )
 from environments import Counter
 from tests.support.episodes import scripted_episode, tool_call
-from tests.support.tiny_model import tiny_llama
+from tests.support.trainer import short_run_config, tiny_trainer
 
 
 def read_png(path) -> tuple[int, int, set[tuple[int, int, int]]]:
@@ -152,28 +151,11 @@ def test_the_summary_table_gives_first_last_and_best(tmp_path):
 
 
 def test_a_run_with_the_run_callbacks_leaves_metrics_a_chart_and_episodes(tokenizer, tmp_path):
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=12,
-        max_turns=2,
-        chat_template="chatml_tools",
-        max_steps=2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        seed=0,
-    )
+    episodes = dict(max_completion_length=12, max_turns=2, chat_template="chatml_tools")
+    # GRPOConfig's own learning rate, and tqdm's bars on
+    args = short_run_config(tmp_path, **episodes, learning_rate=1e-6, disable_tqdm=False)
     rows = Dataset.from_list([{"prompt": "Make the counter reach 3.", "target": 3}] * 8)
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer),
-        args=args,
-        train_dataset=rows,
-        processing_class=tokenizer,
-        environment_factory=Counter,
-    )
+    trainer = tiny_trainer(tokenizer, args=args, train_dataset=rows, environment_factory=Counter)
     attach_run_callbacks(trainer)
     names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
     assert not {ProgressCallback.__name__, PrinterCallback.__name__} & set(names)

@@ -22,6 +22,7 @@ from agentgrpo.reporting.sampling import (
     sampling_stats,
 )
 from tests.support.tiny_model import tiny_llama
+from tests.support.trainer import rank_in_call, short_run_config, tiny_trainer
 
 E = math.e
 # Two rows; the loss counts tokens (0, 0), (0, 1) and (1, 0).
@@ -167,40 +168,20 @@ PROMPTS = Dataset.from_dict({"prompt": ["The sky is", "Hello", "One two", "A B C
 
 
 def config(tmp_path, **overrides) -> GRPOConfig:
-    fields = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=6,
-        learning_rate=1e-2,
-        max_steps=2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
-    return GRPOConfig(**(fields | overrides))
-
-
-def rank_in_call(completion_ids, **kwargs):
-    return [float(k) for k in range(len(completion_ids))]
+    """The short run in groups of 2, up to 6 tokens each, at GRPOConfig's own seed (42)."""
+    fields = dict(num_generations=2, max_completion_length=6, seed=42)
+    return short_run_config(tmp_path, **(fields | overrides))
 
 
 def step_logs(trainer) -> list[dict]:
+    """The log entries of optimizer steps (those with a loss)."""
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
 @pytest.mark.parametrize("updates", ["one update per round", "old logprobs kept"])
 def test_the_transformers_backend_logs_the_five_metrics_every_step(tokenizer, tmp_path, updates):
     reuse = {"num_iterations": 2} if updates == "old logprobs kept" else {}
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer),
-        rank_in_call,
-        config(tmp_path, **reuse),
-        PROMPTS,
-        processing_class=tokenizer,
-    )
+    trainer = tiny_trainer(tokenizer, rank_in_call, config(tmp_path, **reuse), PROMPTS)
     trainer.train()
     assert not trainer.token_weighting.sampler_correction_mode  # float32 on a CPU
     logs = step_logs(trainer)

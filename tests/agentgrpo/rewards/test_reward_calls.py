@@ -22,6 +22,7 @@ from agentgrpo.rewards.calls import (
     reward_functions,
     score,
 )
+from tests.support.tiny_model import tiny_model
 
 ROWS = [
     {"prompt": "1 + 1?", "answer": "2", "level": 1},
@@ -348,18 +349,10 @@ def test_reward_functions_refuse_what_cannot_be_called():
 
 
 def tiny_reward_model(tokenizer) -> LlamaForSequenceClassification:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return LlamaForSequenceClassification(config)
+    return tiny_model(
+        LlamaForSequenceClassification, LlamaConfig, len(tokenizer), hidden_size=32,
+        intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
 
 
 def test_a_sequence_classification_model_gives_one_float_per_completion(tokenizer):

@@ -23,24 +23,14 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.porting import check_optimizer
-from tests.support.tiny_model import tiny_llama
+from tests.support.runs import CounterTools, one_step
+from tests.support.tiny_model import tiny_llama, tiny_model
+from tests.support.trainer import tiny_trainer
 
 
 def config(tmp_path, **changes) -> GRPOConfig:
     """One optimizer step of 4 completions (2 prompts x 2 generations), 8 tokens each."""
-    fields = {
-        "output_dir": str(tmp_path),
-        "max_steps": 1,
-        "per_device_train_batch_size": 4,
-        "num_generations": 2,
-        "max_completion_length": 8,
-        "logging_steps": 1,
-        "report_to": "none",
-        "save_strategy": "no",
-        "use_cpu": True,
-        "disable_tqdm": True,
-    }
-    return GRPOConfig(**(fields | changes))
+    return GRPOConfig(**one_step(tmp_path, **changes))
 
 
 def trainer_for(tokenizer, args, **arguments) -> GRPOTrainer:
@@ -60,20 +50,11 @@ def zero(completions, **kwargs):
 # --- Environments and tools ---------------------------------------------------------------
 
 
-class Counter:
+class Counter(CounterTools):
     """Counts; scores itself 0.25. Remembers what reset received."""
 
     def reset(self, **kwargs) -> None:
         self.reset_with, self.counter = kwargs, 0
-
-    def increment(self, step: int) -> int:
-        """Add to the counter.
-
-        Args:
-            step: The value to add.
-        """
-        self.counter += step
-        return self.counter
 
     def get_reward(self) -> float:
         return 0.25
@@ -166,20 +147,11 @@ def test_a_dict_environment_factory_refuses_unknown_environments_and_a_missing_d
         trainer_for(tokenizer, args, environment_factory=factories)
 
 
-class Silent:
+class Silent(CounterTools):
     """States no task (reset returns None) and scores itself: TRL's environment-owned data."""
 
     def reset(self, **kwargs) -> None:
         self.counter = 0
-
-    def increment(self, step: int) -> int:
-        """Add to the counter.
-
-        Args:
-            step: The value to add.
-        """
-        self.counter += step
-        return self.counter
 
     def get_reward(self) -> float:
         return float(self.counter == 3)
@@ -236,18 +208,11 @@ def test_reward_weights_covering_only_reward_funcs_give_the_environments_reward_
 
 
 def tiny_reward_model(tokenizer) -> LlamaForSequenceClassification:
-    torch.manual_seed(0)
-    model_config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return LlamaForSequenceClassification(model_config).eval()
+    sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    return tiny_model(
+        LlamaForSequenceClassification, LlamaConfig, len(tokenizer), **sizes,
+        num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    ).eval()  # fmt: skip
 
 
 def test_the_trainer_has_trls_reward_names_processing_classes_aux_loss_flag_and_mask_helpers(
@@ -674,9 +639,7 @@ def test_the_unsloth_style_arguments_fold_into_trls_and_conflicts_are_refused(to
     assert folded.processing_class is tokenizer
     assert folded.reward_func_names == ["zero", "LlamaForSequenceClassification", "one"]
     with pytest.raises(ValueError, match="pass only processing_class"):
-        GRPOTrainer(
-            tiny_llama(tokenizer), one, args, rows, processing_class=tokenizer, tokenizer=tokenizer
-        )
+        tiny_trainer(tokenizer, one, args, rows, tokenizer=tokenizer)
     with pytest.raises(ValueError, match=r"num_generations=4\) differs from the config's"):
         GRPOTrainer(tiny_llama(tokenizer), one, args, rows, tokenizer=tokenizer, num_generations=4)
 

@@ -22,6 +22,7 @@ from datasets import Dataset
 
 from agentgrpo import GRPOConfig, GRPOTrainer
 from rollout import ToolTemplateError
+from tests.support.runs import one_step
 from tests.support.tiny_model import tiny_llama
 
 MAX_COMPLETION_LENGTH = 8
@@ -29,18 +30,8 @@ MAX_COMPLETION_LENGTH = 8
 
 def config(tmp_path, **changes) -> GRPOConfig:
     """The smallest run: one step of 4 completions (2 prompts x 2 generations), 8 tokens each."""
-    fields = {
-        "output_dir": str(tmp_path),
-        "max_steps": 1,
-        "per_device_train_batch_size": 4,
-        "num_generations": 2,
-        "max_completion_length": MAX_COMPLETION_LENGTH,
-        "logging_steps": 1,
-        "report_to": "none",
-        "save_strategy": "no",
-        "use_cpu": True,
-    }
-    return GRPOConfig(**(fields | changes))
+    fields = {"max_completion_length": MAX_COMPLETION_LENGTH, "disable_tqdm": False}  # bars on
+    return GRPOConfig(**one_step(tmp_path, **(fields | changes)))
 
 
 def train(tokenizer, args: GRPOConfig, **trainer_arguments) -> tuple[GRPOTrainer, dict]:

@@ -37,6 +37,7 @@ from agentgrpo.reporting.round_report import logged_metrics
 from agentgrpo.rounds import RewardLogs
 from environments import Counter
 from tests.support.paths import REPO, SUPPORT
+from tests.support.runs import one_step
 from tests.support.tiny_model import tiny_llama, tiny_qwen2_moe
 from tests.support.trl_logged_keys import KINDS, logged_keys, run_logs
 
@@ -212,18 +213,8 @@ def test_only_installed_integrations_that_take_tables_get_the_table():
 
 
 def config(tmp_path, **changes) -> GRPOConfig:
-    fields = {
-        "output_dir": str(tmp_path),
-        "max_steps": 1,
-        "per_device_train_batch_size": 4,
-        "num_generations": 2,
-        "max_completion_length": 8,
-        "logging_steps": 1,
-        "report_to": "none",
-        "save_strategy": "no",
-        "use_cpu": True,
-    }
-    return GRPOConfig(**(fields | changes))
+    """`one_step`, with tqdm's progress bars on."""
+    return GRPOConfig(**one_step(tmp_path, **({"disable_tqdm": False} | changes)))
 
 
 DATASET = Dataset.from_dict({"prompt": ["2+2=", "3+3="], "ground_truth": ["4", "6"]})

@@ -32,39 +32,17 @@ from agentgrpo.learner.losses import (
 )
 from agentgrpo.models import cast_lm_head_to_fp32, policy_init_kwargs
 from agentgrpo.porting import loss_setting_warnings
-from tests.support.tiny_model import tiny_llama
+from tests.support.tiny_model import special_ids, tiny_llama, tiny_model
+from tests.support.trainer import logged, rank_in_call, short_run_config, tiny_trainer
 
 PROMPTS = Dataset.from_dict({"prompt": ["The sky is", "Hello", "One two", "A B C"] * 10})
 POSITIVE, NEGATIVE = VespoShape(k=2.0, lam=3.0), VespoShape(k=3.0, lam=2.0)  # TRL's defaults
 
 
-def rank_in_call(completion_ids, **kwargs):
-    """Rewards 0, 1, 2, ...: no group ties, so every step has a gradient."""
-    return [float(k) for k in range(len(completion_ids))]
-
-
 def config(tmp_path, **overrides) -> GRPOConfig:
-    fields = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=6,
-        top_k=10,
-        learning_rate=1e-2,
-        max_steps=2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        log_episodes=False,
-        seed=0,
-    )
-    return GRPOConfig(**(fields | overrides))
-
-
-def logged(trainer, name: str) -> list[float]:
-    return [entry[name] for entry in trainer.state.log_history if name in entry]
+    """The short run with completions of up to 6 tokens from the 10 likeliest, no episode log."""
+    fields = dict(max_completion_length=6, top_k=10, log_episodes=False)
+    return short_run_config(tmp_path, **(fields | overrides))
 
 
 # --------------------------------------------------------------------------- 1. vespo, cispo
@@ -223,9 +201,7 @@ def test_adaptive_entropy_updates_once_per_optimizer_step_under_accumulation(tok
         entropy_coef_delta=0.005,
         entropy_target=100.0,
     )
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
-    )
+    trainer = tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
     trainer.train()
     assert logged(trainer, "entropy_coef") == pytest.approx([0.005, 0.010, 0.015])
     assert trainer.entropy_control.coef == pytest.approx(0.015)
@@ -237,9 +213,7 @@ def test_adaptive_entropy_state_is_saved_with_each_checkpoint(tokenizer, tmp_pat
     args = config(
         tmp_path, max_steps=1, save_strategy="steps", save_steps=1, use_adaptive_entropy=True
     )
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
-    )
+    trainer = tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
     trainer.train()
     state = json.loads((tmp_path / "checkpoint-1" / "entropy_ctrl_state.json").read_text())
     # entropy (about 10.8) > default target 0.2: coef max(0.0 - 0.005, 0.0) = 0.0
@@ -251,21 +225,11 @@ def test_adaptive_entropy_state_is_saved_with_each_checkpoint(tokenizer, tmp_pat
 
 def tiny_gemma2(tokenizer) -> Gemma2ForCausalLM:
     """A 2-layer Gemma 2 (hidden 64) whose lm_head is tied to its embeddings, as Gemma's is."""
-    torch.manual_seed(0)
-    config = Gemma2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+    model = tiny_model(
+        Gemma2ForCausalLM, Gemma2Config, len(tokenizer), head_dim=16, **special_ids(tokenizer)
     )
-    assert config.tie_word_embeddings
-    return Gemma2ForCausalLM(config).eval()
+    assert model.config.tie_word_embeddings
+    return model.eval()
 
 
 def test_a_tied_bf16_lm_head_is_cast_to_fp32_and_stays_tied(tokenizer):
@@ -293,6 +257,19 @@ def test_a_tied_gemma2_trains_with_cast_lm_head_to_fp32(tokenizer, tmp_path):
 # --------------------------------------------------------------------------- 4. short eval sets
 
 
+def evaluate_recording(tokenizer, tmp_path, eval_set, reward: float, **fields):
+    """`trainer.evaluate()` on `eval_set`, a constant reward: the prompts scored, the metrics."""
+    seen: list[str] = []
+
+    def record_prompts(prompts, **kwargs):
+        seen.extend(prompts)
+        return [reward] * len(prompts)
+
+    args = config(tmp_path, **fields)
+    trainer = tiny_trainer(tokenizer, record_prompts, args, PROMPTS, eval_dataset=eval_set)
+    return seen, trainer.evaluate()
+
+
 @pytest.mark.parametrize("eval_rows", [3, 5])
 def test_every_eval_row_is_played_when_the_set_is_not_a_whole_number_of_batches(
     tokenizer, tmp_path, eval_rows
@@ -300,22 +277,8 @@ def test_every_eval_row_is_played_when_the_set_is_not_a_whole_number_of_batches(
     # per_device_eval_batch_size 8 / num_generations_eval 2 = 4 prompts a batch:
     # 3 rows are one short batch; 5 rows are a batch of 4 and a short one of 1.
     eval_set = Dataset.from_dict({"prompt": [f"Question {i}" for i in range(eval_rows)]})
-    seen: list[str] = []
-
-    def record_prompts(prompts, **kwargs):
-        seen.extend(prompts)
-        return [0.0] * len(prompts)
-
-    args = config(tmp_path, per_device_eval_batch_size=8, num_generations_eval=2)
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer),
-        record_prompts,
-        args,
-        PROMPTS,
-        eval_dataset=eval_set,
-        processing_class=tokenizer,
-    )
-    metrics = trainer.evaluate()
+    batches = dict(per_device_eval_batch_size=8, num_generations_eval=2)
+    seen, metrics = evaluate_recording(tokenizer, tmp_path, eval_set, 0.0, **batches)
     assert sorted(seen) == sorted(list(eval_set["prompt"]) * 2)  # every row, 2 episodes each
     assert "eval_loss" in metrics
 
@@ -323,22 +286,8 @@ def test_every_eval_row_is_played_when_the_set_is_not_a_whole_number_of_batches(
 def test_num_generations_eval_1_evaluates_one_episode_per_row(tokenizer, tmp_path):
     # TRL accepts groups of one in evaluation; their advantages are 0 (test_advantages.py).
     eval_set = Dataset.from_dict({"prompt": ["Question 0", "Question 1", "Question 2"]})
-    seen: list[str] = []
-
-    def record_prompts(prompts, **kwargs):
-        seen.extend(prompts)
-        return [0.5] * len(prompts)
-
-    args = config(tmp_path, per_device_eval_batch_size=2, num_generations_eval=1)
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer),
-        record_prompts,
-        args,
-        PROMPTS,
-        eval_dataset=eval_set,
-        processing_class=tokenizer,
-    )
-    metrics = trainer.evaluate()
+    batches = dict(per_device_eval_batch_size=2, num_generations_eval=1)
+    seen, metrics = evaluate_recording(tokenizer, tmp_path, eval_set, 0.5, **batches)
     assert sorted(seen) == ["Question 0", "Question 1", "Question 2"]  # one episode each
     assert metrics["eval_reward"] == 0.5
 
@@ -425,14 +374,14 @@ LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
 def test_use_liger_kernel_without_liger_installed_names_the_install(tokenizer, tmp_path):
     args = config(tmp_path, use_liger_kernel=True)
     with pytest.raises(ImportError, match="pip install liger-kernel"):
-        GRPOTrainer(tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer)
+        tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
 
 
 @pytest.mark.skipif(not LIGER_INSTALLED, reason="needs liger-kernel installed")
 def test_use_liger_kernel_on_cpu_is_refused_naming_why(tokenizer, tmp_path):
     args = config(tmp_path, use_liger_kernel=True)
     with pytest.raises(ValueError, match="no CPU backend"):
-        GRPOTrainer(tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer)
+        tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
 
 
 def test_use_liger_kernel_refuses_prompt_learning_adapters_as_trl_does(tokenizer, tmp_path):
@@ -441,14 +390,7 @@ def test_use_liger_kernel_refuses_prompt_learning_adapters_as_trl_does(tokenizer
     args = config(tmp_path, use_liger_kernel=True)
     prompt_tuning = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
     with pytest.raises(ValueError, match="prompt-learning"):
-        GRPOTrainer(
-            tiny_llama(tokenizer),
-            rank_in_call,
-            args,
-            PROMPTS,
-            processing_class=tokenizer,
-            peft_config=prompt_tuning,
-        )
+        tiny_trainer(tokenizer, rank_in_call, args, PROMPTS, peft_config=prompt_tuning)
 
 
 def test_use_liger_kernel_refuses_what_trl_refuses(tokenizer, tmp_path):
@@ -457,19 +399,12 @@ def test_use_liger_kernel_refuses_what_trl_refuses(tokenizer, tmp_path):
     args = config(tmp_path, use_liger_kernel=True)
     lora_on_head = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])
     with pytest.raises(ValueError, match="PEFT adapter to `lm_head`"):
-        GRPOTrainer(
-            tiny_llama(tokenizer),
-            rank_in_call,
-            args,
-            PROMPTS,
-            processing_class=tokenizer,
-            peft_config=lora_on_head,
-        )
+        tiny_trainer(tokenizer, rank_in_call, args, PROMPTS, peft_config=lora_on_head)
     args = config(
         tmp_path, use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": True}
     )
     with pytest.raises(ValueError, match="fused_linear_cross_entropy"):
-        GRPOTrainer(tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer)
+        tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
 
 
 # --------------------------------------------------------------------------- 7. quantization
@@ -508,12 +443,11 @@ def test_loading_arguments_for_a_loaded_model_are_ignored_with_trls_warnings(
 ):
     args = config(tmp_path, model_init_kwargs={"dtype": "bfloat16"})
     with caplog.at_level(logging.WARNING):
-        trainer = GRPOTrainer(
-            tiny_llama(tokenizer),
+        trainer = tiny_trainer(
+            tokenizer,
             rank_in_call,
             args,
             PROMPTS,
-            processing_class=tokenizer,
             quantization_config=BitsAndBytesConfig(load_in_4bit=True),
         )
     logged = [record.getMessage() for record in caplog.records]
@@ -568,9 +502,7 @@ def test_the_trainer_logs_trls_loss_warnings_when_it_is_built(tokenizer, tmp_pat
     # time; luspo at TRL's default token level trains.
     args = config(tmp_path, loss_type="luspo", max_steps=1)
     with caplog.at_level(logging.WARNING):
-        trainer = GRPOTrainer(
-            tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
-        )
+        trainer = tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
     [record] = [r for r in caplog.records if "`'luspo'` loss" in r.message]
     assert "should be set to `'sequence'` to mirror the paper's setup" in record.message
     assert record.name == "agentgrpo.porting" and record.levelno == logging.WARNING
@@ -612,9 +544,7 @@ def test_generation_kwargs_trl_passes_to_generate_apply_and_train(tokenizer, tmp
         "max_new_tokens": 4,
     }
     args = config(tmp_path, max_steps=1, generation_kwargs=generation_kwargs)
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
-    )
+    trainer = tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
     backend = trainer.engine.context.backend
     assert backend.settings.processing == {"no_repeat_ngram_size": 2, "typical_p": 0.95}
     trainer.train()
@@ -627,7 +557,7 @@ def test_generation_kwargs_that_cannot_give_sampler_logprobs_are_refused_naming_
 ):
     args = config(tmp_path, generation_kwargs={"num_beams": 2, "length_penalty": -0.1})
     with pytest.raises(ValueError) as refused:
-        GRPOTrainer(tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer)
+        tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
     message = str(refused.value)
     assert message.startswith("generation_kwargs={'num_beams': 2} cannot be used for GRPO")
     assert "no per-token sampler logprobs" in message and "num_generations" in message

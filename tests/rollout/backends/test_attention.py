@@ -8,19 +8,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from agentgrpo import GRPOConfig
 from agentgrpo.models import load_policy
 from rollout.backends.attention import NAME, use_grouped_query_sdpa
+from tests.support.tiny_model import tiny_config
 
 
 def grouped_query_llama(attn_implementation: str = "sdpa") -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = tiny_config(LlamaConfig, 100, intermediate_size=64)
     config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
 

@@ -9,6 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from rollout import SamplingParams, TransformersBackend
 from rollout.backends.attention import use_grouped_query_sdpa
 from tests.rollout.backends.test_transformers_backend import PROMPTS, generate_concurrently
+from tests.support.tiny_model import tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,16 +20,8 @@ STOP = 1999
 
 def qwen(dtype: torch.dtype) -> Qwen2ForCausalLM:
     """A 2-layer Qwen2 with grouped heads (4 query, 2 key-value) on the GPU, seeded."""
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=2000,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = Qwen2ForCausalLM(config).to("cuda", dtype).eval()
+    sizes = dict(hidden_size=128, intermediate_size=256)
+    model = tiny_model(Qwen2ForCausalLM, Qwen2Config, 2000, **sizes).to("cuda", dtype).eval()
     use_grouped_query_sdpa(model)  # as GRPOTrainer loads a policy
     return model
 

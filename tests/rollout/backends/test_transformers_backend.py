@@ -12,6 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rollout import GenerationBackend, SamplingParams, TransformersBackend
 from rollout.backends.sampling import sample_tokens
+from tests.support.tiny_model import tiny_model
 
 PROMPTS = [[1, 520, 33, 8], [1, 1823, 9, 44, 101, 7, 3], [1, 77]]
 
@@ -220,19 +221,11 @@ async def test_a_long_prompt_and_a_short_next_turn_prefill_apart(tiny_model):
 
 @pytest.mark.anyio
 async def test_a_sliding_window_model_generates_as_a_plain_forward_pass_would():
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=2000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_sliding_window=True,
+    model = tiny_model(
+        Qwen2ForCausalLM, Qwen2Config, 2000, use_sliding_window=True,
         sliding_window=4,  # shorter than every context below
         max_window_layers=1,
-    )
-    model = Qwen2ForCausalLM(config).eval()
+    ).eval()  # fmt: skip
     backend = TransformersBackend(model, stop_token_ids=[1999], pad_token_id=0)
     greedy = SamplingParams(max_tokens=8, temperature=0)
     prompts = [PROMPTS[1], [1, 520, 33, 8, 9, 10, 11], PROMPTS[2]]
@@ -333,17 +326,8 @@ async def test_generation_kwargs_win_over_the_requests_own_sampling(tiny_model):
 async def test_a_model_with_recurrent_layers_generates_alone_and_token_exact():
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
-    torch.manual_seed(0)
-    config = Lfm2Config(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["conv", "full_attention"],
-    )
-    model = Lfm2ForCausalLM(config).eval()
+    layers = ["conv", "full_attention"]
+    model = tiny_model(Lfm2ForCausalLM, Lfm2Config, 300, layer_types=layers).eval()
     backend = TransformersBackend(model, stop_token_ids=[2], pad_token_id=0)
     assert not backend.reuses_keys_and_values
     prompts = [[1, 5, 6, 7], [1, 9]]

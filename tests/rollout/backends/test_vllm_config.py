@@ -10,13 +10,14 @@ import pytest
 import torch
 from datasets import Dataset
 
-from agentgrpo import GRPOConfig, GRPOTrainer, vllm_serve
+from agentgrpo import GRPOConfig, vllm_serve
 from agentgrpo.weight_sync import policy_weights, sampling_overrides
 from environments import Counter
 from rollout import GenerationBackend
 from rollout.backends.vllm_colocate import import_vllm
 from rollout.backends.vllm_server import ServerConnection, ServerUnavailableError, VLLMServerBackend
 from tests.support.tiny_model import tiny_llama
+from tests.support.trainer import tiny_trainer
 
 
 @pytest.fixture
@@ -139,11 +140,10 @@ def test_the_trainer_in_server_mode_fails_fast_when_no_server_answers(
         chat_template="chatml_tools",
     )
     with pytest.raises(ConnectionError, match="agentgrpo vllm-serve --model"):
-        GRPOTrainer(
-            tiny_llama(tokenizer),
+        tiny_trainer(
+            tokenizer,
             args=args,
             train_dataset=Dataset.from_list([{"prompt": "Reach 3.", "target": 3}] * 4),
-            processing_class=tokenizer,
             environment_factory=Counter,
         )
 

@@ -35,10 +35,10 @@ from tests.support.vllm_support import (
     logprob_gap,
     needs_vllm,
     play_on_final_weights,
-    taught_model_path,
     train_two_steps,
     trained_copy,
     untaught_model_path,
+    vllm_counter_engine,
     without_multiprocessing_flag,
 )
 
@@ -51,16 +51,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def policy_path(tmp_path_factory, tokenizer, counter_episode):
-    return taught_model_path(tmp_path_factory, tokenizer, counter_episode)
-
-
-@pytest.fixture(scope="module")
-def policy(policy_path):
-    return load_policy(policy_path)
 
 
 @pytest.fixture(scope="module")
@@ -107,18 +97,8 @@ def backend(server, tokenizer):
         raise AssertionError(f"the server did not start:\n{log}") from error
 
 
-def counter_engine(backend, tokenizer, temperature: float) -> RolloutEngine:
-    return RolloutEngine(
-        backend,
-        tokenizer,
-        environment_factory=Counter,
-        chat_template="chatml_tools",
-        config=EpisodeConfig(max_completion_length=256, max_turns=5, temperature=temperature),
-    )
-
-
 def test_a_tool_episode_through_the_vllm_server_is_token_exact(backend, tokenizer):
-    [episode] = anyio.run(counter_engine(backend, tokenizer, 0.0).run, [COUNTER_ROW])
+    [episode] = anyio.run(vllm_counter_engine(backend, tokenizer, 0.0).run, [COUNTER_ROW])
     segments = counter_segments(tokenizer)
     assert single_row(episode).completion_ids == [t for ids, _ in segments for t in ids]
     assert single_row(episode).loss_mask == [m for ids, m in segments for _ in ids]
@@ -126,7 +106,7 @@ def test_a_tool_episode_through_the_vllm_server_is_token_exact(backend, tokenize
 
 
 def test_server_sampled_logprobs_match_the_policy_forward_pass(backend, tokenizer, policy):
-    episodes = anyio.run(counter_engine(backend, tokenizer, 0.7).run, [COUNTER_ROW], 4)
+    episodes = anyio.run(vllm_counter_engine(backend, tokenizer, 0.7).run, [COUNTER_ROW], 4)
     assert logprob_gap(policy, episodes, temperature=0.7) < 1e-3
 
 
@@ -148,7 +128,7 @@ def test_agentgrpo_eval_generates_through_the_server(
 
 
 def test_a_pushed_training_step_reaches_the_server(backend, tokenizer, policy):
-    engine = counter_engine(backend, tokenizer, 0.7)
+    engine = vllm_counter_engine(backend, tokenizer, 0.7)
     anyio.run(engine.run, [COUNTER_ROW], 2)  # caches the prompt's KV under the old weights
     other = scripted_episode(tokenizer, [tool_call("increment", step=5), "Done."])
     updated = trained_copy(policy, other)

@@ -27,19 +27,13 @@ from tests.support.vllm_support import (
     logprob_gap,
     needs_vllm,
     play_on_final_weights,
-    taught_model_path,
     train_two_steps,
     trained_copy,
     untaught_model_path,
-    vllm_environment,  # noqa: F401  (a fixture)
+    vllm_counter_engine,
 )
 
 pytestmark = needs_vllm
-
-
-@pytest.fixture(scope="module")
-def policy_path(tmp_path_factory, tokenizer, counter_episode):
-    return taught_model_path(tmp_path_factory, tokenizer, counter_episode)
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +42,7 @@ def untaught_path(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def policy(policy_path):
-    return load_policy(policy_path)
-
-
-@pytest.fixture(scope="module")
-def backend(vllm_environment, policy, tokenizer):  # noqa: F811
+def backend(vllm_environment, policy, tokenizer):
     """One in-process engine for the module, started from the policy held in memory."""
     return VLLMColocateBackend.start(
         policy.config,
@@ -66,23 +55,13 @@ def backend(vllm_environment, policy, tokenizer):  # noqa: F811
     )
 
 
-def counter_engine(backend, tokenizer, temperature: float) -> RolloutEngine:
-    return RolloutEngine(
-        backend,
-        tokenizer,
-        environment_factory=Counter,
-        chat_template="chatml_tools",
-        config=EpisodeConfig(max_completion_length=256, max_turns=5, temperature=temperature),
-    )
-
-
 def test_the_colocated_backend_is_a_generation_backend_stopping_on_eos(backend, tokenizer):
     assert isinstance(backend, GenerationBackend)
     assert tokenizer.eos_token_id in backend.stop_token_ids
 
 
 def test_a_tool_episode_through_colocated_vllm_is_token_exact(backend, tokenizer):
-    [episode] = anyio.run(counter_engine(backend, tokenizer, 0.0).run, [COUNTER_ROW])
+    [episode] = anyio.run(vllm_counter_engine(backend, tokenizer, 0.0).run, [COUNTER_ROW])
     segments = counter_segments(tokenizer)
     assert single_row(episode).completion_ids == [t for ids, _ in segments for t in ids]
     assert single_row(episode).loss_mask == [m for ids, m in segments for _ in ids]
@@ -91,7 +70,7 @@ def test_a_tool_episode_through_colocated_vllm_is_token_exact(backend, tokenizer
 
 
 def test_vllm_sampled_logprobs_match_the_policy_forward_pass(backend, tokenizer, policy):
-    episodes = anyio.run(counter_engine(backend, tokenizer, 0.7).run, [COUNTER_ROW], 4)
+    episodes = anyio.run(vllm_counter_engine(backend, tokenizer, 0.7).run, [COUNTER_ROW], 4)
     assert logprob_gap(policy, episodes, temperature=0.7) < 1e-3
 
 
@@ -123,7 +102,7 @@ def test_a_short_request_finishes_while_a_long_one_still_runs(backend):
 
 
 def test_a_pushed_training_step_moves_vllm_to_the_new_weights(backend, tokenizer, policy):
-    engine = counter_engine(backend, tokenizer, 0.7)
+    engine = vllm_counter_engine(backend, tokenizer, 0.7)
     anyio.run(engine.run, [COUNTER_ROW], 2)  # caches the prompt's KV under the old weights
     other = scripted_episode(tokenizer, [tool_call("increment", step=5), "Done."])
     updated = trained_copy(policy, other)
@@ -141,7 +120,7 @@ def test_a_pushed_training_step_moves_vllm_to_the_new_weights(backend, tokenizer
 
 
 def test_grpo_trains_with_colocated_vllm_and_pushes_every_step(
-    vllm_environment,  # noqa: F811
+    vllm_environment,
     untaught_path,
     tokenizer,
     tmp_path,
@@ -160,7 +139,7 @@ def test_grpo_trains_with_colocated_vllm_and_pushes_every_step(
 
 @pytest.mark.slow
 def test_smollm2_through_colocated_vllm_matches_its_forward_before_and_after_a_push(
-    vllm_environment,  # noqa: F811
+    vllm_environment,
     smollm2_path,
     tokenizer,
 ):
