@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 from datasets import Dataset
-from transformers import TrainerCallback
 
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.rewards.calls import RewardFunctionError
@@ -16,7 +15,7 @@ from rollout import ToolTemplateError
 from tests.support.episodes import scripted_episode, tool_call
 from tests.support.teach import teach
 from tests.support.tiny_model import tiny_llama
-from tests.support.trainer import logged, rank_in_call, short_run_config, tiny_trainer
+from tests.support.trainer import StopAfter, logged, rank_in_call, short_run_config, tiny_trainer
 
 PROMPTS = Dataset.from_dict({"prompt": ["The sky is", "Hello", "One two", "A B C"] * 40})
 
@@ -104,18 +103,6 @@ def step_share(model, tokenizer, step: int, steps=(2, 5, 8)) -> float:
 ROW_5 = {"prompt": [{"role": "user", "content": "Make the counter reach 5."}], "target": 5}
 
 
-class StopAfter(TrainerCallback):
-    """Interrupts a run after `step` optimizer steps, with a checkpoint: a crash, politely."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_save = True
-            control.should_training_stop = True
-
-
 def test_resuming_from_a_checkpoint_gives_the_same_weights(tokenizer, tmp_path):
     def run(output_dir, callbacks=(), resume=None):
         trainer = tiny_trainer(
@@ -129,7 +116,7 @@ def test_resuming_from_a_checkpoint_gives_the_same_weights(tokenizer, tmp_path):
         return trainer.model
 
     straight = run(tmp_path / "straight")
-    run(tmp_path / "interrupted", callbacks=[StopAfter(2)])
+    run(tmp_path / "interrupted", callbacks=[StopAfter(2, save=True)])
     resumed = run(tmp_path / "interrupted", resume=str(tmp_path / "interrupted/checkpoint-2"))
     for (name, a), (_, b) in zip(
         straight.named_parameters(), resumed.named_parameters(), strict=True

@@ -31,7 +31,7 @@ from rollout import (
 from rollout.record import TAG
 from tests.support.episodes import Workbench, chatml_engine, single_row, tool_call
 from tests.support.tiny_model import tiny_llama
-from tests.support.trainer import short_run_config
+from tests.support.trainer import StopAfter, short_run_config
 
 # Turn 1: a good call, an unknown tool, bad arguments and a garbled call; turn 2: a tool that
 # raises and one that times out; turn 3: the answer.
@@ -201,7 +201,7 @@ def counter_config(output_dir, **overrides) -> GRPOConfig:
 
 def train_counter(model, tokenizer, args, resume=None, stop_at=None) -> RoundsSeen:
     seen = RoundsSeen()
-    callbacks = [seen] + ([StopAt(stop_at)] if stop_at else [])
+    callbacks = [seen] + ([StopAfter(stop_at)] if stop_at else [])
     trainer = GRPOTrainer(
         model,
         short,
@@ -214,17 +214,6 @@ def train_counter(model, tokenizer, args, resume=None, stop_at=None) -> RoundsSe
     seen.trainer = trainer
     trainer.train(resume_from_checkpoint=resume)
     return seen
-
-
-class StopAt(TrainerCallback):
-    """Stops a run after `step`, without a checkpoint: a crash, politely."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from transformers import TrainerCallback
+
 from agentgrpo import GRPOConfig, GRPOTrainer
 from environments import Counter
 from tests.support.runs import QUIET_CPU_RUN
@@ -61,3 +63,15 @@ def train_after_warm_start(model, tokenizer, output_dir, steps: int, **fields) -
     trainer = GRPOTrainer(model, args=args, processing_class=tokenizer, environment_factory=Counter)
     trainer.train()
     return trainer
+
+
+class StopAfter(TrainerCallback):
+    """Stops a run after `step` optimizer steps: a crash, politely (with a checkpoint if `save`)."""
+
+    def __init__(self, step: int, save: bool = False):
+        self.step, self.save = step, save
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = self.save or control.should_save
+            control.should_training_stop = True
