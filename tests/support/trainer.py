@@ -30,7 +30,7 @@ def short_run_config(output_dir: str | Path, **fields: Any) -> GRPOConfig:
     return GRPOConfig(**(run | QUIET_CPU_RUN | fields))
 
 
-def tiny_trainer(tokenizer, *arguments, **keywords) -> GRPOTrainer:
+def tiny_trainer(tokenizer, /, *arguments, **keywords) -> GRPOTrainer:
     """GRPOTrainer(tiny_llama(tokenizer), *arguments, processing_class=tokenizer, **keywords)."""
     return GRPOTrainer(tiny_llama(tokenizer), *arguments, processing_class=tokenizer, **keywords)
 
