@@ -29,10 +29,10 @@ from __future__ import annotations
 import os
 import sys
 
-# bench/rollout.py would shadow the rollout package: take bench/ off the path. tests/ holds
-# tiny_model.py (for --tiny); it is not a package, and appended last it shadows nothing.
+# bench/rollout.py would shadow the rollout package: take bench/ off the path. The repository
+# root is appended last, for tests/support/tiny_model.py (for --tiny) in the `tests` package.
 sys.path.remove(os.path.dirname(os.path.realpath(__file__)))
-sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "tests"))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 import argparse
 import dataclasses
@@ -189,7 +189,7 @@ def backends(arguments: argparse.Namespace) -> tuple[Any, Any, str]:
         backend = ScriptedBackend(script, [script.eos])
         return tokenizer, backend, "ScriptedBackend (no compute)"
     if arguments.tiny:
-        from tiny_model import tiny_llama
+        from tests.support.tiny_model import tiny_llama
 
         model, name = tiny_llama(tokenizer), "the tests' tiny Llama"
     else:

@@ -21,7 +21,8 @@ python3 -c "import torch, transformers, trl; print(torch.__version__, transforme
 status=0
 if [[ $parts == *" tests "* ]]; then
   timeout 180 python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts="" -m "gpu or not slow" \
-    tests/test_gpu*.py tests/test_slot_batch.py 2>&1 | tee "$OUT/tests.txt" | tail -15 || status=1
+    tests/end_to_end/test_gpu.py tests/rollout/backends/test_gpu_generation.py \
+    tests/rollout/backends/test_slot_batch.py 2>&1 | tee "$OUT/tests.txt" | tail -15 || status=1
 fi
 if [[ $parts == *" generation "* ]]; then
   timeout 150 python3 bench/gpu_generation.py --tokenizer .gpu-bench/tokenizer \

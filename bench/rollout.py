@@ -1,7 +1,7 @@
 """Rollout benchmarks: the async engine against a lock-step loop, and the engine's own overhead.
 
 1. Engine vs lock-step, with a real tiny model (a random 2-layer Llama, hidden 64, over
-   SmolLM2's tokenizer, tests/tiny_model.py). A random model never writes a tool call,
+   SmolLM2's tokenizer, tests/support/tiny_model.py). A random model never writes a tool call,
    so every generation request goes through `RealComputeScriptedText`: it runs the REAL
    `TransformersBackend` (real batched forward passes and sampling, exactly as many decode steps
    as the scripted turn has tokens, since the backend is given a stop id outside the vocabulary
@@ -48,16 +48,15 @@ import time
 # This script is named like the package it measures, and `python bench/rollout.py` puts bench/
 # first on the path, where `import rollout` would find this file: take that entry out.
 sys.path.remove(os.path.dirname(os.path.realpath(__file__)))
-# The tiny model is the tests' own (tests/tiny_model.py), so the benchmark measures the model the
-# tests use. tests/ is not a package; appended last, its modules shadow nothing installed.
-sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "tests"))
+# The tiny model is the tests' own (tests/support/tiny_model.py), so the benchmark measures the
+# model the tests use. The repository root is appended last, for the `tests` package only.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
 import torch
-from tiny_model import tiny_llama
 from transformers import AutoTokenizer
 
 from agentgrpo.default_model import default_model_path
@@ -74,6 +73,7 @@ from rollout import (
     get_parser,
     prompt_messages,
 )
+from tests.support.tiny_model import tiny_llama
 from tools import call_tool
 
 TOOL_ROUNDS = 3

@@ -1,0 +1,441 @@
+"""GRPOTrainer under `accelerate launch`: two DDP processes on CPU, and the example configs.
+
+The two-process run (about 30 s on 2 cores) launches `tests/scripts/distributed_train.py` once
+through `examples/accelerate/ddp.yaml`; every test of that run reads the JSON reports the processes
+wrote. Its model is the tiny Llama of conftest, saved to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from agentgrpo.learner.advantages import group_advantages
+from agentgrpo.reporting.run_log import read_episodes, recorded_steps
+from agentgrpo.weight_sync import check_zero3_generation
+from tests.support.paths import REPO, SCRIPTS
+
+ROOT = REPO
+SCRIPT = SCRIPTS / "distributed_train.py"
+CONFIGS = ROOT / "examples" / "accelerate"
+NUM_GENERATIONS = 4  # as in distributed_train.py
+# "Does not hang", not a speed check: two processes each import the training stack and train,
+# which takes minutes on a loaded 2-core machine.
+LAUNCH_TIMEOUT_S = 900
+
+# Logged values that are per process by nature: wall-clock timings.
+TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+# Logged from each process's own micro-batches in compute_loss, without a reduction (see
+# test_loss_metrics_are_reduced_over_processes).
+LOSS_METRICS = {"entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_launch(
+    config: Path,
+    num_processes: int,
+    script_args: list[str],
+    env: dict,
+    launch_args: tuple[str, ...] = (),
+):
+    """Run `accelerate launch` in its own process group; kill the whole group on a timeout."""
+    command = [
+        *(sys.executable, "-m", "accelerate.commands.launch"),
+        *("--config_file", str(config)),
+        *("--num_processes", str(num_processes)),
+        *("--main_process_port", str(free_port())),
+        *launch_args,
+        *(str(SCRIPT), *script_args),
+    ]
+    return run_in_own_group(command, env)
+
+
+def run_in_own_group(command: list[str], env: dict):
+    """Run `command` from the repository root; kill its whole process group on a timeout."""
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"accelerate launch ran past {LAUNCH_TIMEOUT_S} s:\n{output[-4000:]}")
+    return process.returncode, output
+
+
+def read_reports(out_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out_dir.glob("process_*.json"))]
+
+
+@pytest.fixture(scope="module")
+def ddp_reports(tiny_model_dir, tmp_path_factory) -> list[dict]:
+    """The reports of processes 0 and 1 after two GRPO steps under DDP on CPU."""
+    out_dir = tmp_path_factory.mktemp("ddp")
+    returncode, output = accelerate_launch(
+        CONFIGS / "ddp.yaml",
+        num_processes=2,
+        script_args=[str(tiny_model_dir), str(out_dir), "--scale-rewards", "batch"],
+        # The CPU run must not see a GPU; one thread per process on a 2-core machine.
+        env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
+    )
+    assert returncode == 0, output[-6000:]
+    reports = read_reports(out_dir)
+    assert [r["process_index"] for r in reports] == [0, 1], output[-6000:]
+    return reports
+
+
+def test_both_processes_train_in_one_world_of_two(ddp_reports):
+    assert [r["world_size"] for r in ddp_reports] == [2, 2]
+    assert {r["distributed_type"] for r in ddp_reports} == {"DistributedType.MULTI_CPU"}
+    assert [len(r["rounds"]) for r in ddp_reports] == [2, 2]  # one round per optimizer step
+
+
+def test_processes_play_disjoint_rows_in_whole_groups(ddp_reports):
+    every_row = [row for r in ddp_reports for played in r["rounds"] for row in played["rows"]]
+    assert len(every_row) == len(set(every_row)) == 8  # 2 rounds x 2 processes x 2 rows
+    for round_index in range(2):
+        rounds = [r["rounds"][round_index] for r in ddp_reports]
+        rows_0, rows_1 = (set(r["rows"]) for r in rounds)
+        assert len(rows_0) == len(rows_1) == 2
+        assert not rows_0 & rows_1
+        for played in rounds:
+            # Episode k of a process belongs to group k // G, which plays that process's row.
+            expected = [
+                [group, row]
+                for group, row in enumerate(played["rows"])
+                for _ in range(NUM_GENERATIONS)
+            ]
+            assert played["episodes"] == expected
+
+
+def test_each_micro_batch_of_a_round_hands_the_process_the_same_rows(ddp_reports):
+    for report in ddp_reports:
+        round_rows = [r["rows"] for r in report["rounds"]]
+        # gradient_accumulation_steps=2: two micro-batches per round, both given the round's rows.
+        assert report["micro_batch_rows"] == [rows for rows in round_rows for _ in range(2)]
+
+
+def test_batch_scaled_advantages_use_the_rewards_of_both_processes(ddp_reports):
+    for round_index in range(2):
+        rounds = [r["rounds"][round_index] for r in ddp_reports]
+        everyone_N = torch.tensor(rounds[0]["rewards"] + rounds[1]["rewards"])
+        expected_N = group_advantages(everyone_N, NUM_GENERATIONS, scale="batch")
+        recorded_N = torch.tensor(rounds[0]["advantages"] + rounds[1]["advantages"])
+        torch.testing.assert_close(recorded_N, expected_N)
+
+
+def test_the_main_process_records_both_processes_episodes_with_their_scores(ddp_reports):
+    output_dir = ddp_reports[0]["output_dir"]
+    assert recorded_steps(output_dir) == [1, 2]
+    for step in (1, 2):
+        records = read_episodes(output_dir, step)
+        assert [r.process for r in records] == [0] * 8 + [1] * 8
+        assert {r.policy_version for r in records} == {step - 1}
+        played = [report["rounds"][step - 1] for report in ddp_reports]
+        assert [r.episode.row["id"] for r in records] == [
+            row for p in played for _, row in p["episodes"]
+        ]
+        assert [r.rewards["length_reward"] for r in records] == [
+            reward for p in played for reward in p["rewards"]
+        ]
+        assert [r.advantage for r in records] == [a for p in played for a in p["advantages"]]
+
+
+def test_weights_move_and_stay_identical_on_both_processes(ddp_reports):
+    before_0, before_1 = (r["weights_before"] for r in ddp_reports)
+    after_0, after_1 = (r["weights_after"] for r in ddp_reports)
+    assert before_0 == before_1
+    assert after_0 == after_1
+    assert all(after_0[name] != before_0[name] for name in before_0)  # every tensor trained
+
+
+def test_logged_reward_metrics_are_reduced_over_both_processes(ddp_reports):
+    history_0, history_1 = (r["log_history"] for r in ddp_reports)
+    steps_0 = [log for log in history_0 if "reward" in log]
+    steps_1 = [log for log in history_1 if "reward" in log]
+    assert len(steps_0) == len(steps_1) == 2
+    for round_index, (log_0, log_1) in enumerate(zip(steps_0, steps_1, strict=True)):
+        assert log_0.keys() == log_1.keys()
+        shared = {k for k in log_0 if k not in TIMINGS | LOSS_METRICS}
+        assert {k: log_0[k] for k in shared} == {k: log_1[k] for k in shared}
+        # The mean over both processes' 16 completions, not over one process's 8.
+        rewards = [r for report in ddp_reports for r in report["rounds"][round_index]["rewards"]]
+        assert log_0["reward"] == pytest.approx(sum(rewards) / len(rewards), rel=1e-5)
+        assert log_0["rewards/length_reward/mean"] == pytest.approx(log_0["reward"], rel=1e-5)
+
+
+def test_loss_metrics_are_reduced_over_processes(ddp_reports):
+    history_0, history_1 = (r["log_history"] for r in ddp_reports)
+    for log_0, log_1 in zip(history_0, history_1, strict=True):
+        for name in LOSS_METRICS & log_0.keys():
+            assert log_0[name] == log_1[name], name
+
+
+# ---------------------------------------------------------------------- the example configs
+
+# Top-level keys accelerate's config loader requires, or needs to launch more than one process.
+REQUIRED_KEYS = {"compute_environment", "distributed_type", "mixed_precision", "num_processes"}
+
+
+@pytest.mark.parametrize("name", ["ddp", "deepspeed_zero2", "deepspeed_zero3", "fsdp2"])
+def test_example_config_loads_and_names_how_to_launch_it(name):
+    path = CONFIGS / f"{name}.yaml"
+    config = yaml.safe_load(path.read_text())
+    assert not REQUIRED_KEYS - config.keys()  # none missing
+    assert config["compute_environment"] == "LOCAL_MACHINE"
+    assert not config.get("use_cpu")  # use_cpu / --cpu would launch a single process
+    expected = f"accelerate launch --config_file examples/accelerate/{name}.yaml"
+    assert expected in path.read_text()
+    # accelerate's own loader rejects unknown keys and fills in defaults.
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    assert load_config_from_file(str(path)).distributed_type == config["distributed_type"]
+
+
+def test_ddp_config_is_multi_process_data_parallel():
+    config = yaml.safe_load((CONFIGS / "ddp.yaml").read_text())
+    assert config["distributed_type"] == "MULTI_GPU"
+    assert config["num_processes"] >= 2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_configs_select_their_zero_stage_in_bf16_without_offload(stage):
+    config = yaml.safe_load((CONFIGS / f"deepspeed_zero{stage}.yaml").read_text())
+    deepspeed = config["deepspeed_config"]
+    assert config["distributed_type"] == "DEEPSPEED"
+    assert config["mixed_precision"] == "bf16"
+    assert deepspeed["zero_stage"] == stage
+    assert deepspeed["offload_optimizer_device"] == deepspeed["offload_param_device"] == "none"
+    assert deepspeed["zero3_init_flag"] is (stage == 3)
+    # Left to GRPOConfig ("auto"); a value here that differed from it would stop the Trainer.
+    assert not {"gradient_accumulation_steps", "gradient_clipping"} & deepspeed.keys()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_deepspeed_zero2_config_trains_on_one_gpu(tiny_model_dir, tmp_path):
+    returncode, output = accelerate_launch(
+        CONFIGS / "deepspeed_zero2.yaml",
+        num_processes=1,
+        script_args=[str(tiny_model_dir), str(tmp_path), "--gpu"],
+        env={},
+    )
+    assert returncode == 0, output[-6000:]
+    [report] = read_reports(tmp_path)
+    assert report["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert report["world_size"] == 1
+    steps = [log for log in report["log_history"] if "loss" in log]
+    assert len(steps) == 2
+    assert all(torch.isfinite(torch.tensor(log["loss"])) for log in steps)
+    before, after = report["weights_before"], report["weights_after"]
+    assert any(after[name] != before[name] for name in before)
+
+
+# ---------------------------------------------------------------------- sharded engines on CPU
+
+# What a sharded run's weights may differ by from the one-process run's after two steps: the
+# same sums reduced in another order. Measured: at most 6.8e-7 (ZeRO-2) and 8.1e-7 (ZeRO-3),
+# while the two steps move the weights by up to 1.5e-3.
+SHARDED_ATOL = 5e-6
+SHARDED_ENGINES = ["deepspeed_zero2", "deepspeed_zero3"]
+# With a KL term, so that the reference model (a whole copy under ZeRO-3) takes part too. The
+# one-process run plays each round's rows of both processes itself: twice the micro-batch.
+FIXED_ARGS = ["--fixed-completions", "--scale-rewards", "batch", "--beta", "0.5"]
+CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+# The ZeRO configs ask for bf16 GPUs; on CPU the runs compare in float32.
+CPU_LAUNCH = ("--mixed_precision", "no")
+
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (make install)"
+)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """The output folder of the fixed-completions run in one plain process (no launcher)."""
+    out_dir = tmp_path_factory.mktemp("one-process")
+    command = [sys.executable, str(SCRIPT), str(tiny_model_dir), str(out_dir)]
+    returncode, output = run_in_own_group(
+        [*command, *FIXED_ARGS, "--per-device-batch", "8"], CPU_ENV
+    )
+    assert returncode == 0, output[-6000:]
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=SHARDED_ENGINES)
+def sharded_run(request, tiny_model_dir, tmp_path_factory) -> Path:
+    """The output folder of the fixed-completions run on 2 CPU processes under each engine.
+
+    Process p also runs the policy p + 1 extra times while generating (`--uneven-forwards`).
+    """
+    engine = request.param
+    out_dir = tmp_path_factory.mktemp(engine)
+    returncode, output = accelerate_launch(
+        CONFIGS / f"{engine}.yaml",
+        num_processes=2,
+        script_args=[str(tiny_model_dir), str(out_dir), *FIXED_ARGS, "--uneven-forwards"],
+        env=CPU_ENV,
+        launch_args=CPU_LAUNCH,
+    )
+    assert returncode == 0, output[-6000:]
+    return out_dir
+
+
+@needs_deepspeed
+def test_a_sharded_run_trains_to_the_weights_of_one_process(sharded_run, one_process_run):
+    out_dir = sharded_run
+    reports = read_reports(out_dir)
+    assert [r["distributed_type"] for r in reports] == ["DistributedType.DEEPSPEED"] * 2
+    assert [r["world_size"] for r in reports] == [2, 2]
+    sharded = torch.load(out_dir / "weights.pt")
+    alone = torch.load(one_process_run / "weights.pt")
+    assert sharded.keys() == alone.keys()
+    before = read_reports(one_process_run)[0]["weights_before"]
+    for name, weight in alone.items():
+        assert weight.double().sum().item() != before[name]  # two steps moved every tensor
+        torch.testing.assert_close(sharded[name], weight, atol=SHARDED_ATOL, rtol=0)
+
+
+@needs_deepspeed
+def test_a_sharded_run_records_the_episodes_of_one_process(sharded_run, one_process_run):
+    out_dir = sharded_run
+    for step in (1, 2):
+        sharded = read_episodes(out_dir / "run", step)
+        alone = read_episodes(one_process_run / "run", step)
+        assert [r.process for r in sharded] == [0] * 8 + [1] * 8
+        assert [r.episode.row["id"] for r in sharded] == [r.episode.row["id"] for r in alone]
+        assert [r.episode.completion_ids for r in sharded] == [
+            r.episode.completion_ids for r in alone
+        ]
+        assert [r.rewards for r in sharded] == [r.rewards for r in alone]
+        assert [r.advantage for r in sharded] == pytest.approx([r.advantage for r in alone])
+
+
+@needs_deepspeed
+def test_processes_generate_without_waiting_for_each_other(sharded_run):
+    # Under ZeRO-3 every forward pass with DeepSpeed's hooks on is a collective: a process
+    # that runs more of them while generating would wait forever for the other.
+    out_dir = sharded_run
+    calls_0, calls_1 = (r["forward_calls"] for r in read_reports(out_dir))
+    assert calls_1 == calls_0 + 2  # one more extra forward per round, two rounds
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_zero3_generates_from_the_whole_trained_weights(tiny_model_dir, tmp_path):
+    """Sampled episodes under ZeRO-3: the sampler's logprobs are the trainer's own."""
+    returncode, output = accelerate_launch(
+        CONFIGS / "deepspeed_zero3.yaml",
+        num_processes=2,
+        script_args=[str(tiny_model_dir), str(tmp_path)],
+        env=CPU_ENV,
+        launch_args=CPU_LAUNCH,
+    )
+    assert returncode == 0, output[-6000:]
+    reports = read_reports(tmp_path)
+    steps = [log for log in reports[0]["log_history"] if "reward" in log]
+    assert len(steps) == 2
+    for log in steps:  # generated from other weights (a shard, the old step's), logprobs differ
+        assert log["sampling/sampling_logp_difference/max"] < 1e-4
+    assert recorded_steps(reports[0]["output_dir"]) == [1, 2]
+
+
+def test_fsdp_on_cpu_processes_is_refused_with_what_to_launch_instead(tiny_model_dir, tmp_path):
+    returncode, output = accelerate_launch(
+        CONFIGS / "fsdp2.yaml",
+        num_processes=2,
+        script_args=[str(tiny_model_dir), str(tmp_path)],
+        env=CPU_ENV,
+    )
+    assert returncode != 0
+    assert "accelerate runs this launch as MULTI_CPU" in output
+    assert "deepspeed_zero3.yaml" in output
+    assert not list(tmp_path.glob("process_*.json"))  # nobody trained
+
+
+@needs_deepspeed
+def test_agentgrpo_run_trains_under_zero3_and_saves_the_whole_model(tiny_model_dir, tmp_path):
+    """`agentgrpo run` as the launched module: Counter episodes, a KL term, the final save."""
+    out_dir = tmp_path / "run"
+    command = [
+        *(sys.executable, "-m", "accelerate.commands.launch"),
+        *("--config_file", str(CONFIGS / "deepspeed_zero3.yaml"), "--num_processes", "2"),
+        *("--main_process_port", str(free_port()), *CPU_LAUNCH),
+        *("-m", "agentgrpo", "run", "env:Counter", "--model", str(tiny_model_dir)),
+        *("--chat-template", "chatml_tools", "--device", "cpu", "--max-steps", "2"),
+        *("--output-dir", str(out_dir), "--per-device-train-batch-size", "4"),
+        *("--num-generations", "4", "--max-completion-length", "16", "--beta", "0.1"),
+        *("--report-to", "none", "--save-strategy", "no"),
+    ]
+    returncode, output = run_in_own_group(command, CPU_ENV)
+    assert returncode == 0, output[-6000:]
+    assert recorded_steps(out_dir) == [1, 2]
+    assert {r.process for r in read_episodes(out_dir, 2)} == {0, 1}
+    saved = load_file(out_dir / "model" / "model.safetensors")
+    started = load_file(tiny_model_dir / "model.safetensors")
+    assert {name: t.shape for name, t in saved.items()} == {
+        name: t.shape for name, t in started.items()
+    }
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+
+
+def test_fsdp2_generation_needs_no_lock_step_between_processes():
+    # Without fsdp2_unsharded the process running more forwards waits forever for the other.
+    command = [sys.executable, str(SCRIPTS / "fsdp2_generate.py"), str(free_port())]
+    returncode, output = run_in_own_group(command, {**CPU_ENV, "PYTHONPATH": str(ROOT)})
+    assert returncode == 0, output[-6000:]
+    assert "process 0 ok" in output
+    assert "process 1 ok" in output
+
+
+def test_zero3_generation_from_shards_over_processes_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="leave ds3_gather_for_generation=True"):
+        check_zero3_generation(zero_stage=3, num_processes=2, ds3_gather=False)
+    check_zero3_generation(zero_stage=3, num_processes=2, ds3_gather=True)
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded_run", SHARDED_ENGINES, indirect=True)
+def test_a_sharded_run_killed_mid_step_resumes_to_the_uninterrupted_weights(
+    sharded_run, request, tiny_model_dir, tmp_path
+):
+    engine = request.node.callspec.params["sharded_run"]
+    args = [str(tiny_model_dir), str(tmp_path), *FIXED_ARGS, "--save-steps", "1"]
+    for extra in (["--kill-in-step", "2"], ["--resume"]):
+        returncode, output = accelerate_launch(
+            CONFIGS / f"{engine}.yaml", 2, [*args, *extra], CPU_ENV, CPU_LAUNCH
+        )
+        if extra[0] == "--kill-in-step":
+            assert returncode != 0  # the main process was killed in step 2, after checkpoint-1
+            assert not (tmp_path / "weights.pt").exists()
+        else:
+            assert returncode == 0, output[-6000:]
+    resumed = torch.load(tmp_path / "weights.pt")
+    uninterrupted = torch.load(sharded_run / "weights.pt")
+    for name, weight in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], weight, atol=0, rtol=0)

@@ -1,0 +1,208 @@
+"""A real vLLM server on CPU (`agentgrpo vllm-serve`'s command): episodes, pushes, failures.
+
+One server for the module; the last test stops it on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from types import SimpleNamespace
+
+import anyio
+import pytest
+
+from agentgrpo.vllm_serve import _parser, serve_command, serve_environment
+from agentgrpo.weight_sync import ServerPush, policy_weights
+from environments import Counter
+from rollout import EpisodeConfig, Finish, RolloutEngine
+from rollout.backends.vllm_server import ServerConnection, ServerUnavailableError, VLLMServerBackend
+from tests.support.episodes import (
+    COUNTER_ROW,
+    counter_segments,
+    scripted_episode,
+    single_row,
+    tool_call,
+)
+from tests.support.vllm_support import (
+    VLLM_CPU_ENVIRONMENT,
+    load_policy,
+    logprob_gap,
+    needs_vllm,
+    play_on_final_weights,
+    train_two_steps,
+    trained_copy,
+    untaught_model_path,
+    vllm_counter_engine,
+    without_multiprocessing_flag,
+)
+
+pytestmark = needs_vllm
+
+SINGLE_PROCESS = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(policy_path, tmp_path_factory):
+    """`agentgrpo vllm-serve --model <tiny> ...` as a child process; yields it with its URL."""
+    port = free_port()
+    options, passthrough = _parser().parse_known_args(
+        ["--model", str(policy_path), "--port", str(port), "--dtype", "float32"]
+        + ["--max-model-len", "2048", "--host", "127.0.0.1", "--disable-log-stats"]
+    )
+    environment = {**without_multiprocessing_flag(), **serve_environment(), **VLLM_CPU_ENVIRONMENT}
+    environment["VLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("vllm-server-cache"))
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen(
+            serve_command(options, passthrough),
+            env=environment,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its engine process too goes with the group at the end
+        )
+    process.url = f"http://127.0.0.1:{port}"
+    process.log = log
+    yield process
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+# "Does not hang", not a speed check: the server took about 250 s to answer at a load average
+# of 6-10 on 2 cores, close to the earlier 300 s.
+SERVER_START_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def backend(server, tokenizer):
+    try:
+        return VLLMServerBackend.connect(
+            ServerConnection(server.url, timeout_s=SERVER_START_TIMEOUT_S),
+            stop_token_ids={tokenizer.eos_token_id},
+        )
+    except ServerUnavailableError as error:
+        log = server.log.read_text()[-3000:]
+        raise AssertionError(f"the server did not start:\n{log}") from error
+
+
+def test_a_tool_episode_through_the_vllm_server_is_token_exact(backend, tokenizer):
+    [episode] = anyio.run(vllm_counter_engine(backend, tokenizer, 0.0).run, [COUNTER_ROW])
+    segments = counter_segments(tokenizer)
+    assert single_row(episode).completion_ids == [t for ids, _ in segments for t in ids]
+    assert single_row(episode).loss_mask == [m for ids, m in segments for _ in ids]
+    assert episode.finish is Finish.STOP and episode.env_reward == 1.0
+
+
+def test_server_sampled_logprobs_match_the_policy_forward_pass(backend, tokenizer, policy):
+    episodes = anyio.run(vllm_counter_engine(backend, tokenizer, 0.7).run, [COUNTER_ROW], 4)
+    assert logprob_gap(policy, episodes, temperature=0.7) < 1e-3
+
+
+def test_agentgrpo_eval_generates_through_the_server(
+    server, backend, policy_path, tmp_path, capsys
+):
+    """Generation-only work needs no model in the process: `agentgrpo eval --server-url`."""
+    from agentgrpo.cli import main
+
+    rows = tmp_path / "rows.jsonl"  # the row the policy was taught: increment 3, 4, "Done."
+    rows.write_text(json.dumps(COUNTER_ROW) + "\n")
+    argv = ["eval", "env:Counter", "--model", str(policy_path), "--server-url", server.url]
+    argv += ["--dataset", str(rows), "--temperature", "0", "--max-turns", "5"]
+    argv += ["--chat-template", "chatml_tools"]  # the folder keeps SmolLM2's tool-less template
+    assert main([*argv, "--max-completion-length", "256"]) == 0
+    figures = dict(line.split() for line in capsys.readouterr().out.splitlines()[1:8])
+    assert figures["episodes"] == "1" and float(figures["success_rate"]) == 1.0
+    assert float(figures["tool_call_rate"]) == 1.0 and float(figures["mean_turns"]) == 3.0
+
+
+def test_a_pushed_training_step_reaches_the_server(backend, tokenizer, policy):
+    engine = vllm_counter_engine(backend, tokenizer, 0.7)
+    anyio.run(engine.run, [COUNTER_ROW], 2)  # caches the prompt's KV under the old weights
+    other = scripted_episode(tokenizer, [tool_call("increment", step=5), "Done."])
+    updated = trained_copy(policy, other)
+    sync = ServerPush(backend.connection, free_port(), SINGLE_PROCESS)
+    try:
+        for step in (1, 2):  # the first push also forms the group
+            started = time.perf_counter()
+            with sync.generating(updated, step):
+                print(f"server push {step}: {time.perf_counter() - started:.2f} s")
+        episodes = anyio.run(engine.run, [COUNTER_ROW], 4)
+        assert logprob_gap(updated, episodes, temperature=0.7) < 1e-3
+        assert logprob_gap(policy, episodes, temperature=0.7) > 1e-2
+    finally:
+        with policy_weights(policy) as weights:
+            sync.push(weights, policy.device)
+
+
+def test_grpo_trains_against_the_server_and_pushes_every_step(
+    server, backend, tokenizer, tmp_path_factory, tmp_path
+):
+    # The first push replaces the served policy: any model of the same shape can train here.
+    untaught_path = untaught_model_path(tmp_path_factory, tokenizer)
+    trainer = train_two_steps(
+        untaught_path,
+        tokenizer,
+        tmp_path,
+        vllm_mode="server",
+        vllm_server_base_url=server.url,
+        vllm_server_timeout=300,  # per call; only "never hangs" is claimed
+        vllm_group_port=free_port(),
+    )
+    assert trainer.weight_sync.pushed_step == 1
+    steps = [e for e in trainer.state.log_history if "grad_norm" in e]
+    assert [e["frac_reward_zero_std"] for e in steps] == [0.0, 0.0]  # no tied group, by design
+    assert all(e["grad_norm"] > 0 for e in steps)
+    model, episodes = play_on_final_weights(trainer)
+    assert logprob_gap(model, episodes, temperature=1.0) < 1e-3
+    assert logprob_gap(load_policy(untaught_path), episodes, temperature=1.0) > 1e-2
+
+
+def test_a_server_that_hangs_or_dies_mid_run_is_a_clear_error_not_a_hang(
+    server, backend, tokenizer
+):
+    """Runs last: it stops the module's server."""
+
+    def run_while(timeout_s: float, action) -> None:
+        """Play 8 long episodes (no stop id can be sampled); `action` happens 0.5 s in."""
+        endless = VLLMServerBackend(
+            ServerConnection(server.url, timeout_s),
+            backend.model,
+            backend.stop_token_ids,
+            sampling_overrides={"allowed_token_ids": list(range(100, 200))},
+        )
+        engine = RolloutEngine(
+            endless,
+            tokenizer,
+            environment_factory=Counter,
+            chat_template="chatml_tools",
+            config=EpisodeConfig(max_completion_length=1500),
+        )
+
+        async def play() -> None:
+            with anyio.fail_after(60):  # never a hang
+                await engine.run([COUNTER_ROW], 8)
+
+        threading.Timer(0.5, action).start()
+        anyio.run(play)
+
+    hang = lambda: os.kill(server.pid, signal.SIGSTOP)  # noqa: E731  (the port still connects)
+    try:
+        with pytest.raises(ServerUnavailableError, match=r"did not answer .* restart it"):
+            run_while(3.0, hang)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    die = lambda: os.killpg(server.pid, signal.SIGKILL)  # noqa: E731
+    with pytest.raises(ServerUnavailableError, match=f"server at {server.url} did not answer"):
+        run_while(300.0, die)
