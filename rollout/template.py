@@ -37,7 +37,7 @@ import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-BUILTIN_TEMPLATES = {"chatml_tools": "chatml_tools.jinja"}
+BUILTIN_TEMPLATES = {"chatml_tools": "chatml_tools.jinja", "chatml_vision": "chatml_vision.jinja"}
 
 _PROBE_TOOL = "agentgrpo_probe_tool"
 _PROBE_ARGUMENT = "agentgrpo_probe_argument"
@@ -124,7 +124,8 @@ def load_template(tokenizer: Any, chat_template: str | None = None) -> str:
             is None.
         chat_template: None, the name of a built-in template (`"chatml_tools"`: ChatML with
             Hermes-style tool calls, for ChatML models whose own template ignores tools, such as
-            SmolLM2), or jinja source text.
+            SmolLM2; `"chatml_vision"`: the same, with image content parts, for vision-language
+            models, see `rollout.images`), or jinja source text.
 
     """
     if chat_template is None:
