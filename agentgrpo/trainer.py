@@ -45,7 +45,6 @@ from agentgrpo.learner.token_weights import TokenWeighting
 from agentgrpo.models import (
     check_liger_kernel,
     load_policy,
-    load_tokenizer,
     reference_model,
     reference_sync,
     reward_model_kwargs,
@@ -76,6 +75,7 @@ from agentgrpo.round import (
 from agentgrpo.rounds import play_round, score_played
 from agentgrpo.sampler import RoundSampler, eval_rows_loader, rows_loader, stream_loader
 from agentgrpo.trl_attributes import TRLAttributes
+from agentgrpo.vision import tokenizer_and_processor
 from agentgrpo.warm_start import environment_demonstrations, warm_start
 from agentgrpo.weight_sync import build_generator, check_zero3_generation, generation_weights
 from agentgrpo.wiring import build_parts
@@ -102,7 +102,8 @@ class GRPOTrainer(TRLAttributes):
         train_dataset: Rows with a `prompt` (text, or a list of messages) and any other columns,
             which reward functions and the environment's `reset` receive by name.
         eval_dataset: Like `train_dataset` (an `IterableDataset` is streamed), or a dict of them.
-        processing_class: The tokenizer; loaded from the model when None.
+        processing_class: The tokenizer, or a vision-language model's processor; loaded from
+            the model when None.
         reward_processing_classes: Tokenizers of reward models, by position.
         callbacks: transformers `TrainerCallback`s.
         optimizers: `(optimizer, lr_scheduler)`, as for `Trainer`.
@@ -182,7 +183,9 @@ class GRPOTrainer(TRLAttributes):
         tokenizer_source = tokenizer_kwargs(args, model)
         model = load_policy(model, args, peft_config, quantization_config)
         check_liger_kernel(args, model)
-        tokenizer = load_tokenizer(model, processing_class, tokenizer_source)
+        tokenizer, self.processor = tokenizer_and_processor(
+            model, processing_class, tokenizer_source
+        )
         self._reward_functions = reward_functions(
             sources, reward_processing_classes, reward_model_kwargs(args)
         )
@@ -238,7 +241,8 @@ class GRPOTrainer(TRLAttributes):
         parts = build_parts(
             args,
             backend,
-            tokenizer,
+            # a VLM's processor renders its images
+            tokenizer if self.processor is None else self.processor,
             factory,
             tools,
             self._reward_functions,

@@ -33,10 +33,12 @@ from environments import (
     run_environment_code,
 )
 from rollout.backend import GenerationBackend
+from rollout.images import images_of, with_row_images
 from rollout.parsers import Parser
 from rollout.template import ChatRenderer, ToolTurn, valid_unicode
 from rollout.tokens import TokenRow
 from rollout.types import (
+    Completion,
     Episode,
     EpisodeRow,
     EpisodeStats,
@@ -135,10 +137,10 @@ class _State:
         """Append the tool turn to the current row, or close the row and start a new one."""
         self.prompt_text = turn.prompt_text
         if not turn.fork:
-            self.tokens.append_context(turn.ids)
+            self.tokens.append_context(turn.ids, turn.images, turn.vision)
             return
         self.done_rows.append(_row(self.tokens))
-        self.tokens = TokenRow(turn.ids)
+        self.tokens = TokenRow(turn.ids, turn.images, turn.vision)
 
     def rows(self) -> tuple[EpisodeRow, ...]:
         """Every row of the episode, the current one last."""
@@ -146,7 +148,14 @@ class _State:
 
 
 def _row(tokens: TokenRow) -> EpisodeRow:
-    return EpisodeRow(tokens.prompt_ids, tokens.completion_ids, tokens.loss_mask, tokens.logprobs)
+    return EpisodeRow(
+        tokens.prompt_ids,
+        tokens.completion_ids,
+        tokens.loss_mask,
+        tokens.logprobs,
+        tuple(tokens.images),
+        tokens.vision_inputs,
+    )
 
 
 async def run_episode(
@@ -166,7 +175,7 @@ async def run_episode(
     one raised: a `close` that fails (or times out) too becomes a note on it; after a method
     that timed out, `close` is not called (see `_close`).
     """
-    messages = prompt_messages(row) if "prompt" in row else []
+    messages = with_row_images(prompt_messages(row), row) if "prompt" in row else []
     timeout_s = ctx.config.environment_timeout_s
     env, observation = None, None
     if ctx.environment_factory is not None:
@@ -290,13 +299,15 @@ def _bind(tools: Mapping[str, Tool], env: Any) -> dict[str, Tool]:
 def _start(
     ctx: EpisodeContext, messages: list[dict[str, Any]], row: Mapping, sample_seed: int
 ) -> _State:
-    if isinstance(row.get("prompt"), str) and not ctx.has_tools:
+    images = images_of(messages)
+    vision: dict[str, Any] = {}
+    if isinstance(row.get("prompt"), str) and not ctx.has_tools and not images:
         # TRL's standard format: the text itself, tokenized as is, with no chat template.
         prompt_text = row["prompt"]
         prompt_ids = ctx.renderer.tokenizer.encode(prompt_text)
     else:
         prompt_text = ctx.renderer.render(messages, generation_prompt=True)
-        prompt_ids = ctx.renderer.encode(prompt_text)
+        prompt_ids, vision = ctx.renderer.encode_with_images(prompt_text, images)
     limit = ctx.config.max_prompt_length
     context = ctx.backend.context_limit
     if (limit and len(prompt_ids) > limit) or (context and len(prompt_ids) >= context):
@@ -305,7 +316,12 @@ def _start(
             f"(max_prompt_length={limit}, model context={context}). Shorten the prompt or raise "
             f"the limit. Row: {_show(row)}"
         )
-    return _State(messages, TokenRow(prompt_ids), prompt_text, sample_seed)
+    if images and not getattr(ctx.backend, "reads_images", False):
+        raise ValueError(
+            f"this row holds images but the generation backend ({type(ctx.backend).__name__}) "
+            f"cannot read them; generate with transformers (use_vllm=False)"
+        )
+    return _State(messages, TokenRow(prompt_ids, images, vision), prompt_text, sample_seed)
 
 
 async def _play(ctx: EpisodeContext, state: _State, tools: Mapping[str, Tool], env: Any) -> Finish:
@@ -326,7 +342,7 @@ async def _turn(
     """One model turn and its tool calls; returns a Finish if the episode ends here."""
     turn_seed = hash((state.sample_seed, state.turns)) % 2**62
     params = ctx.config.sampling(budget, turn_seed)
-    completion = await ctx.backend.generate(state.tokens.context_ids, params)
+    completion = await _generate(ctx.backend, state.tokens, params)
     state.tokens.append_sampled(completion.token_ids, completion.logprobs)
     state.turns += 1
     decode = ctx.renderer.tokenizer.decode
@@ -350,6 +366,16 @@ async def _turn(
     shown = state.messages[len(state.messages) - len(tool_messages) :]
     state.calls.extend(_call_records(parsed, results, shown))
     return finish
+
+
+async def _generate(
+    backend: GenerationBackend, tokens: TokenRow, params: SamplingParams
+) -> Completion:
+    """The model's next turn; the row's images go only to backends that read them."""
+    vision = tokens.vision_inputs
+    if not vision:
+        return await backend.generate(tokens.context_ids, params)
+    return await backend.generate(tokens.context_ids, params, vision=vision)  # type: ignore[call-arg]
 
 
 def _add_tool_turn(

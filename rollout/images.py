@@ -32,7 +32,7 @@ def has_torchvision() -> bool:
 
 
 @functools.cache
-def image_only(processor_class: type) -> type:
+def image_only(processor_class: type) -> Any:
     """`processor_class` without its video processor, under the same name.
 
     A processor's sub-processors are the arguments of its ``__init__``; this subclass takes the
@@ -146,3 +146,144 @@ def join_vision_inputs(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str,
 
 # Keys whose tensors have a batch dimension before the images, where `pixel_values` has 5.
 _PER_SEQUENCE = {"pixel_values", "pixel_attention_mask"}
+
+
+def images_of(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The images of `messages`' image parts (`{"type": "image", "image": <PIL image>}`), in order.
+
+    Raises:
+        ValueError: An image part holds no image (the row's `image`/`images` column fills
+            them: `with_row_images`).
+    """
+    images = []
+    for message in messages:
+        for part in _parts(message.get("content")):
+            if part.get("type") != "image":
+                continue
+            if part.get("image") is None:
+                raise ValueError(
+                    "an image part of the prompt has no image: give the row an 'image' or "
+                    "'images' column with one image per image part, or put the image in the "
+                    "part as {'type': 'image', 'image': <PIL image>}"
+                )
+            images.append(part["image"])
+    return images
+
+
+def _parts(content: Any) -> list[Mapping[str, Any]]:
+    return (
+        [part for part in content if isinstance(part, Mapping)] if isinstance(content, list) else []
+    )
+
+
+def with_row_images(messages: list[dict[str, Any]], row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The messages with the row's `image` or `images` column put in their image parts.
+
+    TRL's format: the images fill the prompt's empty image parts (`{"type": "image"}`) in order;
+    a prompt without image parts gets them at the start of its first user message. Messages of
+    a row without those columns come back unchanged.
+
+    Raises:
+        ValueError: The row has both columns, or a different number of images than the prompt
+            has empty image parts.
+    """
+    if "image" in row and "images" in row:
+        raise ValueError("a row has both an 'image' and an 'images' column; keep one")
+    if "image" not in row and "images" not in row:
+        return messages
+    images = [row["image"]] if "image" in row else list(row["images"] or [])
+    empty = [
+        (m, p)
+        for m, message in enumerate(messages)
+        for p, part in enumerate(_parts(message.get("content")))
+        if part.get("type") == "image" and part.get("image") is None
+    ]
+    if not empty:
+        return _prepend_images(messages, images)
+    if len(empty) != len(images):
+        raise ValueError(
+            f"the prompt has {len(empty)} image parts but the row has {len(images)} images; "
+            f"give one image per {{'type': 'image'}} part"
+        )
+    filled = [
+        {**m, "content": [dict(p) for p in m["content"]]}
+        if isinstance(m.get("content"), list)
+        else dict(m)
+        for m in messages
+    ]
+    for (m, p), image in zip(empty, images, strict=True):
+        filled[m]["content"][p]["image"] = image
+    return filled
+
+
+def _prepend_images(messages: list[dict[str, Any]], images: list[Any]) -> list[dict[str, Any]]:
+    """The first user message with image parts for `images` before its text."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first is None or not images:
+        return messages
+    content = messages[first].get("content") or ""
+    text = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+    parts = [{"type": "image", "image": image} for image in images]
+    return [*messages[:first], {**messages[first], "content": parts + text}, *messages[first + 1 :]]
+
+
+def feature_token_ids(config: Any) -> list[int]:
+    """The ids a VLM replaces by image (or video) features: a sampled one would break its forward.
+
+    Empty for a text model. The generation backends never sample them (`suppress_tokens`);
+    the sampler logprobs stay those before suppression, which the learner recomputes.
+    """
+    if getattr(config, "vision_config", None) is None:
+        return []
+    names = ("image_token_id", "image_token_index", "video_token_id")
+    return sorted({value for name in names if (value := getattr(config, name, None)) is not None})
+
+
+def vision_forward_kwargs(
+    config: Any,
+    input_ids_B_L: torch.Tensor,
+    vision: Mapping[str, torch.Tensor],
+) -> dict[str, Any]:
+    """What a VLM's forward takes besides ids and attention mask, for a batch with images.
+
+    The vision inputs themselves, and what the model family needs per token: Qwen2-VL's
+    family takes `mm_token_type_ids` (1 on image tokens) and computes its own 3-D rotary
+    positions from them and the attention mask, so `position_ids` is None for it (the
+    sampler and the learner both call the model this way, so their logprobs agree). Other
+    families read plain positions. Empty `vision`: nothing (a text-only batch).
+    """
+    if not vision:
+        return {}
+    kwargs: dict[str, Any] = dict(vision)
+    if getattr(config, "vision_start_token_id", None) is not None:
+        kwargs["mm_token_type_ids"] = (input_ids_B_L == config.image_token_id).int()
+        kwargs["position_ids"] = None
+    return kwargs
+
+
+def batch_vision(vision_B: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The vision inputs of B sequences, as one forward over them takes them.
+
+    Images are listed sequence by sequence; Idefics3's per-sequence layout (B x images x ...)
+    is padded with all-zero images, which its model skips. Empty: no sequence has images.
+    """
+    present = [v for v in vision_B if v]
+    if not present:
+        return {}
+    if present[0]["pixel_values"].dim() != 5:
+        return join_vision_inputs(present)
+    most = max(v["pixel_values"].shape[1] for v in present)
+    template = present[0]
+    return {
+        key: torch.cat([_padded_images(v.get(key), template[key], most) for v in vision_B])
+        for key in template
+    }
+
+
+def _padded_images(value: torch.Tensor | None, like: torch.Tensor, count: int) -> torch.Tensor:
+    """`value` (1 x n x ...) with zero images added up to `count`; None: all zero."""
+    shape = (1, count, *like.shape[2:])
+    padded = like.new_zeros(shape)
+    if value is not None:
+        padded[:, : value.shape[1]] = value
+    return padded
