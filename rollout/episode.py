@@ -33,7 +33,13 @@ from environments import (
     run_environment_code,
 )
 from rollout.backend import GenerationBackend
-from rollout.images import images_of, with_row_images
+from rollout.images import (
+    images_of,
+    text_of,
+    tool_content,
+    with_observation_parts,
+    with_row_images,
+)
 from rollout.parsers import Parser
 from rollout.template import ChatRenderer, ToolTurn, valid_unicode
 from rollout.tokens import TokenRow
@@ -273,15 +279,18 @@ def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _with_observation(
-    messages: list[dict[str, Any]], observation: str | None
+    messages: list[dict[str, Any]], observation: str | list[Any] | None
 ) -> list[dict[str, Any]]:
     """Add reset's text: on a new line of the last user message, or as the prompt itself.
 
     A row without a `prompt` column leaves the environment to state the task (TRL's
     environment-owned data): its text is the user's message, and when `reset` returns None
     the message is empty, as in TRL (the environment's tools and the template still frame
-    the task).
+    the task). A list (texts and images, for a vision-language model) is added as content
+    parts, in order (`rollout.images.observation_parts`).
     """
+    if isinstance(observation, list):
+        return with_observation_parts(messages, observation)
     if not messages:
         return [{"role": "user", "content": observation or ""}]
     if not observation:
@@ -358,7 +367,7 @@ async def _turn(
         parsed.tool_calls, tools, ctx.tools.keys(), ctx.config.tool_timeout_s
     )
     _count(state, parsed, results)
-    tool_messages = [_tool_message(r.name, r.content) for r in results]
+    tool_messages = [_tool_message(r.name, r.content, r.images) for r in results]
     tool_messages += [_tool_message("error", e) for e in parsed.errors]
     env_done = env is not None and await read_done(env, ctx.config.environment_timeout_s)
     stop_text = decode(completion.token_ids[-1:])
@@ -488,9 +497,9 @@ def _call_records(
         ToolCallRecord(
             name,
             arguments,
-            shown_message["content"],
+            text_of(shown_message["content"]),
             error,
-            _cut_from(whole, shown_message["content"]),
+            _cut_from(whole, text_of(shown_message["content"])),
         )
         for (name, arguments, whole, error), shown_message in zip(calls, shown, strict=True)
     ]
@@ -511,9 +520,12 @@ def _assistant_message(text: str, parsed: ParsedTurn) -> dict[str, Any]:
     return {"role": "assistant", "content": parsed.content, "tool_calls": calls}
 
 
-def _tool_message(name: str, content: str) -> dict[str, Any]:
-    """A tool message; lone surrogates a tool returned become U+FFFD, so it can be encoded."""
-    return {"role": "tool", "name": name, "content": valid_unicode(content)}
+def _tool_message(name: str, content: str, images: tuple[Any, ...] = ()) -> dict[str, Any]:
+    """A tool message; lone surrogates a tool returned become U+FFFD, so it can be encoded.
+
+    With images, the content is parts: the images, then the text (`rollout.images.tool_content`).
+    """
+    return {"role": "tool", "name": name, "content": tool_content(valid_unicode(content), images)}
 
 
 def _show(row: Mapping[str, Any], width: int = 200) -> str:

@@ -239,6 +239,55 @@ def feature_token_ids(config: Any) -> list[int]:
     return sorted({value for name in names if (value := getattr(config, name, None)) is not None})
 
 
+def tool_content(text: str, images: Sequence[Any]) -> str | list[dict[str, Any]]:
+    """A tool message's content: `text`, or with images, their parts and then the text's."""
+    if not images:
+        return text
+    parts: list[dict[str, Any]] = [{"type": "image", "image": image} for image in images]
+    return [*parts, {"type": "text", "text": text}] if text else parts
+
+
+def text_of(content: Any) -> str:
+    """The text of a message's content: itself, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in _parts(content) if part.get("type") == "text")
+
+
+def cut_text(content: Any, limit: int) -> Any:
+    """`content` with its text (each text part's) cut to at most `limit` characters."""
+    if isinstance(content, str):
+        return content[:limit]
+    return [
+        {**part, "text": part["text"][:limit]} if part.get("type") == "text" else part
+        for part in _parts(content)
+    ]
+
+
+def with_observation_parts(
+    messages: list[dict[str, Any]], observation: Sequence[Any]
+) -> list[dict[str, Any]]:
+    """Add what `reset` returned, texts and images in order, to the last user message.
+
+    Texts become text parts (the first on a new line after the message's own text), images
+    image parts; with no messages, they are the user's message.
+    """
+    added = [
+        {"type": "text", "text": value}
+        if isinstance(value, str)
+        else {"type": "image", "image": value}
+        for value in observation
+    ]
+    if not messages:
+        return [{"role": "user", "content": added}]
+    content = messages[-1].get("content") or ""
+    if isinstance(content, str):
+        own = [{"type": "text", "text": content + "\n"}] if content else []
+    else:
+        own = [*_parts(content), {"type": "text", "text": "\n"}]
+    return [*messages[:-1], {**messages[-1], "content": own + added}]
+
+
 def vision_forward_kwargs(
     config: Any,
     input_ids_B_L: torch.Tensor,

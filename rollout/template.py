@@ -37,7 +37,7 @@ import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from rollout.images import encode_with_images, image_placeholder, images_of
+from rollout.images import cut_text, encode_with_images, image_placeholder, images_of
 
 BUILTIN_TEMPLATES = {"chatml_tools": "chatml_tools.jinja", "chatml_vision": "chatml_vision.jinja"}
 
@@ -370,7 +370,7 @@ class ChatRenderer:
         if self._max_token_chars is None:
             return [dict(m) for m in messages]
         limit = max(budget_tokens, 0) * self._max_token_chars
-        return [{**m, "content": m["content"][:limit]} for m in messages]
+        return [{**m, "content": cut_text(m["content"], limit)} for m in messages]
 
     def tool_turn(
         self,
