@@ -33,7 +33,8 @@ class ColourSquare:
         """Draw the square (where, seeded) and return the question and the picture."""
         if colour not in COLOURS:
             raise ValueError(f"colour must be one of {sorted(COLOURS)}, not {colour!r}")
-        self.colour, self.answered, self.done = colour, None, False
+        self.colour, self.done = colour, False
+        self.answered: str | None = None
         return ["Here is the picture.", draw_square(COLOURS[colour], random.Random(seed))]
 
     def answer(self, colour: str) -> str:

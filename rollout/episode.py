@@ -227,7 +227,7 @@ def _reset_row(ctx: EpisodeContext, row: Mapping[str, Any]) -> Mapping[str, Any]
 
 async def _create_and_reset(
     factory: Callable[[], Any], row: Mapping[str, Any], seed: int, timeout_s: float | None
-) -> tuple[Any, str | None]:
+) -> tuple[Any, str | list[Any] | None]:
     """Make and reset an environment, each in a daemon thread; close it if `reset` fails."""
     env = await run_environment_code(
         functools.partial(create_environment, factory), init_name(factory), timeout_s

@@ -272,7 +272,7 @@ def with_observation_parts(
     Texts become text parts (the first on a new line after the message's own text), images
     image parts; with no messages, they are the user's message.
     """
-    added = [
+    added: list[Mapping[str, Any]] = [
         {"type": "text", "text": value}
         if isinstance(value, str)
         else {"type": "image", "image": value}
@@ -281,6 +281,7 @@ def with_observation_parts(
     if not messages:
         return [{"role": "user", "content": added}]
     content = messages[-1].get("content") or ""
+    own: list[Mapping[str, Any]]
     if isinstance(content, str):
         own = [{"type": "text", "text": content + "\n"}] if content else []
     else:
