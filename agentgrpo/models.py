@@ -69,7 +69,8 @@ def load_policy(
     "sdpa_gqa", the same attention without copying grouped key-value heads on a CPU.
 
     Args:
-        model: A hub id or local folder, a `PreTrainedModel`, or a `PeftModel`.
+        model: A hub id or local folder (a vision-language model's is loaded with
+            `AutoModelForImageTextToText`), a `PreTrainedModel`, or a `PeftModel`.
         args: The `GRPOConfig` (`model_init_kwargs`, `trust_remote_code`, `disable_dropout`,
             `cast_lm_head_to_fp32`, `gradient_checkpointing`).
         peft_config: A PEFT config; the model is wrapped with it (LoRA and friends).
@@ -82,7 +83,7 @@ def load_policy(
     """
     policy: Any = model  # a PreTrainedModel, a PeftModel, or loaded from a name just below
     if isinstance(model, str):
-        policy = AutoModelForCausalLM.from_pretrained(
+        policy = _auto_class(model, args).from_pretrained(
             model, **policy_init_kwargs(args, quantization_config)
         )
     else:
@@ -105,6 +106,18 @@ def load_policy(
     if args.gradient_checkpointing and hasattr(policy, "enable_input_require_grads"):
         policy.enable_input_require_grads()  # checkpointed LoRA needs grads at the inputs
     return policy
+
+
+def _auto_class(name: str, args: Any) -> Any:
+    """Transformers' auto class for `name`: image-text-to-text for a VLM, else causal LM."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    revision = (args.model_init_kwargs or {}).get("revision")
+    config = AutoConfig.from_pretrained(
+        name, trust_remote_code=args.trust_remote_code, revision=revision
+    )
+    vision = getattr(config, "vision_config", None) is not None
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
 
 
 def _warn_unused_loading_arguments(model_init_kwargs: Any, quantization_config: Any) -> None:
