@@ -12,7 +12,7 @@ from PIL import Image
 from agentgrpo import GRPOConfig, GRPOTrainer
 from environments import ColourSquare, EnvironmentResetError
 from environments.colour_square import COLOURS, draw_square
-from rollout import RolloutEngine, ScriptedBackend
+from rollout import RolloutEngine, ScriptedBackend, load_template
 from rollout.images import images_of
 from tests.vlm_models import FAMILIES, tiny_vlm
 from tools import as_tool, call_tool
@@ -156,3 +156,29 @@ def test_a_vlm_trains_on_colour_square_and_its_episodes_read_the_picture(tmp_pat
     for episode in episodes:
         assert episode.rows[0].prompt_ids.count(image_token_of(model)) == 4
         assert len(episode.rows[0].images) == 1
+
+
+def test_an_episode_that_forks_after_a_tool_picture_starts_its_new_row_with_the_picture():
+    model, processor = tiny_vlm("idefics3")
+    # A template that writes past tool calls differently once their results follow (as
+    # templates that drop past reasoning do), so the episode forks at the tool turn.
+    template = load_template(processor.tokenizer, "chatml_vision").replace(
+        '<tool_call>{"name": {{',
+        "{% if messages[-1].role == 'assistant' %}<tool_call>{% else %}<call>{% endif %}"
+        '{"name": {{',
+    )
+    encode = processor.tokenizer.convert_tokens_to_ids
+    call = processor.tokenizer.encode(
+        '<tool_call>{"name": "photo", "arguments": {}}</tool_call><|im_end|>',
+        add_special_tokens=False,
+    )
+    answer = processor.tokenizer.encode("Green.<|im_end|>", add_special_tokens=False)
+    turns = iter([call, answer])
+    backend = ImageReadingScript(lambda _: next(turns), {encode("<|im_end|>")})
+    engine = RolloutEngine(backend, processor, environment_factory=Camera, chat_template=template)
+    (episode,) = anyio.run(lambda: engine.run([{"prompt": "Hi"}]))
+    first, second = episode.rows
+    assert first.images == () and first.loss_mask == [1] * len(call)
+    assert second.prompt_ids.count(image_token_of(model)) == 4  # the fresh rendering
+    assert second.images == (GREEN,) and second.loss_mask == [1] * len(answer)
+    assert "pixel_values" in backend.visions[1]
