@@ -220,8 +220,6 @@ class TransformersBackend:
     def _admissions(self) -> list[Request]:
         """The arrived requests there is room for, taken off the queue (on the event loop)."""
         room = self.max_batch_size - self.running_rows if self.reuses_keys_and_values else 1
-        if self._arriving and self._arriving[0].vision:
-            room = min(room, 1)
         admitted = [r for r in self._arriving[: max(room, 0)] if not r.abandoned]
         del self._arriving[: max(room, 0)]
         return admitted
