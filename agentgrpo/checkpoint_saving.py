@@ -61,9 +61,16 @@ class AtomicCheckpoints(Trainer):
         self.accelerator.wait_for_everyone()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Trainer's `save_model`; a folder that refuses writes is one clear error."""
-        with explained_write_errors(output_dir or str(self.args.output_dir)):
+        """Trainer's `save_model`; a folder that refuses writes is one clear error.
+
+        A vision-language policy's processor is saved beside it, so the folder loads as a VLM.
+        """
+        folder = output_dir or str(self.args.output_dir)
+        with explained_write_errors(folder):
             super().save_model(output_dir, _internal_call)
+            processor = getattr(self, "processor", None)
+            if processor is not None and self.args.should_save:
+                processor.save_pretrained(folder)
 
     def _get_output_dir(self, trial: Any) -> str:
         """The temporary folder while a checkpoint is being written, else the Trainer's."""

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 
 from agentgrpo.devices import inference_autocast
 from rollout.backends.attention import use_grouped_query_sdpa
+from rollout.images import is_vision_processor, load_processor
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ def load_policy(
     "sdpa_gqa", the same attention without copying grouped key-value heads on a CPU.
 
     Args:
-        model: A hub id or local folder, a `PreTrainedModel`, or a `PeftModel`.
+        model: A hub id or local folder (a vision-language model's is loaded with
+            `AutoModelForImageTextToText`), a `PreTrainedModel`, or a `PeftModel`.
         args: The `GRPOConfig` (`model_init_kwargs`, `trust_remote_code`, `disable_dropout`,
             `cast_lm_head_to_fp32`, `gradient_checkpointing`).
         peft_config: A PEFT config; the model is wrapped with it (LoRA and friends).
@@ -82,7 +84,7 @@ def load_policy(
     """
     policy: Any = model  # a PreTrainedModel, a PeftModel, or loaded from a name just below
     if isinstance(model, str):
-        policy = AutoModelForCausalLM.from_pretrained(
+        policy = _auto_class(model, args).from_pretrained(
             model, **policy_init_kwargs(args, quantization_config)
         )
     else:
@@ -105,6 +107,18 @@ def load_policy(
     if args.gradient_checkpointing and hasattr(policy, "enable_input_require_grads"):
         policy.enable_input_require_grads()  # checkpointed LoRA needs grads at the inputs
     return policy
+
+
+def _auto_class(name: str, args: Any) -> Any:
+    """Transformers' auto class for `name`: image-text-to-text for a VLM, else causal LM."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    revision = (args.model_init_kwargs or {}).get("revision")
+    config = AutoConfig.from_pretrained(
+        name, trust_remote_code=args.trust_remote_code, revision=revision
+    )
+    vision = getattr(config, "vision_config", None) is not None
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
 
 
 def _warn_unused_loading_arguments(model_init_kwargs: Any, quantization_config: Any) -> None:
@@ -354,15 +368,43 @@ def reference_sync(reference: torch.nn.Module | None, policy: Any, args: Any) ->
     return SyncReference(reference, policy, args.ref_model_mixup_alpha, args.ref_model_sync_steps)
 
 
-def load_policy_and_tokenizer(
+def load_policy_and_processing(
     model: Any, processing_class: Any, args: Any, peft_config: Any, quantization_config: Any
-) -> tuple[Any, Any]:
-    """The policy to train (`load_policy`) and its tokenizer (`load_tokenizer`), checked.
+) -> tuple[Any, Any, Any]:
+    """The policy to train (`load_policy`), its tokenizer, and its processor when it reads images.
 
     The tokenizer's loading arguments come from `model` as given (`tokenizer_kwargs`), and
-    `use_liger_kernel` is checked on the loaded policy (`check_liger_kernel`).
+    `use_liger_kernel` is checked on the loaded policy (`check_liger_kernel`). The processor is
+    None for a text model (`tokenizer_and_processor`).
     """
     tokenizer_source = tokenizer_kwargs(args, model)
     model = load_policy(model, args, peft_config, quantization_config)
     check_liger_kernel(args, model)
-    return model, load_tokenizer(model, processing_class, tokenizer_source)
+    tokenizer, processor = tokenizer_and_processor(model, processing_class, tokenizer_source)
+    return model, tokenizer, processor
+
+
+def is_vision_model(model: Any) -> bool:
+    """Whether `model`'s config has a vision tower (a `vision_config`)."""
+    return getattr(getattr(model, "config", None), "vision_config", None) is not None
+
+
+def tokenizer_and_processor(
+    model: Any, processing_class: Any = None, load_kwargs: dict[str, Any] | None = None
+) -> tuple[Any, Any]:
+    """The policy's tokenizer, and its processor when it reads images (else None).
+
+    Args:
+        model: The loaded policy (its name or path locates what is not given).
+        processing_class: A tokenizer, a VLM's processor, or None: the model's own (its
+            processor for a VLM, `rollout.images.load_processor`, which works without
+            torchvision).
+        load_kwargs: Passed to `from_pretrained` (`trust_remote_code`, `revision`).
+    """
+    if processing_class is None and is_vision_model(model):
+        name = getattr(model, "name_or_path", None) or model.config._name_or_path
+        processing_class = load_processor(name, **(load_kwargs or {}))
+    if not is_vision_processor(processing_class):
+        return load_tokenizer(model, processing_class, load_kwargs), None
+    tokenizer = load_tokenizer(model, processing_class.tokenizer)
+    return tokenizer, processing_class

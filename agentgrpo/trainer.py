@@ -38,7 +38,7 @@ from agentgrpo.learner.losses import LossConfig, normalises_by_num_items
 from agentgrpo.learner.token_weights import TokenWeighting
 from agentgrpo.loss_step import LossStep
 from agentgrpo.models import (
-    load_policy_and_tokenizer,
+    load_policy_and_processing,
     reference_model,
     reference_sync,
     reward_model_kwargs,
@@ -84,7 +84,8 @@ class GRPOTrainer(TRLAttributes, LoggedRounds):
         train_dataset: Rows with a `prompt` (text, or a list of messages) and any other columns,
             which reward functions and the environment's `reset` receive by name.
         eval_dataset: Like `train_dataset` (an `IterableDataset` is streamed), or a dict of them.
-        processing_class: The tokenizer; loaded from the model when None.
+        processing_class: The tokenizer, or a vision-language model's processor; loaded from
+            the model when None.
         reward_processing_classes: Tokenizers of reward models, by position.
         callbacks: transformers `TrainerCallback`s.
         optimizers: `(optimizer, lr_scheduler)`, as for `Trainer`.
@@ -155,7 +156,7 @@ class GRPOTrainer(TRLAttributes, LoggedRounds):
         adapt_to_iterable_datasets(args, train_dataset, eval_dataset)
         processing_class = porting.processing_class_of(processing_class, tokenizer)
         sources = porting.reward_sources(reward_funcs, reward_model, reward_fn)
-        model, tokenizer = load_policy_and_tokenizer(
+        model, tokenizer, self.processor = load_policy_and_processing(
             model, processing_class, args, peft_config, quantization_config
         )
         self._reward_functions = reward_functions(
@@ -216,7 +217,8 @@ class GRPOTrainer(TRLAttributes, LoggedRounds):
         parts = build_parts(
             args,
             backend,
-            tokenizer,
+            # a VLM's processor renders its images
+            tokenizer if self.processor is None else self.processor,
             factory,
             tools,
             self._reward_functions,

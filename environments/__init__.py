@@ -20,8 +20,9 @@ The contract (`Environment`, checked by `check_environment`). An environment is 
   the episode.
 
 Built-ins: `Counter` (one tool), `Arithmetic` (calculate, then submit an answer), `Chain`
-(three dependent one-operation calls, then submit) and `GuessNumber` (a gymnasium game through
-`gym_environment`, the adapter for any ``gymnasium.Env`` with text observations).
+(three dependent one-operation calls, then submit), `GuessNumber` (a gymnasium game through
+`gym_environment`, the adapter for any ``gymnasium.Env`` with text observations) and
+`ColourSquare` (for vision-language models: `reset` returns a picture with its text).
 docs/environments.md has a runnable example of each shape.
 
 Specs name a class: ``env:Counter`` (built-in), ``gym:FrozenLake-v1`` (a registered gymnasium
@@ -68,6 +69,7 @@ Examples:
 
 from environments.arithmetic import Arithmetic
 from environments.chain import Chain
+from environments.colour_square import ColourSquare
 from environments.contract import (
     RESERVED_NAMES,
     Environment,
@@ -113,6 +115,7 @@ __all__ = [
     "RESERVED_NAMES",
     "Arithmetic",
     "Chain",
+    "ColourSquare",
     "Counter",
     "Environment",
     "EnvironmentCloseError",

@@ -30,6 +30,7 @@ from environments.errors import (
     EnvironmentSpecError,
     EnvironmentTimeoutError,
 )
+from tools.call import is_image
 from tools.threads import (
     USER_CODE,
     CallTimedOut,
@@ -109,7 +110,9 @@ def init_name(factory: Callable[[], Any]) -> str:
     return f"the environment factory {getattr(factory, '__qualname__', repr(factory))}()"
 
 
-def reset_environment(env: object, row: Mapping[str, Any], seed: int | None) -> str | None:
+def reset_environment(
+    env: object, row: Mapping[str, Any], seed: int | None
+) -> str | list[Any] | None:
     """Start an episode: call ``env.reset`` with the row columns it names.
 
     Only the columns that ``reset`` names as parameters are passed (all of them if it takes
@@ -124,7 +127,9 @@ def reset_environment(env: object, row: Mapping[str, Any], seed: int | None) -> 
         seed: The group's seed, or None.
 
     Returns:
-        What ``reset`` returned: text the engine appends to the last user message, or None.
+        What ``reset`` returned: text the engine appends to the last user message, or None;
+        for a vision-language model also an image (a PIL image), or a list of texts and
+        images (at least one), appended in order (an image alone comes back as a list).
 
     Raises:
         EnvironmentResetError: ``reset`` needs a column the row lacks, raised (chained), or
@@ -150,13 +155,32 @@ def reset_environment(env: object, row: Mapping[str, Any], seed: int | None) -> 
         raise EnvironmentResetError(
             f"{name}.reset() raised {describe_error(error)}. Row: {_show(row)}"
         ) from error
+    if is_image(text):
+        return [text]
+    if _texts_and_images(text):
+        return [_valid_text(name, v, row) if isinstance(v, str) else v for v in text]
     if text is not None and not isinstance(text, str):
         _close_if_coroutine(text)
         raise EnvironmentResetError(
             f"{name}.reset() returned {type(text).__name__}; it must return str (text appended "
-            f"to the last user message) or None, synchronously. Row: {_show(row)}"
+            f"to the last user message), an image or a list of texts and images (for a "
+            f"vision-language model), or None, synchronously. Row: {_show(row)}"
         )
-    if text is not None and (bad := _lone_surrogate(text)) is not None:
+    return None if text is None else _valid_text(name, text, row)
+
+
+def _texts_and_images(value: Any) -> bool:
+    """Whether `value` is a list or tuple of texts and images, with at least one image."""
+    return (
+        isinstance(value, list | tuple)
+        and any(is_image(v) for v in value)
+        and all(isinstance(v, str) or is_image(v) for v in value)
+    )
+
+
+def _valid_text(name: str, text: str, row: Mapping[str, Any]) -> str:
+    """`text`, or an `EnvironmentResetError` when it holds a lone surrogate."""
+    if (bad := _lone_surrogate(text)) is not None:
         raise EnvironmentResetError(
             f"{name}.reset() returned text with a lone surrogate {text[bad]!r} at index {bad}, "
             "which no tokenizer can encode; return valid Unicode (e.g. decode bytes with "

@@ -32,6 +32,7 @@ from types import ModuleType
 
 from environments.arithmetic import Arithmetic
 from environments.chain import Chain
+from environments.colour_square import ColourSquare
 from environments.counter import Counter
 from environments.errors import EnvironmentSpecError
 from environments.guess_number import GuessNumber
@@ -43,6 +44,7 @@ BUILTIN_ENVIRONMENTS: dict[str, type] = {
     "Arithmetic": Arithmetic,
     "GuessNumber": GuessNumber,
     "Chain": Chain,
+    "ColourSquare": ColourSquare,
 }
 """The environments reachable as ``env:Name``."""
 

@@ -2,11 +2,12 @@
 
 The public API is re-exported here. The episode core is one stage per module: `types`
 (contracts), `backend` (the generator protocol), `template` (chat templates, append-only
-deltas), `tokens` (the append-only token row), `episode` (one episode's loop), `engine`
-(concurrency), `record` (episodes as JSON lines), `demonstrations` (warm-start rows). Three rooms
-hang off it and the core imports only the first: `parsers` (tool calls), `backends`
-(transformers, vLLM, the scripted double) and `agents` (an agent's own loop through a chat
-endpoint, handed to the engine as its `EpisodePlayer`).
+deltas), `images` (a vision-language model's pictures: placeholders expanded by its processor,
+the tensors its forward takes), `tokens` (the append-only token row), `episode` (one
+episode's loop), `engine` (concurrency), `record` (episodes as JSON lines), `demonstrations`
+(warm-start rows). Three rooms hang off it and the core imports only the first: `parsers`
+(tool calls), `backends` (transformers, vLLM, the scripted double) and `agents` (an agent's own
+loop through a chat endpoint, handed to the engine as its `EpisodePlayer`).
 """
 
 from rollout.backend import GenerationBackend

@@ -26,6 +26,7 @@ from environments import (
 )
 from rollout.backend import GenerationBackend
 from rollout.episode import EpisodeConfig, EpisodeContext, run_episode
+from rollout.images import is_vision_processor
 from rollout.parsers import Parser, detect_parser, get_parser, tokenizer_parser
 from rollout.template import ChatRenderer, load_template
 from rollout.types import Episode, ParsedTurn
@@ -83,7 +84,9 @@ class RolloutEngine:
 
     Args:
         backend: The generator (`TransformersBackend`, a vLLM backend, `ScriptedBackend`...).
-        tokenizer: The policy's tokenizer.
+        tokenizer: The policy's tokenizer, or a vision-language model's processor: then
+            prompts and tool results may hold images (`rollout.images`), rendered with the
+            processor's chat template when it has one.
         environment_factory: A zero-argument callable returning a fresh environment (usually
             the environment class itself); or a dict of them by name, where each row's
             `environment` column picks its environment and only that environment's tools (with
@@ -139,15 +142,19 @@ class RolloutEngine:
             factories = {None: environment_factory}
         if not factories:
             raise ValueError("environment_factory is an empty dict; give at least one environment")
+        processor = tokenizer if is_vision_processor(tokenizer) else None
+        if processor is not None:
+            tokenizer = processor.tokenizer
         setup = _Setup(
             backend,
             tokenizer,
-            load_template(tokenizer, chat_template),
+            load_template(_template_owner(processor, tokenizer), chat_template),
             {t.name: t for t in map(as_tool, tools)},
             tool_call_parser,
             chat_template_kwargs,
             config or EpisodeConfig(),
             ENVIRONMENT_COLUMN if self.multi_environment else None,
+            processor,
         )
         self.contexts = {name: setup.context(factory) for name, factory in factories.items()}
         self.context = next(iter(self.contexts.values()))
@@ -257,6 +264,7 @@ class _Setup:
     chat_template_kwargs: Mapping[str, Any] | None
     config: EpisodeConfig
     routing_column: str | None
+    processor: Any = None
 
     def play_setup(self) -> PlaySetup:
         """What a player shares: an agent's requests name their own tools, so parsers follow."""
@@ -277,7 +285,13 @@ class _Setup:
         if clash := sorted(self.plain.keys() & env_tools.keys()):
             raise ValueError(f"tools {clash} are both plain tools and environment methods")
         schemas = [t.schema for t in (*self.plain.values(), *env_tools.values())]
-        renderer = ChatRenderer(self.tokenizer, self.template, schemas, self.chat_template_kwargs)
+        renderer = ChatRenderer(
+            self.tokenizer,
+            self.template,
+            schemas,
+            self.chat_template_kwargs,
+            processor=self.processor,
+        )
         if schemas:
             renderer.check_tool_support()
         return EpisodeContext(
@@ -297,6 +311,11 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     while isinstance(error, BaseExceptionGroup):
         error = error.exceptions[0]
     return error
+
+
+def _template_owner(processor: Any, tokenizer: Any) -> Any:
+    """Whose `chat_template` is the default: a VLM processor's, when it has one."""
+    return processor if getattr(processor, "chat_template", None) else tokenizer
 
 
 def _environment_tools(

@@ -33,10 +33,18 @@ from environments import (
     run_environment_code,
 )
 from rollout.backend import GenerationBackend
+from rollout.images import (
+    images_of,
+    text_of,
+    tool_content,
+    with_observation_parts,
+    with_row_images,
+)
 from rollout.parsers import Parser
 from rollout.template import ChatRenderer, ToolTurn, valid_unicode
 from rollout.tokens import TokenRow
 from rollout.types import (
+    Completion,
     Episode,
     EpisodeRow,
     EpisodeStats,
@@ -135,10 +143,10 @@ class _State:
         """Append the tool turn to the current row, or close the row and start a new one."""
         self.prompt_text = turn.prompt_text
         if not turn.fork:
-            self.tokens.append_context(turn.ids)
+            self.tokens.append_context(turn.ids, turn.images, turn.vision)
             return
         self.done_rows.append(_row(self.tokens))
-        self.tokens = TokenRow(turn.ids)
+        self.tokens = TokenRow(turn.ids, turn.images, turn.vision)
 
     def rows(self) -> tuple[EpisodeRow, ...]:
         """Every row of the episode, the current one last."""
@@ -146,7 +154,14 @@ class _State:
 
 
 def _row(tokens: TokenRow) -> EpisodeRow:
-    return EpisodeRow(tokens.prompt_ids, tokens.completion_ids, tokens.loss_mask, tokens.logprobs)
+    return EpisodeRow(
+        tokens.prompt_ids,
+        tokens.completion_ids,
+        tokens.loss_mask,
+        tokens.logprobs,
+        tuple(tokens.images),
+        tokens.vision_inputs,
+    )
 
 
 async def run_episode(
@@ -166,7 +181,7 @@ async def run_episode(
     one raised: a `close` that fails (or times out) too becomes a note on it; after a method
     that timed out, `close` is not called (see `_close`).
     """
-    messages = prompt_messages(row) if "prompt" in row else []
+    messages = with_row_images(prompt_messages(row), row) if "prompt" in row else []
     timeout_s = ctx.config.environment_timeout_s
     env, observation = None, None
     if ctx.environment_factory is not None:
@@ -212,7 +227,7 @@ def _reset_row(ctx: EpisodeContext, row: Mapping[str, Any]) -> Mapping[str, Any]
 
 async def _create_and_reset(
     factory: Callable[[], Any], row: Mapping[str, Any], seed: int, timeout_s: float | None
-) -> tuple[Any, str | None]:
+) -> tuple[Any, str | list[Any] | None]:
     """Make and reset an environment, each in a daemon thread; close it if `reset` fails."""
     env = await run_environment_code(
         functools.partial(create_environment, factory), init_name(factory), timeout_s
@@ -264,15 +279,18 @@ def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _with_observation(
-    messages: list[dict[str, Any]], observation: str | None
+    messages: list[dict[str, Any]], observation: str | list[Any] | None
 ) -> list[dict[str, Any]]:
     """Add reset's text: on a new line of the last user message, or as the prompt itself.
 
     A row without a `prompt` column leaves the environment to state the task (TRL's
     environment-owned data): its text is the user's message, and when `reset` returns None
     the message is empty, as in TRL (the environment's tools and the template still frame
-    the task).
+    the task). A list (texts and images, for a vision-language model) is added as content
+    parts, in order (`rollout.images.observation_parts`).
     """
+    if isinstance(observation, list):
+        return with_observation_parts(messages, observation)
     if not messages:
         return [{"role": "user", "content": observation or ""}]
     if not observation:
@@ -290,13 +308,15 @@ def _bind(tools: Mapping[str, Tool], env: Any) -> dict[str, Tool]:
 def _start(
     ctx: EpisodeContext, messages: list[dict[str, Any]], row: Mapping, sample_seed: int
 ) -> _State:
-    if isinstance(row.get("prompt"), str) and not ctx.has_tools:
+    images = images_of(messages)
+    vision: dict[str, Any] = {}
+    if isinstance(row.get("prompt"), str) and not ctx.has_tools and not images:
         # TRL's standard format: the text itself, tokenized as is, with no chat template.
         prompt_text = row["prompt"]
         prompt_ids = ctx.renderer.tokenizer.encode(prompt_text)
     else:
         prompt_text = ctx.renderer.render(messages, generation_prompt=True)
-        prompt_ids = ctx.renderer.encode(prompt_text)
+        prompt_ids, vision = ctx.renderer.encode_with_images(prompt_text, images)
     limit = ctx.config.max_prompt_length
     context = ctx.backend.context_limit
     if (limit and len(prompt_ids) > limit) or (context and len(prompt_ids) >= context):
@@ -305,7 +325,12 @@ def _start(
             f"(max_prompt_length={limit}, model context={context}). Shorten the prompt or raise "
             f"the limit. Row: {_show(row)}"
         )
-    return _State(messages, TokenRow(prompt_ids), prompt_text, sample_seed)
+    if images and not getattr(ctx.backend, "reads_images", False):
+        raise ValueError(
+            f"this row holds images but the generation backend ({type(ctx.backend).__name__}) "
+            f"cannot read them; generate with transformers (use_vllm=False)"
+        )
+    return _State(messages, TokenRow(prompt_ids, images, vision), prompt_text, sample_seed)
 
 
 async def _play(ctx: EpisodeContext, state: _State, tools: Mapping[str, Tool], env: Any) -> Finish:
@@ -326,7 +351,7 @@ async def _turn(
     """One model turn and its tool calls; returns a Finish if the episode ends here."""
     turn_seed = hash((state.sample_seed, state.turns)) % 2**62
     params = ctx.config.sampling(budget, turn_seed)
-    completion = await ctx.backend.generate(state.tokens.context_ids, params)
+    completion = await _generate(ctx.backend, state.tokens, params)
     state.tokens.append_sampled(completion.token_ids, completion.logprobs)
     state.turns += 1
     decode = ctx.renderer.tokenizer.decode
@@ -342,7 +367,7 @@ async def _turn(
         parsed.tool_calls, tools, ctx.tools.keys(), ctx.config.tool_timeout_s
     )
     _count(state, parsed, results)
-    tool_messages = [_tool_message(r.name, r.content) for r in results]
+    tool_messages = [_tool_message(r.name, r.content, r.images) for r in results]
     tool_messages += [_tool_message("error", e) for e in parsed.errors]
     env_done = env is not None and await read_done(env, ctx.config.environment_timeout_s)
     stop_text = decode(completion.token_ids[-1:])
@@ -350,6 +375,16 @@ async def _turn(
     shown = state.messages[len(state.messages) - len(tool_messages) :]
     state.calls.extend(_call_records(parsed, results, shown))
     return finish
+
+
+async def _generate(
+    backend: GenerationBackend, tokens: TokenRow, params: SamplingParams
+) -> Completion:
+    """The model's next turn; the row's images go only to backends that read them."""
+    vision = tokens.vision_inputs
+    if not vision:
+        return await backend.generate(tokens.context_ids, params)
+    return await backend.generate(tokens.context_ids, params, vision=vision)  # type: ignore[call-arg]
 
 
 def _add_tool_turn(
@@ -462,9 +497,9 @@ def _call_records(
         ToolCallRecord(
             name,
             arguments,
-            shown_message["content"],
+            text_of(shown_message["content"]),
             error,
-            _cut_from(whole, shown_message["content"]),
+            _cut_from(whole, text_of(shown_message["content"])),
         )
         for (name, arguments, whole, error), shown_message in zip(calls, shown, strict=True)
     ]
@@ -485,9 +520,12 @@ def _assistant_message(text: str, parsed: ParsedTurn) -> dict[str, Any]:
     return {"role": "assistant", "content": parsed.content, "tool_calls": calls}
 
 
-def _tool_message(name: str, content: str) -> dict[str, Any]:
-    """A tool message; lone surrogates a tool returned become U+FFFD, so it can be encoded."""
-    return {"role": "tool", "name": name, "content": valid_unicode(content)}
+def _tool_message(name: str, content: str, images: tuple[Any, ...] = ()) -> dict[str, Any]:
+    """A tool message; lone surrogates a tool returned become U+FFFD, so it can be encoded.
+
+    With images, the content is parts: the images, then the text (`rollout.images.tool_content`).
+    """
+    return {"role": "tool", "name": name, "content": tool_content(valid_unicode(content), images)}
 
 
 def _show(row: Mapping[str, Any], width: int = 200) -> str:

@@ -19,6 +19,10 @@ are float64 values too). Values JSON cannot hold as they are get a tagged object
 - `int`: integers too long for Python's int-to-text limit, as hex, read back as the same int;
 - `tuple`: tuples (JSON has only lists), read back as tuples;
 - `dict`: mappings that use the tag's key themselves, read back as they were;
+- `image`: a PIL image (in a message's image part, a row's `image` column): its `size`, and
+  where the record was written with an image folder, the `path` of the PNG file holding it,
+  relative to the record's file (`record_line(record, images)`); read back as that tagged dict,
+  so a line never holds pixels;
 - `repr`: anything else (a mapping with non-text keys, bytes, arrays, images, ...): its type
   and `repr()`, read back as that tagged dict, not as the original value.
 
@@ -28,15 +32,19 @@ Python `int` and `float`, equal to the originals.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
 import numbers
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rollout.types import Episode, EpisodeRow, EpisodeStats, Finish, ToolCallRecord
+from tools import is_image
 
 RECORD_FORMAT = 2  # bump when a field changes meaning; readers refuse formats they do not know
 # Format 1 held one row's four token lists at the top level; it reads back as a one-row episode.
@@ -68,8 +76,11 @@ class EpisodeRecord:
     process: int = 0
 
 
-def record_to_dict(record: EpisodeRecord) -> dict[str, Any]:
-    """The record as a dict of JSON values (see the module docstring for the tags)."""
+def record_to_dict(record: EpisodeRecord, images: ImageFolder | None = None) -> dict[str, Any]:
+    """The record as a dict of JSON values (see the module docstring for the tags).
+
+    `images` saves the images of the row and the messages and names their files.
+    """
     episode = record.episode
     stats = episode.stats
     return {
@@ -90,8 +101,8 @@ def record_to_dict(record: EpisodeRecord) -> dict[str, Any]:
             "tool_calls": stats.tool_calls,
             "tool_errors": encode_value(dict(stats.tool_errors)),
         },
-        "row": encode_value(episode.row),
-        "messages": encode_value(episode.messages),
+        "row": encode_value(episode.row, images),
+        "messages": encode_value(episode.messages, images),
         "tool_calls": [_call_to_dict(call) for call in episode.tool_calls],
         "rows": [_row_to_dict(row) for row in episode.rows],
     }
@@ -135,10 +146,46 @@ def record_from_dict(data: Mapping[str, Any]) -> EpisodeRecord:
     )
 
 
-def record_line(record: EpisodeRecord) -> str:
-    """The record as one line of strict, ASCII-only JSON, newline included."""
-    text = json.dumps(record_to_dict(record), ensure_ascii=True, allow_nan=False)
+def record_line(record: EpisodeRecord, images: ImageFolder | None = None) -> str:
+    """The record as one line of strict, ASCII-only JSON, newline included.
+
+    `images`: where the record's images go, as PNG files the line names (without it, the line
+    keeps only each image's size).
+    """
+    text = json.dumps(record_to_dict(record, images), ensure_ascii=True, allow_nan=False)
     return text + "\n"
+
+
+class ImageFolder:
+    """Saves images as PNG files named by their content, for records that refer to them.
+
+    Args:
+        folder: Where the files go (made when the first image comes).
+        relative_to: The folder the returned paths are relative to (the records' folder).
+    """
+
+    def __init__(self, folder: str | Path, relative_to: str | Path):
+        self.folder = Path(folder)
+        self.relative_to = Path(relative_to)
+        self._saved: dict[
+            int, tuple[Any, str]
+        ] = {}  # id(image) -> (image, path): group members share
+
+    def __call__(self, image: Any) -> str:
+        """Save `image` (once per content) and return its path, relative to `relative_to`."""
+        known = self._saved.get(id(image))
+        if known is not None and known[0] is image:
+            return known[1]
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        data = buffer.getvalue()
+        path = self.folder / f"{hashlib.sha256(data).hexdigest()[:24]}.png"
+        if not path.exists():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        relative = os.path.relpath(path, self.relative_to)
+        self._saved[id(image)] = (image, relative)
+        return relative
 
 
 def read_records(path: str | Path) -> list[EpisodeRecord]:
@@ -157,8 +204,10 @@ def read_records(path: str | Path) -> list[EpisodeRecord]:
     return records
 
 
-def encode_value(value: Any) -> Any:
+def encode_value(value: Any, images: ImageFolder | None = None) -> Any:
     """A value as JSON data: as it is where JSON holds it exactly, else tagged.
+
+    `images` saves the images met (`ImageFolder`); without it an image keeps only its size.
 
     >>> encode_value({"x": [1, 2.5, None], "t": (1, "a")})
     {'x': [1, 2.5, None], 't': {'__agentgrpo__': 'tuple', 'items': [1, 'a']}}
@@ -173,12 +222,15 @@ def encode_value(value: Any) -> Any:
     if isinstance(value, numbers.Real):
         return _encode_float(value)
     if isinstance(value, list):
-        return [encode_value(item) for item in value]
+        return [encode_value(item, images) for item in value]
     if isinstance(value, tuple):
-        return _tagged("tuple", items=[encode_value(item) for item in value])
+        return _tagged("tuple", items=[encode_value(item, images) for item in value])
     if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
-        items = {key: encode_value(item) for key, item in value.items()}
+        items = {key: encode_value(item, images) for key, item in value.items()}
         return _tagged("dict", items=items) if TAG in items else items
+    if is_image(value):
+        where = {"path": images(value)} if images is not None else {}
+        return _tagged("image", size=list(value.size), **where)
     return _tagged("repr", type=_type_name(value), value=repr(value))
 
 
@@ -202,7 +254,7 @@ def decode_value(value: Any) -> Any:
         return tuple(decode_value(item) for item in value["items"])
     if kind == "dict":
         return {key: decode_value(item) for key, item in value["items"].items()}
-    if kind == "repr":
+    if kind in ("repr", "image"):
         return value
     return {key: decode_value(item) for key, item in value.items()}
 

@@ -27,7 +27,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property, lru_cache
 from importlib import resources
@@ -37,7 +37,9 @@ import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-BUILTIN_TEMPLATES = {"chatml_tools": "chatml_tools.jinja"}
+from rollout.images import cut_text, encode_with_images, image_placeholder, images_of
+
+BUILTIN_TEMPLATES = {"chatml_tools": "chatml_tools.jinja", "chatml_vision": "chatml_vision.jinja"}
 
 _PROBE_TOOL = "agentgrpo_probe_tool"
 _PROBE_ARGUMENT = "agentgrpo_probe_argument"
@@ -77,11 +79,16 @@ class ToolTurn:
         prompt_text: The rendered text the next model turn is generated after.
         fork: Whether the template rewrote the conversation, so the episode continues on a new
             row.
+        images: The images whose tokens `ids` hold (a vision-language model's: the tool
+            results' images, or with `fork` every image of the conversation), in order.
+        vision: The processor's tensors of `images` (empty without images).
     """
 
     ids: list[int]
     prompt_text: str
     fork: bool
+    images: tuple[Any, ...] = ()
+    vision: Mapping[str, Any] = field(default_factory=dict)
 
 
 class _GenerationBlock(Extension):
@@ -124,7 +131,8 @@ def load_template(tokenizer: Any, chat_template: str | None = None) -> str:
             is None.
         chat_template: None, the name of a built-in template (`"chatml_tools"`: ChatML with
             Hermes-style tool calls, for ChatML models whose own template ignores tools, such as
-            SmolLM2), or jinja source text.
+            SmolLM2; `"chatml_vision"`: the same, with image content parts, for vision-language
+            models, see `rollout.images`), or jinja source text.
 
     """
     if chat_template is None:
@@ -258,6 +266,9 @@ class ChatRenderer:
         tools: Tool schemas (`{"type": "function", "function": {...}}`) shown to the model.
         template_kwargs: Extra variables for the template (e.g. `{"enable_thinking": False}`).
         encode_cache_size: Bound on the encode cache, in characters plus token ids.
+        processor: A vision-language model's processor (`rollout.images.load_processor`), or
+            None. With one, messages may hold image parts: the template gets the processor's
+            `image_placeholder`, and `encode_with_images` expands it into image tokens.
 
     """
 
@@ -268,11 +279,15 @@ class ChatRenderer:
         tools: Sequence[Mapping[str, Any]] = (),
         template_kwargs: Mapping[str, Any] | None = None,
         encode_cache_size: int = 1 << 21,
+        processor: Any = None,
     ):
         self.tokenizer = tokenizer
         self.template = template
         self.tools = [dict(t) for t in tools]
         self.template_kwargs = dict(template_kwargs or {})
+        self.processor = processor
+        if processor is not None:
+            self.template_kwargs.setdefault("image_placeholder", image_placeholder(processor))
         self._compiled = _compile(template)
         # Group members render the same prompt and tool turns often repeat: encode each text once.
         self._encoded = EncodeCache(self._encode_uncached, encode_cache_size)
@@ -293,6 +308,26 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text; the template, not the tokenizer, adds special tokens."""
         return list(self._encoded(text))
+
+    def encode_with_images(
+        self, text: str, images: Sequence[Any]
+    ) -> tuple[list[int], dict[str, Any]]:
+        """Token ids of rendered text holding `images`' placeholders, and their tensors.
+
+        Without images this is `encode` (and no tensors).
+
+        Raises:
+            ValueError: There are images but no processor, or the text holds a different
+                number of placeholders (`rollout.images.encode_with_images`).
+        """
+        if not images:
+            return self.encode(text), {}
+        if self.processor is None:
+            raise ValueError(
+                "the conversation holds images but the model has no image processor: train a "
+                "vision-language model, with its processor as processing_class"
+            )
+        return encode_with_images(self.processor, text, images)
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
@@ -335,7 +370,7 @@ class ChatRenderer:
         if self._max_token_chars is None:
             return [dict(m) for m in messages]
         limit = max(budget_tokens, 0) * self._max_token_chars
-        return [{**m, "content": m["content"][:limit]} for m in messages]
+        return [{**m, "content": cut_text(m["content"], limit)} for m in messages]
 
     def tool_turn(
         self,
@@ -356,11 +391,15 @@ class ChatRenderer:
 
         """
         try:
-            ids, after = self.tool_turn_ids(prompt_text, messages, new_messages, stop_text)
+            text, after = self._tool_turn_text(prompt_text, messages, new_messages, stop_text)
         except TemplateDriftError:
             after = self.render([*messages, *new_messages], generation_prompt=True)
-            return ToolTurn(self.encode(after), after, fork=True)
-        return ToolTurn(ids, after, fork=False)
+            images = images_of([*messages, *new_messages])
+            ids, vision = self.encode_with_images(after, images)
+            return ToolTurn(ids, after, fork=True, images=tuple(images), vision=vision)
+        images = images_of(new_messages)
+        ids, vision = self.encode_with_images(text, images)
+        return ToolTurn(ids, after, fork=False, images=tuple(images), vision=vision)
 
     def tool_turn_ids(
         self,
@@ -389,6 +428,17 @@ class ChatRenderer:
                 added, or does not end assistant turns with `stop_text`.
 
         """
+        text, after = self._tool_turn_text(prompt_text, messages, new_messages, stop_text)
+        return self.encode(text), after
+
+    def _tool_turn_text(
+        self,
+        prompt_text: str,
+        messages: Sequence[Mapping[str, Any]],
+        new_messages: Sequence[Mapping[str, Any]],
+        stop_text: str,
+    ) -> tuple[str, str]:
+        """`tool_turn_ids`' text to encode (not its ids), and the new prompt text."""
         before = self.render(messages, generation_prompt=False)
         after = self.render([*messages, *new_messages], generation_prompt=True)
         self._check_extends(prompt_text, before, "the model's turn")
@@ -399,7 +449,7 @@ class ChatRenderer:
         if end < 0 and added.startswith(stop_text):
             # The template writes the stop token as the next message's opening (GLM-4 opens tool
             # results with <|observation|>, the token its model stops on): the model wrote it.
-            return self.encode(added[len(stop_text) :]), after
+            return added[len(stop_text) :], after
         if end < 0:
             raise TemplateDriftError(
                 f"The chat template does not end assistant turns with {stop_text!r}, the token "
@@ -407,7 +457,7 @@ class ChatRenderer:
                 f"whose assistant turns end with the model's end-of-turn token."
             )
         glue = assistant_text[end + len(stop_text) :]
-        return self.encode(glue + added), after
+        return glue + added, after
 
     @staticmethod
     def _check_extends(shorter: str, longer: str, what: str) -> None:

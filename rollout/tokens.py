@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollout.images import join_vision_inputs
 
 
 class TokenRow:
@@ -18,11 +21,19 @@ class TokenRow:
     ([1, 2, 3, 4, 5], [1, 1, 0], [-0.5, -0.25, 0.0])
     """
 
-    def __init__(self, prompt_ids: Sequence[int]):
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        images: Sequence[Any] = (),
+        vision: Mapping[str, Any] | None = None,
+    ):
         self.prompt_ids = list(prompt_ids)
         self.completion_ids: list[int] = []
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
+        # A VLM's images in the row, in order, and the processor's tensors for each addition.
+        self.images: list[Any] = list(images)
+        self.vision_parts: list[Mapping[str, Any]] = [vision] if vision else []
 
     def append_sampled(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
         """Append tokens the policy sampled, with the sampler's logprob of each."""
@@ -32,11 +43,27 @@ class TokenRow:
         self.loss_mask.extend([1] * len(ids))
         self.logprobs.extend(logprobs)
 
-    def append_context(self, ids: Sequence[int]) -> None:
-        """Append tokens the policy did not sample (tool results, template glue): mask 0."""
+    def append_context(
+        self,
+        ids: Sequence[int],
+        images: Sequence[Any] = (),
+        vision: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Append tokens the policy did not sample (tool results, template glue): mask 0.
+
+        `images` are those whose tokens `ids` hold, `vision` the processor's tensors of them.
+        """
+        self.images.extend(images)
+        if vision:
+            self.vision_parts.append(vision)
         self.completion_ids.extend(ids)
         self.loss_mask.extend([0] * len(ids))
         self.logprobs.extend([0.0] * len(ids))
+
+    @property
+    def vision_inputs(self) -> dict[str, Any]:
+        """The processor's tensors of every image in the row, in order (empty: no images)."""
+        return join_vision_inputs(self.vision_parts)
 
     @property
     def context_ids(self) -> list[int]:

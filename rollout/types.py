@@ -137,12 +137,19 @@ class EpisodeRow:
     completion token; `loss_mask[i] == 1` exactly where the policy sampled the token right
     after `prompt_ids + completion_ids[:i]` (so every mask-1 token was sampled in exactly this
     row's context), and `sampler_logprobs[i] == 0.0` wherever the mask is 0.
+
+    A vision-language model's row also holds its `images` (PIL images, in the order their
+    tokens appear in the row) and `vision_inputs`, the tensors its processor made of them
+    (`pixel_values`, ...; see `rollout.images`), which every forward over the row takes. Both
+    are empty for text rows and are left out of equality.
     """
 
     prompt_ids: list[int]
     completion_ids: list[int]
     loss_mask: list[int]
     sampler_logprobs: list[float]
+    images: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    vision_inputs: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         lengths = {len(self.completion_ids), len(self.loss_mask), len(self.sampler_logprobs)}

@@ -46,8 +46,15 @@ def imported_modules(path: Path) -> set[str]:
 
 
 # transformers' cache types: the shared-prompt forward hands the model caches of its own kind
-# (`agentgrpo/learner/prefix_cache.py`); nothing else of transformers.
-LEARNER_MAY_IMPORT = ("torch", "rollout.types", "agentgrpo.learner", "transformers.cache_utils")
+# (`agentgrpo/learner/prefix_cache.py`); nothing else of transformers. `rollout.images` (torch
+# only): how a VLM's forward takes its images, shared with the sampler.
+LEARNER_MAY_IMPORT = (
+    "torch",
+    "rollout.types",
+    "rollout.images",
+    "agentgrpo.learner",
+    "transformers.cache_utils",
+)
 
 
 def test_the_learner_imports_only_torch_the_episode_types_and_the_standard_library():

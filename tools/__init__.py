@@ -17,7 +17,7 @@ This package imports nothing from `environments`, `rollout` or `agentgrpo`.
 """
 
 from tools.calculator import calculator
-from tools.call import ToolErrorKind, ToolResult, ToolResultError, call_tool
+from tools.call import ToolErrorKind, ToolResult, ToolResultError, call_tool, is_image
 from tools.python import python, python_tool
 from tools.sandbox import SandboxUnavailableError
 from tools.schema import Tool, ToolDefinitionError, as_tool
@@ -35,6 +35,7 @@ __all__ = [
     "as_tool",
     "calculator",
     "call_tool",
+    "is_image",
     "python",
     "python_tool",
     "run_in_daemon_thread",

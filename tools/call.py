@@ -73,6 +73,8 @@ class ToolResult:
             is set.
         error: Why the call failed, or None if it succeeded.
         seconds: Wall time of the whole call, validation included, in seconds.
+        images: Images the tool returned (PIL images, `is_image`), for a vision-language model
+            to see after `content`'s text; empty for text results.
 
     """
 
@@ -80,6 +82,7 @@ class ToolResult:
     content: str
     error: ToolErrorKind | None
     seconds: float
+    images: tuple[Any, ...] = ()
 
 
 async def call_tool(
@@ -89,6 +92,10 @@ async def call_tool(
     timeout_s: float | None,
 ) -> ToolResult:
     """Validate the arguments, call the tool under a timeout, and return its result as text.
+
+    A tool may also return an image (a PIL image), or a list or tuple of images and other
+    values: the images go to `ToolResult.images`, the other values, as text, one a line, to
+    `content`.
 
     Args:
         tools: The tools the model may call, by name.
@@ -128,7 +135,28 @@ async def call_tool(
             message = f"Error: {name}() timed out after {float(timeout_s or 0)} s"
             return result(message, ToolErrorKind.TIMEOUT)
         return result(f"Error: {name}() raised {describe_error(exc)}", ToolErrorKind.EXCEPTION)
-    return result(_result_text(tool, value))
+    images = _images_in(value)
+    if not images:
+        return result(_result_text(tool, value))
+    rest = [] if is_image(value) else [v for v in value if not is_image(v)]
+    text = "\n".join(_result_text(tool, v) for v in rest)
+    return ToolResult(name, text, None, time.perf_counter() - start_s, images)
+
+
+def is_image(value: Any) -> bool:
+    """Whether `value` is a PIL image (checked by type, so PIL need not be installed)."""
+    return any(
+        cls.__name__ == "Image" and cls.__module__.startswith("PIL.") for cls in type(value).__mro__
+    )
+
+
+def _images_in(value: Any) -> tuple[Any, ...]:
+    """The images a tool returned: the value itself, or the images of a list or tuple."""
+    if is_image(value):
+        return (value,)
+    if isinstance(value, list | tuple):
+        return tuple(v for v in value if is_image(v))
+    return ()
 
 
 async def _invoke(tool: Tool, kwargs: dict[str, Any]) -> Any:

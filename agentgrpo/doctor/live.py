@@ -64,10 +64,10 @@ def check_environment_runs(
 _ENVIRONMENT_FIX = "see docs/environments.md for the contract; the message names what broke"
 
 
-async def _reset_and_close(env_class: type, row: Mapping[str, Any]) -> str | None:
-    """Build and reset an instance on `row` (seed 0), then close it; return reset's text."""
+async def _reset_and_close(env_class: type, row: Mapping[str, Any]) -> str | list[Any] | None:
+    """Build and reset an instance on `row` (seed 0), then close it; return what reset did."""
 
-    def run() -> str | None:
+    def run() -> str | list[Any] | None:
         env = create_environment(env_class)
         try:
             return reset_environment(env, row, 0)
@@ -80,9 +80,17 @@ async def _reset_and_close(env_class: type, row: Mapping[str, Any]) -> str | Non
 
 
 def _check_tools_render(
-    setup: Setup, schemas: list[dict[str, Any]], row: Mapping[str, Any], observation: str | None
+    setup: Setup,
+    schemas: list[dict[str, Any]],
+    row: Mapping[str, Any],
+    observation: str | list[Any] | None,
 ) -> None:
-    """Raise ValueError unless every tool's name shows in the rendered first prompt."""
+    """Raise ValueError unless every tool's name shows in the rendered first prompt.
+
+    Of a `reset` that returned texts and images, the texts stand in for the whole.
+    """
+    if isinstance(observation, list):
+        observation = "\n".join(value for value in observation if isinstance(value, str))
     renderer = ChatRenderer(setup.tokenizer, setup.template, schemas, setup.template_kwargs)
     messages = prompt_messages(row) if "prompt" in row else []
     messages = messages or [{"role": "user", "content": observation or ""}]

@@ -9,7 +9,7 @@ sequence.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -37,6 +37,9 @@ class TrainingBatch:
         ref_logprobs_B_C: Reference-model logprobs when `beta > 0`; else None.
         num_items: Active (mask-1) tokens of the optimizer step this batch belongs to, summed
             over all processes: the normaliser of the token-level losses.
+        vision_B: A vision-language model's batch: each row's image tensors
+            (`rollout.EpisodeRow.vision_inputs`, empty for a row without images), which every
+            forward over the rows takes; None for a text batch.
     """
 
     input_ids_B_L: torch.Tensor
@@ -49,6 +52,7 @@ class TrainingBatch:
     old_logprobs_B_C: torch.Tensor | None = None
     ref_logprobs_B_C: torch.Tensor | None = None
     num_items: float = 0.0
+    vision_B: tuple[Mapping[str, torch.Tensor], ...] | None = None
 
     @property
     def completion_width(self) -> int:
@@ -70,6 +74,10 @@ class TrainingBatch:
             for f in fields(self)
             if isinstance(value := getattr(self, f.name), torch.Tensor)
         }
+        if self.vision_B is not None:
+            moved["vision_B"] = tuple(
+                {key: value.to(device) for key, value in row.items()} for row in self.vision_B
+            )
         return replace(self, **moved)
 
     def select_episodes(self, episodes: Sequence[int]) -> TrainingBatch:
@@ -92,6 +100,9 @@ class TrainingBatch:
             else value
             for f in fields(self)
         }
+        if self.vision_B is not None:
+            indices = rows.tolist() if isinstance(rows, torch.Tensor) else rows
+            taken["vision_B"] = tuple(self.vision_B[int(i)] for i in indices)
         picked = TrainingBatch(**taken)
         real_B_L = picked.attention_mask_B_L.bool()
         first = int(real_B_L.any(0).nonzero()[0])  # leftmost column some row uses
@@ -149,6 +160,7 @@ def collate_episodes(
         sampler_B_C[b, : len(completion)] = torch.tensor(row.sampler_logprobs)
     positions_B_L = (attention_B_L.cumsum(-1) - 1).clamp(min=0)
     episode_B = torch.tensor([n for n, _ in rows], dtype=torch.long)
+    with_images = any(row.vision_inputs for _, row in rows)
     return TrainingBatch(
         ids_B_L,
         attention_B_L,
@@ -157,4 +169,5 @@ def collate_episodes(
         sampler_B_C,
         advantages_N.float()[episode_B],
         episode_B,
+        vision_B=tuple(row.vision_inputs for _, row in rows) if with_images else None,
     )

@@ -16,6 +16,7 @@ from agentgrpo.learner.output_head import (
 )
 from agentgrpo.learner.shared_prompt import can_share_prompts, prompt_groups, shared_prompt_states
 from agentgrpo.learner.token_weights import entropy_from_logits
+from rollout.images import batch_vision, vision_forward_kwargs
 
 
 class PolicyForward(NamedTuple):
@@ -86,15 +87,34 @@ def one_pass_states(
     Returns the states and, with `with_aux_loss`, the model's load-balancing loss (else None).
     """
     router: dict[str, Any] = {"output_router_logits": True} if with_aux_loss else {}
+    inputs = {"position_ids": batch.position_ids_B_L, **vision_inputs(model, batch)}
     states_B_C1_D, out = readout(
         model,
         batch.completion_width + 1,
         input_ids=batch.input_ids_B_L,
         attention_mask=batch.attention_mask_B_L,
-        position_ids=batch.position_ids_B_L,
+        **inputs,
         **router,
     )
     return states_B_C1_D[:, :-1], out.aux_loss if with_aux_loss else None
+
+
+def vision_inputs(model: torch.nn.Module, batch: TrainingBatch) -> dict[str, Any]:
+    """The image tensors of the batch's rows and what the model reads with them (none: text).
+
+    `rollout.images.vision_forward_kwargs`: the sampler calls the model the same way.
+    """
+    if batch.vision_B is None:
+        return {}
+    config = _unwrapped(model).config
+    return vision_forward_kwargs(config, batch.input_ids_B_L, batch_vision(batch.vision_B))
+
+
+def _unwrapped(model: Any) -> Any:
+    """The model under DDP's or DeepSpeed's `module` wrapper (PEFT models pass `config` on)."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def logits_logprobs(
@@ -127,10 +147,13 @@ def _shared_prompts(
     """`prompt_groups(batch)` where sharing prompts is valid and pays, else None.
 
     It pays when rows share prompts; it needs prompt columns, at least 2 completion columns
-    (the first completion token's state comes from the prompt pass) and a model it suits.
+    (the first completion token's state comes from the prompt pass), a model it suits, and no
+    images (the prompt pass would have to split the images' tensors by prompt).
     """
     width_C = batch.completion_width
     if batch.input_ids_B_L.shape[1] == width_C or width_C < 2 or not can_share_prompts(model):
+        return None
+    if batch.vision_B is not None:  # the images' tokens are read with their pixels: one pass
         return None
     prompts = prompt_groups(batch)
     return prompts if len(prompts[0]) < len(batch) else None

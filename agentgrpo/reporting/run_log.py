@@ -37,10 +37,13 @@ from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
 from agentgrpo.reporting.plot import line_chart
 from agentgrpo.run_folder import explained_write_errors
 from rollout import Episode, EpisodeRecord, read_records, record_line
+from rollout.images import text_of
+from rollout.record import ImageFolder
 
 METRICS_FILE = "metrics.jsonl"
 CHART_FILE = "reward.png"
 EPISODES_DIR = "episodes"
+IMAGES_DIR = "images"  # in the episodes folder: the PNG files the records name
 _EPISODE_FILE = re.compile(r"step-(\d+)\.jsonl")
 _CHARTED = {"reward": "mean reward", "tools/call_frequency": "tool calls per episode"}
 
@@ -220,7 +223,9 @@ class EpisodeLog(TrainerCallback):
         records = self.trainer.last_records
         if not records or records[0].policy_version + 1 != state.global_step:
             return
-        lines = [record_line(record) for record in records]
+        folder = episode_file(args.output_dir, state.global_step).parent
+        images = ImageFolder(folder / IMAGES_DIR, folder)
+        lines = [record_line(record, images) for record in records]
         if args.world_size > 1:
             lines = gather_object(lines)
         if state.is_world_process_zero:
@@ -297,12 +302,23 @@ def format_episode(episode: Episode, reward: float) -> str:
 
 
 def format_message(message: Mapping[str, Any]) -> str:
-    """A chat message as `role: text`, its tool calls as `[call ...]`, a tool result as `[tool]`."""
-    role, content = message.get("role", "?"), message.get("content") or ""
+    """A chat message as `role: text`, its tool calls as `[call ...]`, a tool result as `[tool]`.
+
+    Content parts are shown as their text, each image as `[image]`.
+    """
+    role, content = message.get("role", "?"), _content_text(message.get("content") or "")
     if role == "tool":
         return _labelled(f"[tool {message.get('name', '?')}] ->", content)
     calls = [_format_call(call) for call in message.get("tool_calls") or []]
     return _labelled(f"{role}:", "\n".join([content, *calls] if content else calls))
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(
+        "[image]" if part.get("type") == "image" else text_of([part]) for part in content
+    )
 
 
 def _format_call(call: Mapping[str, Any]) -> str:

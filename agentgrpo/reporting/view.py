@@ -9,8 +9,8 @@
 - `index(metrics_key)`: the recorded steps with a key that changes when a step's file does,
   a note on the metrics (none yet, or lines skipped) and the charts when `metrics.jsonl`
   changed since `metrics_key`;
-- `step(n)`: one step's episodes, their summary, a note on lines skipped and the text of their
-  tokens.
+- `step(n)`: one step's episodes (with the pictures a vision-language model saw, inline),
+  their summary, a note on lines skipped and the text of their tokens.
 
 The charts are matplotlib SVG (`plot.line_chart_svg`): reward, tool calls and turns per episode,
 and failed tool calls by kind, by step. Steps and charts are cached until their file changes.
@@ -108,7 +108,11 @@ class RunView:
 
     def _read_step(self, step: int, key: str) -> dict[str, Any]:
         records, skipped = view_data.read_step(self.run_dir, step)
-        episodes = [view_data.episode_view(record) for record in records]
+        folder = episode_file(self.run_dir, step).parent
+        episodes = [
+            view_data.episode_view(record) | {"images": view_data.episode_images(record, folder)}
+            for record in records
+        ]
         summary = view_data.step_summary(episodes)
         note = _skipped_note(skipped, episode_file(self.run_dir, step).name, "episodes")
         return {"step": step, "key": key, "summary": summary, "episodes": episodes, "note": note}

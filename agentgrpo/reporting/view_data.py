@@ -10,6 +10,7 @@ JSON-lines file is a line still being written and is left for the next read, nev
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
@@ -18,8 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentgrpo.reporting.run_log import EPISODES_DIR, METRICS_FILE, episode_file
-from rollout.record import EpisodeRecord, encode_value, record_from_dict
+from agentgrpo.reporting.run_log import EPISODES_DIR, IMAGES_DIR, METRICS_FILE, episode_file
+from rollout.record import TAG, EpisodeRecord, encode_value, record_from_dict
 from rollout.types import EpisodeRow, ToolCallRecord
 
 _REWARD_MEAN = re.compile(r"rewards/(.+)/mean")
@@ -175,6 +176,38 @@ def episode_view(record: EpisodeRecord) -> dict[str, Any]:
         "task": _json_text({k: v for k, v in episode.row.items() if k != "prompt"}),
         "rows": [_row_view(row) for row in episode.rows],
     }
+
+
+def episode_images(record: EpisodeRecord, folder: Path) -> list[str]:
+    """The pictures a vision-language model saw in the episode, as `data:` URLs, in order.
+
+    The record names each picture's PNG file, relative to its own `folder`
+    (`rollout.record.ImageFolder`). A file that is missing, over `_MAX_IMAGE_BYTES`, or not
+    inside `folder`'s `images` folder (a record is data, not a path to follow anywhere) is left
+    out.
+    """
+    root = (folder / IMAGES_DIR).resolve()
+    urls = []
+    for tag in _image_tags(record.episode.messages):
+        path = (folder / str(tag.get("path", ""))).resolve()
+        if path.parent != root or not path.is_file() or path.stat().st_size > _MAX_IMAGE_BYTES:
+            continue
+        urls.append("data:image/png;base64," + base64.b64encode(path.read_bytes()).decode())
+    return urls
+
+
+_MAX_IMAGE_BYTES = 4 << 20
+
+
+def _image_tags(value: Any) -> list[Mapping[str, Any]]:
+    """The image tags in a decoded record value (`rollout.record`), depth first."""
+    if isinstance(value, Mapping):
+        if value.get(TAG) == "image":
+            return [value]
+        return [tag for item in value.values() for tag in _image_tags(item)]
+    if isinstance(value, list | tuple):
+        return [tag for item in value for tag in _image_tags(item)]
+    return []
 
 
 def _call_view(call: ToolCallRecord) -> dict[str, Any]:

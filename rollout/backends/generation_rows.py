@@ -8,8 +8,9 @@ the prefill and by every decoding batch.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import LogitsProcessorList
@@ -20,10 +21,14 @@ from rollout.types import Completion, SamplingParams
 
 @dataclass
 class Request:
-    """One `generate` call: its prompt, its sampling, and (once done) its result or error."""
+    """One `generate` call: its prompt, its sampling, and (once done) its result or error.
+
+    `vision` holds the processor's tensors of the prompt's images (empty: a text prompt).
+    """
 
     prompt_ids: list[int]
     params: SamplingParams
+    vision: Mapping[str, Any] = field(default_factory=dict)
     result: Completion | None = None
     error: BaseException | None = None
     abandoned: bool = False

@@ -16,7 +16,9 @@ a CUDA GPU a `SlotBatch` (a static cache with a slot per row, sampled on the dev
 steps per host round trip, replayed as CUDA graphs).
 
 Models whose cache is not plain attention keys and values (recurrent or linear-attention
-layers) generate one request at a time, without prefix reuse.
+layers) generate one request at a time, without prefix reuse. So do prompts with images (a
+vision-language model's): the prefill reads their pixels with their ids (`rollout.images`), and
+no cache is shared with other requests.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from rollout.backends.generation_rows import Request, Row, draw_rows
 from rollout.backends.generation_settings import generation_settings, row_processors
 from rollout.backends.kv_cache import KV, PrefixCache
 from rollout.backends.slot_batch import SlotBatch
+from rollout.images import feature_token_ids, vision_forward_kwargs
 from rollout.types import Completion, SamplingParams
 
 # What a row samples with when neither its request nor the backend's settings say otherwise.
@@ -81,7 +84,9 @@ class TransformersBackend:
         sampling_overrides: TRL's `generation_kwargs` (transformers' `GenerationConfig`
             fields) for every request, winning over the request's own sampling: see
             `generation_settings` for what applies and what is refused. The sampler logprobs
-            stay those of softmax(logits / T), before any penalty, processor or filter.
+            stay those of softmax(logits / T), before any penalty, processor or filter. A
+            vision-language model's image-feature tokens are always suppressed
+            (`rollout.images.feature_token_ids`).
         static_cache: Decode in a `SlotBatch` (True) or a `DynamicBatch` (False); None: a
             `SlotBatch` when the model is on a CUDA device. Only models whose every layer is
             full attention decode in slots.
@@ -90,7 +95,12 @@ class TransformersBackend:
         chunk_steps: A `SlotBatch`'s decoding steps per host round trip.
         cuda_graphs: Let a `SlotBatch` on CUDA replay its decoding step as CUDA graphs.
 
+    Attributes:
+        reads_images: True: `generate` takes a vision-language model's image tensors.
+
     """
+
+    reads_images = True
 
     def __init__(
         self,
@@ -112,7 +122,12 @@ class TransformersBackend:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
-        self.settings = generation_settings(sampling_overrides or {}, self.stop_token_ids)
+        overrides = dict(sampling_overrides or {})
+        if features := feature_token_ids(model.config):
+            overrides["suppress_tokens"] = sorted(
+                {*(overrides.get("suppress_tokens") or ()), *features}
+            )
+        self.settings = generation_settings(overrides, self.stop_token_ids)
         self.sampling_overrides = self.settings.sampling
         self.context_limit: int | None = getattr(model.config, "max_position_embeddings", None)
         self.vocab_size: int = _text_config(model).vocab_size
@@ -168,8 +183,17 @@ class TransformersBackend:
                 self._batch = DynamicBatch(self.model)
         return self._batch
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Queue a request and return its completion once the steps have generated it."""
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        vision: Mapping[str, torch.Tensor] | None = None,
+    ) -> Completion:
+        """Queue a request and return its completion once the steps have generated it.
+
+        `vision`: the processor's tensors of the images whose tokens `prompt_ids` hold
+        (`rollout.images.encode_with_images`); such a request generates on its own.
+        """
         if self.context_limit and len(prompt_ids) + params.max_tokens > self.context_limit:
             raise ValueError(
                 f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
@@ -178,7 +202,7 @@ class TransformersBackend:
         if not prompt_ids:
             raise ValueError("the prompt is empty: there is nothing to continue")
         params = replace(params, max_tokens=self.settings.turn_budget(params.max_tokens))
-        request = Request(list(prompt_ids), params)
+        request = Request(list(prompt_ids), params, dict(vision or {}))
         self._arriving.append(request)
         try:
             while not request.done:
@@ -205,11 +229,12 @@ class TransformersBackend:
         batch = self._running()
         try:
             with torch.inference_mode(), self._autocast():
-                if not self.reuses_keys_and_values:
-                    for request in admitted:
-                        self._generate_alone(request)
+                alone = [r for r in admitted if r.vision or not self.reuses_keys_and_values]
+                for request in alone:
+                    self._generate_alone(request)
+                if len(alone) == len(admitted) and not batch.rows:
                     return
-                prefilled = self._prefill_all(admitted)
+                prefilled = self._prefill_all([r for r in admitted if r not in alone])
                 batch.join([(row, kv) for row, kv in prefilled if not row.finished])
                 if batch.rows:
                     for row, kv in batch.decode(self.stop_token_ids):
@@ -296,26 +321,52 @@ class TransformersBackend:
             prefilled.append((row, kv))
         return prefilled
 
-    def _forward(self, token_ids: list[int], positions: range, cache: DynamicCache | None):
+    def _forward(
+        self,
+        token_ids: list[int],
+        positions: range,
+        cache: DynamicCache | None,
+        vision: Mapping[str, torch.Tensor],
+        rope_delta: torch.Tensor | None = None,
+    ):
+        """One forward of a lone request's next ids (`_generate_alone`).
+
+        `vision` (prefill only) holds the prompt's image tensors; a model with 3-D rotary
+        positions then computes its own, and returns `rope_deltas`, the shift of the text
+        positions after the images, which each decoding step passes back as `rope_delta`.
+        """
         device = self._device()
+        ids_1_T = torch.tensor([token_ids], device=device)
+        position_ids: torch.Tensor | None = torch.tensor([list(positions)], device=device)
+        if rope_delta is not None:
+            position_ids = (position_ids + rope_delta).expand(3, 1, -1)  # type: ignore[operator]
+        vision = {key: value.to(device) for key, value in vision.items()}
+        extra = vision_forward_kwargs(self.model.config, ids_1_T, vision)
+        position_ids = extra.pop("position_ids", position_ids)
         return self.model(
-            input_ids=torch.tensor([token_ids], device=device),
+            input_ids=ids_1_T,
             attention_mask=torch.ones(1, positions.stop, dtype=torch.long, device=device),
-            position_ids=torch.tensor([list(positions)], device=device),
+            position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **extra,
         )
 
     def _generate_alone(self, request: Request) -> None:
-        """Generate one request with the model's own cache (models without plain KV)."""
+        """Generate one request with the model's own cache (models without plain KV, images)."""
         row = self._new_row(request)
-        out = self._forward(request.prompt_ids, range(len(request.prompt_ids)), None)
+        out = self._forward(
+            request.prompt_ids, range(len(request.prompt_ids)), None, request.vision
+        )
+        rope_delta = getattr(out, "rope_deltas", None) if request.vision else None
         self._draw([row], out.logits[:, -1, :])
         while not row.finished:
             row.fed.append(row.tokens[-1])
             last = len(row.fed) - 1
-            out = self._forward([row.tokens[-1]], range(last, last + 1), out.past_key_values)
+            out = self._forward(
+                [row.tokens[-1]], range(last, last + 1), out.past_key_values, {}, rope_delta
+            )
             self._draw([row], out.logits[:, -1, :])
 
     def _new_row(self, request: Request) -> Row:

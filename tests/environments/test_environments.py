@@ -131,7 +131,13 @@ def env_file(tmp_path):
 
 def test_env_prefix_resolves_a_builtin():
     assert resolve_environment("env:Counter") is Counter
-    assert list(BUILTIN_ENVIRONMENTS) == ["Counter", "Arithmetic", "GuessNumber", "Chain"]
+    assert list(BUILTIN_ENVIRONMENTS) == [
+        "Counter",
+        "Arithmetic",
+        "GuessNumber",
+        "Chain",
+        "ColourSquare",
+    ]
 
 
 def test_module_spec_resolves_an_importable_class():
@@ -178,7 +184,7 @@ def test_files_with_the_same_name_in_different_folders_do_not_collide(tmp_path):
         ("env:", "both sides of ':'"),
         ("env:Countr", "no built-in environment 'Countr' (did you mean 'Counter'?); built-ins"),
         ("env:counter", "did you mean 'Counter'?"),
-        ("env:Chess", "built-ins: Arithmetic, Chain, Counter, GuessNumber"),
+        ("env:Chess", "built-ins: Arithmetic, Chain, ColourSquare, Counter, GuessNumber"),
         ("no_such_module_xyz:Env", "cannot import module 'no_such_module_xyz'"),
         ("environments.counter:Countr", "has no 'Countr' (did you mean 'Counter'?)"),
         ("environments.counter:random", "names a module, not a class"),

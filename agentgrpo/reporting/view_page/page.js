@@ -171,6 +171,8 @@ function detail(pane, data) {
     el("p", {}, `reward ${fmt(e.reward)} (${rewards.join(", ")}) · advantage ${fmt(e.advantage)}` +
       ` · finish ${e.finish} · ${e.turns} turns · played with the weights of step ${e.policy_version}`),
     el("p", {}, "task: ", el("code", {}, e.task)),
+    e.images.length ? el("p", { class: "images" }, "pictures the model saw: ",
+      ...e.images.map((src, i) => el("img", { src, alt: `picture ${i + 1}`, title: `picture ${i + 1}` }))) : null,
     e.error ? el("p", { class: "failed" }, `error: ${e.error}`) : null,
     callTable(e.calls),
     el("p", { class: "legend" }, el("span", { class: "tok p" }, "prompt (mask 0)"),

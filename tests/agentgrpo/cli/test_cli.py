@@ -27,6 +27,7 @@ def test_envs_lists_every_builtin_with_one_line_each_then_the_environment_source
         "env:Arithmetic",
         "env:GuessNumber",
         "env:Chain",
+        "env:ColourSquare",
     ]
     assert all(len(line.split()) > 2 for line in lines)
     forms = [line.split()[0] for line in sources.splitlines()[1:]]

@@ -1,0 +1,339 @@
+"""Images in prompts: loading a vision-language model's processor and encoding text with images.
+
+A vision-language model (VLM) reads an image as a run of image tokens in its input ids, whose
+embeddings its vision tower computes from the image's pixels. The chat template writes one
+*placeholder* per image (`image_placeholder`); the model's processor expands each placeholder
+into the image's tokens and turns the image into the tensors the model reads (`pixel_values`,
+and per family `image_grid_thw`, `pixel_attention_mask`, ...). `encode_with_images` does both, so
+the expansion is part of the ids the model sees: prompt and tool-turn tokens, mask 0.
+
+Without torchvision (CPU machines here: the registries' torchvision wheels are CUDA builds
+that do not load beside the CPU torch), transformers cannot build a processor that has a video
+processor (Qwen2-VL, Qwen2.5-VL), even for images only. `load_processor` then builds it without
+one (`image_only`): images work; videos, which agentgrpo never feeds, do not.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+# What a processor returns besides the pixel tensors; the rest is the model's vision input.
+_TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
+
+
+def has_torchvision() -> bool:
+    """Whether torchvision can be imported (transformers' video processors need it)."""
+    return importlib.util.find_spec("torchvision") is not None
+
+
+@functools.cache
+def image_only(processor_class: type) -> Any:
+    """`processor_class` without its video processor, under the same name.
+
+    A processor's sub-processors are the arguments of its ``__init__``; this subclass takes the
+    image processor and the tokenizer only and hands None for the video processor, so it builds
+    and saves (as `processor_class`'s name, loadable with or without torchvision) where
+    transformers has no video processors.
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        processor_class.__init__(
+            self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs
+        )
+
+    namespace = {"__init__": __init__, "__doc__": processor_class.__doc__}
+    return type(processor_class.__name__, (processor_class,), namespace)
+
+
+def load_processor(name_or_path: str, **kwargs: Any) -> Any:
+    """The processor of a model directory or hub id (`AutoProcessor`), images-only if need be.
+
+    Where torchvision is missing and the model's processor has a video processor, it is built
+    by `image_only`. `kwargs` go to `from_pretrained`.
+    """
+    from transformers import AutoProcessor, ProcessorMixin
+    from transformers.models.auto.processing_auto import processor_class_from_name
+
+    processor_class = None
+    if not has_torchvision():
+        config = ProcessorMixin.get_processor_dict(name_or_path, **kwargs)[0]
+        name = config.get("processor_class")
+        processor_class = processor_class_from_name(name) if name else None
+    if processor_class is not None and "video_processor" in processor_class.get_attributes():
+        return image_only(processor_class).from_pretrained(name_or_path, **kwargs)
+    return AutoProcessor.from_pretrained(name_or_path, **kwargs)
+
+
+def is_vision_processor(processing_class: Any) -> bool:
+    """Whether `processing_class` is a processor with an image processor (not a tokenizer)."""
+    return getattr(processing_class, "image_processor", None) is not None
+
+
+def image_placeholder(processor: Any) -> str:
+    """The text a chat template writes for one image, which `processor` expands into its tokens.
+
+    Qwen2-VL's family wraps its image token in vision start and end tokens; Gemma3's
+    processor expands its begin-of-image token; the others expand their image token.
+    """
+    tokenizer = processor.tokenizer
+    start = getattr(tokenizer, "vision_start_token", None) or _token(tokenizer, "<|vision_start|>")
+    end = getattr(tokenizer, "vision_end_token", None) or _token(tokenizer, "<|vision_end|>")
+    if start and end:
+        return f"{start}{processor.image_token}{end}"
+    boi = getattr(processor, "boi_token", None)
+    return boi or processor.image_token
+
+
+def _token(tokenizer: Any, token: str) -> str | None:
+    """`token` when the tokenizer has it as one id, else None."""
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    return token if len(ids) == 1 and ids[0] != tokenizer.unk_token_id else None
+
+
+def encode_with_images(
+    processor: Any, text: str, images: Sequence[Any]
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """Token ids of rendered `text`, each image placeholder expanded, and the images' tensors.
+
+    Args:
+        processor: A VLM processor (`load_processor`).
+        text: Rendered template text holding one `image_placeholder` per image, in order.
+        images: The images (PIL), one per placeholder.
+
+    Returns:
+        The ids (the template, not the tokenizer, adds special tokens) and the vision inputs
+        the model's forward takes with them (empty when there are no images).
+
+    Raises:
+        ValueError: The text holds a different number of placeholders than there are images.
+    """
+    placeholder = image_placeholder(processor)
+    if text.count(placeholder) != len(images):
+        raise ValueError(
+            f"the text has {text.count(placeholder)} image placeholders ({placeholder!r}) but "
+            f"{len(images)} images were given; each image needs one image part in the messages"
+        )
+    if not images:
+        return processor.tokenizer.encode(text, add_special_tokens=False), {}
+    encoded = processor(
+        text=[text], images=[list(images)], return_tensors="pt", add_special_tokens=False
+    )
+    ids = encoded["input_ids"][0].tolist()
+    return ids, {k: v for k, v in encoded.items() if k not in _TEXT_KEYS}
+
+
+def join_vision_inputs(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The vision inputs of several encodings of one sequence, as one (images in order).
+
+    The processors list images (or their patches) along dimension 0, except Idefics3's, whose
+    `pixel_values` (batch x images x C x H x W) and `pixel_attention_mask` list them along
+    dimension 1 after a batch dimension of 1.
+    """
+    parts = [part for part in parts if part]
+    if len(parts) <= 1:
+        return dict(parts[0]) if parts else {}
+    batched = parts[0]["pixel_values"].dim() == 5
+    return {
+        key: torch.cat([part[key] for part in parts], dim=int(batched and key in _PER_SEQUENCE))
+        for key in parts[0]
+    }
+
+
+# Keys whose tensors have a batch dimension before the images, where `pixel_values` has 5.
+_PER_SEQUENCE = {"pixel_values", "pixel_attention_mask"}
+
+
+def images_of(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The images of `messages`' image parts (`{"type": "image", "image": <PIL image>}`), in order.
+
+    Raises:
+        ValueError: An image part holds no image (the row's `image`/`images` column fills
+            them: `with_row_images`).
+    """
+    images = []
+    for message in messages:
+        for part in _parts(message.get("content")):
+            if part.get("type") != "image":
+                continue
+            if part.get("image") is None:
+                raise ValueError(
+                    "an image part of the prompt has no image: give the row an 'image' or "
+                    "'images' column with one image per image part, or put the image in the "
+                    "part as {'type': 'image', 'image': <PIL image>}"
+                )
+            images.append(part["image"])
+    return images
+
+
+def _parts(content: Any) -> list[Mapping[str, Any]]:
+    return (
+        [part for part in content if isinstance(part, Mapping)] if isinstance(content, list) else []
+    )
+
+
+def with_row_images(messages: list[dict[str, Any]], row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The messages with the row's `image` or `images` column put in their image parts.
+
+    TRL's format: the images fill the prompt's empty image parts (`{"type": "image"}`) in order;
+    a prompt without image parts gets them at the start of its first user message. Messages of
+    a row without those columns come back unchanged.
+
+    Raises:
+        ValueError: The row has both columns, or a different number of images than the prompt
+            has empty image parts.
+    """
+    if "image" in row and "images" in row:
+        raise ValueError("a row has both an 'image' and an 'images' column; keep one")
+    if "image" not in row and "images" not in row:
+        return messages
+    images = [row["image"]] if "image" in row else list(row["images"] or [])
+    empty = [
+        (m, p)
+        for m, message in enumerate(messages)
+        for p, part in enumerate(_parts(message.get("content")))
+        if part.get("type") == "image" and part.get("image") is None
+    ]
+    if not empty:
+        return _prepend_images(messages, images)
+    if len(empty) != len(images):
+        raise ValueError(
+            f"the prompt has {len(empty)} image parts but the row has {len(images)} images; "
+            f"give one image per {{'type': 'image'}} part"
+        )
+    filled = [
+        {**m, "content": [dict(p) for p in m["content"]]}
+        if isinstance(m.get("content"), list)
+        else dict(m)
+        for m in messages
+    ]
+    for (m, p), image in zip(empty, images, strict=True):
+        filled[m]["content"][p]["image"] = image
+    return filled
+
+
+def _prepend_images(messages: list[dict[str, Any]], images: list[Any]) -> list[dict[str, Any]]:
+    """The first user message with image parts for `images` before its text."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first is None or not images:
+        return messages
+    content = messages[first].get("content") or ""
+    text = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+    parts = [{"type": "image", "image": image} for image in images]
+    return [*messages[:first], {**messages[first], "content": parts + text}, *messages[first + 1 :]]
+
+
+def feature_token_ids(config: Any) -> list[int]:
+    """The ids a VLM replaces by image (or video) features: a sampled one would break its forward.
+
+    Empty for a text model. The generation backends never sample them (`suppress_tokens`);
+    the sampler logprobs stay those before suppression, which the learner recomputes.
+    """
+    if getattr(config, "vision_config", None) is None:
+        return []
+    names = ("image_token_id", "image_token_index", "video_token_id")
+    return sorted({value for name in names if (value := getattr(config, name, None)) is not None})
+
+
+def tool_content(text: str, images: Sequence[Any]) -> str | list[dict[str, Any]]:
+    """A tool message's content: `text`, or with images, their parts and then the text's."""
+    if not images:
+        return text
+    parts: list[dict[str, Any]] = [{"type": "image", "image": image} for image in images]
+    return [*parts, {"type": "text", "text": text}] if text else parts
+
+
+def text_of(content: Any) -> str:
+    """The text of a message's content: itself, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in _parts(content) if part.get("type") == "text")
+
+
+def cut_text(content: Any, limit: int) -> Any:
+    """`content` with its text (each text part's) cut to at most `limit` characters."""
+    if isinstance(content, str):
+        return content[:limit]
+    return [
+        {**part, "text": part["text"][:limit]} if part.get("type") == "text" else part
+        for part in _parts(content)
+    ]
+
+
+def with_observation_parts(
+    messages: list[dict[str, Any]], observation: Sequence[Any]
+) -> list[dict[str, Any]]:
+    """Add what `reset` returned, texts and images in order, to the last user message.
+
+    Texts become text parts (the first on a new line after the message's own text), images
+    image parts; with no messages, they are the user's message.
+    """
+    added: list[Mapping[str, Any]] = [
+        {"type": "text", "text": value}
+        if isinstance(value, str)
+        else {"type": "image", "image": value}
+        for value in observation
+    ]
+    if not messages:
+        return [{"role": "user", "content": added}]
+    content = messages[-1].get("content") or ""
+    own: list[Mapping[str, Any]]
+    if isinstance(content, str):
+        own = [{"type": "text", "text": content + "\n"}] if content else []
+    else:
+        own = [*_parts(content), {"type": "text", "text": "\n"}]
+    return [*messages[:-1], {**messages[-1], "content": own + added}]
+
+
+def vision_forward_kwargs(
+    config: Any,
+    input_ids_B_L: torch.Tensor,
+    vision: Mapping[str, torch.Tensor],
+) -> dict[str, Any]:
+    """What a VLM's forward takes besides ids and attention mask, for a batch with images.
+
+    The vision inputs themselves, and what the model family needs per token: Qwen2-VL's
+    family takes `mm_token_type_ids` (1 on image tokens) and computes its own 3-D rotary
+    positions from them and the attention mask, so `position_ids` is None for it (the
+    sampler and the learner both call the model this way, so their logprobs agree). Other
+    families read plain positions. Empty `vision`: nothing (a text-only batch).
+    """
+    if not vision:
+        return {}
+    kwargs: dict[str, Any] = dict(vision)
+    if getattr(config, "vision_start_token_id", None) is not None:
+        kwargs["mm_token_type_ids"] = (input_ids_B_L == config.image_token_id).int()
+        kwargs["position_ids"] = None
+    return kwargs
+
+
+def batch_vision(vision_B: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The vision inputs of B sequences, as one forward over them takes them.
+
+    Images are listed sequence by sequence; Idefics3's per-sequence layout (B x images x ...)
+    is padded with all-zero images, which its model skips. Empty: no sequence has images.
+    """
+    present = [v for v in vision_B if v]
+    if not present:
+        return {}
+    if present[0]["pixel_values"].dim() != 5:
+        return join_vision_inputs(present)
+    most = max(v["pixel_values"].shape[1] for v in present)
+    template = present[0]
+    return {
+        key: torch.cat([_padded_images(v.get(key), template[key], most) for v in vision_B])
+        for key in template
+    }
+
+
+def _padded_images(value: torch.Tensor | None, like: torch.Tensor, count: int) -> torch.Tensor:
+    """`value` (1 x n x ...) with zero images added up to `count`; None: all zero."""
+    shape = (1, count, *like.shape[2:])
+    padded = like.new_zeros(shape)
+    if value is not None:
+        padded[:, : value.shape[1]] = value
+    return padded
