@@ -639,6 +639,31 @@ class GRPOConfig(TrainingArguments):
         },
     )
 
+    # --- agentgrpo: asynchronous GRPO (TRL's AsyncGRPOConfig names) ------------------------------
+    async_grpo: bool = field(
+        default=False,
+        metadata={
+            "help": "Overlap generation with training: a producer thread plays groups with the "
+            "generator's weights into a bounded queue while the learner trains on the fresh "
+            "ones (agentgrpo.async_rounds). False: rounds run in lock-step (the default)."
+        },
+    )
+    max_staleness: int = field(
+        default=4,
+        metadata={
+            "help": "With async_grpo: the most optimizer steps the weights that started a group "
+            "may lag behind the step that trains it; older groups are dropped and counted."
+        },
+    )
+    queue_maxsize: int = field(
+        default=1024,
+        metadata={"help": "With async_grpo: the most played episodes waiting to be trained on."},
+    )
+    weight_sync_steps: int = field(
+        default=1,
+        metadata={"help": "With async_grpo: optimizer steps between pushes to the generator."},
+    )
+
     def __post_init__(self) -> None:
         # bf16 must be a bool before TrainingArguments sees it: it rejects bf16 without a GPU.
         if self.bf16 is None:
@@ -650,6 +675,7 @@ class GRPOConfig(TrainingArguments):
         self._check_combinations()
         self._resolve_batches()
         self._check_eval_batch()
+        self._check_async()
 
     @property
     def episode_max_turns(self) -> int:
@@ -793,6 +819,43 @@ class GRPOConfig(TrainingArguments):
             get_parser(self.tool_call_parser)
         if self.chat_template is not None:
             load_template(None, self.chat_template)  # the tokenizer is only read for None
+
+    def _check_async(self) -> None:
+        """Check the async_grpo fields: a queue that holds a group, and groups that can be fresh.
+
+        The generator's weights lag the learner's by up to `weight_sync_steps - 1` steps, and a
+        round is trained over `round_steps` optimizer steps: below that staleness no group could
+        ever be trained on, so the run would wait forever.
+        """
+        if not self.async_grpo:
+            return
+        _require(
+            self.max_staleness >= 0 and self.weight_sync_steps >= 1,
+            f"max_staleness={self.max_staleness} must be >= 0 and "
+            f"weight_sync_steps={self.weight_sync_steps} at least 1.",
+        )
+        _require(
+            self.queue_maxsize >= self.num_generations,
+            f"queue_maxsize={self.queue_maxsize} cannot hold one group of "
+            f"num_generations={self.num_generations}; raise it.",
+        )
+        _require(
+            not self.use_vllm and self.world_size == 1,
+            "async_grpo runs on one process with the transformers backend for now; set "
+            "use_vllm=False and launch one process, or async_grpo=False.",
+        )
+        assert self.steps_per_generation is not None  # `_resolve_batches` set it
+        round_steps = math.ceil(
+            self.steps_per_generation * self.num_iterations / self.gradient_accumulation_steps
+        )
+        least = self.weight_sync_steps - 1 + round_steps - 1
+        _require(
+            self.max_staleness >= least,
+            f"max_staleness={self.max_staleness} is below {least}, the staleness of the freshest "
+            f"group (weights pushed every weight_sync_steps={self.weight_sync_steps} steps, a "
+            f"round trained over {round_steps} steps), so no group could be trained on; raise "
+            "max_staleness or lower weight_sync_steps.",
+        )
 
     def _check_combinations(self) -> None:
         """Check fields that only fail together."""

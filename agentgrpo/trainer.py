@@ -26,6 +26,7 @@ import torch
 from accelerate.utils import gather_object
 
 from agentgrpo import checkpoints, porting, run_folder, thread_count
+from agentgrpo.async_rounds import AsyncGeneration, WeightPushes
 from agentgrpo.config import GRPOConfig
 from agentgrpo.data import (
     adapt_to_iterable_datasets,
@@ -225,6 +226,7 @@ class GRPOTrainer(TRLAttributes):
         self._step_seconds = 0.0
         self._last_episodes: list[tuple[Episode, float]] = []
         self._last_records: list[EpisodeRecord] = []
+        self._round_step = -1
         self._completions: CompletionsTable | None = None  # the latest round's, to log
         if self.args.log_episodes:
             self.add_callback(EpisodeLog(self))
@@ -259,6 +261,49 @@ class GRPOTrainer(TRLAttributes):
             ref_logprobs=self._reference_logprobs if args.beta != 0.0 else None,
             gather=self._gather,
             process_index=self.accelerator.process_index,
+        )
+        self._async: AsyncGeneration | None = None
+        if args.async_grpo:  # training rounds take groups a producer thread played meanwhile
+            self._wire_async(tools, factory)
+
+    def _wire_async(self, tools: Sequence[Callable[..., Any]], factory: Any) -> None:
+        """The producer (`async_rounds`), its weight pushes, and the rounds that read from it.
+
+        The loss's old logprobs are always the sampler's: the policy that played each token.
+        """
+        args, tokenizer = self.args, self.processing_class
+        self._async = generation = AsyncGeneration.build(
+            args,
+            self.plan,
+            lambda: self.accelerator.unwrap_model(self.model),
+            tokenizer,
+            lambda backend: (
+                build_parts(
+                    args,
+                    backend,
+                    tokenizer,
+                    factory,
+                    tools,
+                    self._reward_functions,
+                    trainer_state=lambda: self.state,
+                ).engine
+            ),
+            self.scorer,
+            self.train_dataset,
+        )
+        self.add_callback(
+            WeightPushes(
+                generation, args.weight_sync_steps, lambda m: self._add_metrics("train", m)
+            )
+        )
+        collate = self._round_parts.collate
+        self._async_parts = dataclasses.replace(
+            self._round_parts,
+            play=lambda rows, n, seed: generation.take_round(
+                rows, n, seed, step=self.state.global_step
+            ),
+            collate=lambda episodes, advantages_N: _sampler_as_old(collate(episodes, advantages_N)),
+            old_logprobs=lambda batch: batch.sampler_logprobs_B_C,
         )
 
     @property
@@ -305,7 +350,11 @@ class GRPOTrainer(TRLAttributes):
                 self._warm_start()
                 if self.args.save_warm_start:
                     self.save_model(os.path.join(output_dir, WARM_START_DIR))
-            return super().train(checkpoint, *args, **kwargs)
+            try:
+                return super().train(checkpoint, *args, **kwargs)
+            finally:
+                if self._async is not None:
+                    self._async.stop()
 
     def _save_rng_state(self, output_dir: str) -> None:
         """The Trainer's RNG states, and this process's torch thread count (`thread_count`)."""
@@ -395,7 +444,9 @@ class GRPOTrainer(TRLAttributes):
         """Play, score and batch one round (`round.play_and_batch`), and record it."""
         step, process = self.state.global_step, self.accelerator.process_index
         seed = round_seed(self.args.seed, plan.train, step, process)
-        round_ = play_and_batch(self._round_parts, plan, rows, seed)
+        asynchronous = self._async is not None and plan.train
+        parts = self._async_parts if asynchronous else self._round_parts
+        round_ = play_and_batch(parts, plan, rows, seed)
         self._record_round(round_, plan)
         return round_
 
@@ -617,7 +668,12 @@ class GRPOTrainer(TRLAttributes):
         self._last_episodes = list(zip(round_.episodes, round_.rewards_N.tolist(), strict=True))
         if mode == "train":
             step, process = self.state.global_step, self.accelerator.process_index
-            self._last_records = episode_records(round_, names, step, process)
+            versions: int | list[int] = step
+            if self._async is not None:
+                versions = self._async.last_versions_N
+                self._add_metrics(mode, self._async.take_metrics())
+            self._last_records = episode_records(round_, names, versions, process)
+            self._round_step = step
 
     def _reward_layout(self, plan: RoundPlan) -> RewardLayout:
         """How this run's reward columns are named, weighted and scaled, for the metrics."""
@@ -632,10 +688,16 @@ class GRPOTrainer(TRLAttributes):
 
         Each has its per-function rewards (None where a function returned None), the combined
         reward, the advantage the loss used, and `policy_version`: the global step the round
-        was generated at (it is first trained at the next step). Empty before the first round;
+        was generated at (it is first trained at the next step); with `async_grpo`, the step
+        of the weights that started the episode's group. Empty before the first round;
         replaced, never mutated, by the next training round (eval rounds leave it alone).
         """
         return self._last_records
+
+    @property
+    def last_round_step(self) -> int:
+        """The global step at which the latest training round was assembled (-1 before one)."""
+        return self._round_step
 
     @property
     def last_completions(self) -> CompletionsTable | None:
@@ -681,6 +743,11 @@ class GRPOTrainer(TRLAttributes):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _sampler_as_old(batch: TrainingBatch) -> TrainingBatch:
+    """`batch` with the sampler's logprobs as the old ones (asynchronous rounds)."""
+    return replace(batch, old_logprobs_B_C=batch.sampler_logprobs_B_C)
 
 
 def _model_name(model: Any) -> str:

@@ -22,7 +22,7 @@ layers) generate one request at a time, without prefix reuse.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -143,6 +143,16 @@ class TransformersBackend:
     def reset_prefix_cache(self) -> None:
         """Forget the cached keys and values: call it whenever the model's weights change."""
         self.prefixes.clear()
+
+    async def between_steps(self, update: Callable[[], None]) -> None:
+        """Run `update` (a weight load, say) while no generation step runs, then empty the cache.
+
+        Steps already queued wait for it; rows that are decoding continue after it with the
+        updated model (their cached keys and values were computed before it).
+        """
+        async with self._lock:
+            update()
+            self.reset_prefix_cache()
 
     @property
     def running_rows(self) -> int:

@@ -1,0 +1,454 @@
+"""Asynchronous GRPO: a producer plays groups into a bounded queue while the learner trains.
+
+The producer is a thread of its own running an event loop. Its workers each take the next row,
+play its group of `num_generations` episodes with the generator's weights, score it, and put it
+in a `GroupBuffer`, tagged with the version (the optimizer step) of the weights the group started
+with. The learner's round takes `prompts_per_process` groups from the buffer in place of playing
+them (`AsyncGeneration.take_round` is a `round.Play`); every other stage of the round is the
+synchronous one. A group whose version lags the steps that will train on it by more than
+`max_staleness` is dropped, whole, and counted. After every `weight_sync_steps` optimizer steps
+the learner pushes its weights to the generator, between two generation steps.
+
+The transformers backend generates from a copy of the policy (`CopiedWeights`), so that the
+optimizer never changes weights under a forward pass; the push copies the policy's tensors in.
+
+A group's version is that of its first token: tokens sampled after a push mid-group are newer,
+so its staleness is an upper bound for each of its tokens. The loss's old logprobs are the
+sampler's own (`TrainingBatch.sampler_logprobs_B_C`): the policy that generated each token.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
+import torch
+from transformers import TrainerCallback
+
+from agentgrpo.precision import autocast_kwargs, mixed_precision_dtype
+from agentgrpo.round import RoundPlan
+from agentgrpo.rounds import Scorer, play_round
+from agentgrpo.weight_sync import sampling_overrides
+from rollout import Episode, RolloutEngine, TransformersBackend
+
+# How long `AsyncGeneration.stop` waits for the producer thread to end, in seconds.
+STOP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class PlayedGroup:
+    """One played and scored group, waiting to be trained on.
+
+    Attributes:
+        episodes: The G episodes of one row.
+        rewards_G_F: One reward column per scorer name.
+        version: The optimizer step of the weights the group's first token was sampled with.
+    """
+
+    episodes: list[Episode]
+    rewards_G_F: torch.Tensor
+    version: int
+
+
+class ProducerFailed(RuntimeError):
+    """The producer thread stopped on an error (the error is its `__cause__`)."""
+
+
+class GroupBuffer:
+    """A bounded FIFO of played groups between the producer thread and the learner.
+
+    Args:
+        max_episodes: The most episodes held; `put` waits while one more group would not fit.
+    """
+
+    def __init__(self, max_episodes: int):
+        self.max_episodes = max_episodes
+        self.dropped_episodes = 0  # since the run started
+        self._groups: collections.deque[PlayedGroup] = collections.deque()
+        self._changed = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+
+    @property
+    def episodes(self) -> int:
+        """Episodes waiting now."""
+        return sum(len(group.episodes) for group in self._groups)
+
+    def put(self, group: PlayedGroup) -> bool:
+        """Add `group` once there is room; False (and nothing added) when the buffer closed."""
+        with self._changed:
+            while not self._closed and self.episodes + len(group.episodes) > self.max_episodes:
+                self._changed.wait()
+            if self._closed:
+                return False
+            self._groups.append(group)
+            self._changed.notify_all()
+            return True
+
+    def take(self, count: int, oldest_version: int) -> list[PlayedGroup]:
+        """The first `count` groups of version >= `oldest_version`, waiting for them to arrive.
+
+        Older groups are dropped on the way and counted in `dropped_episodes`.
+
+        Raises:
+            ProducerFailed: The producer stopped on an error (before or while waiting).
+        """
+        taken: list[PlayedGroup] = []
+        with self._changed:
+            while len(taken) < count:
+                self._drop_older(oldest_version)
+                while self._groups and len(taken) < count:
+                    taken.append(self._groups.popleft())
+                self._changed.notify_all()
+                if len(taken) < count:
+                    self._raise_if_failed()
+                    self._changed.wait()
+        return taken
+
+    def _drop_older(self, oldest_version: int) -> None:
+        stale = [g for g in self._groups if g.version < oldest_version]
+        self.dropped_episodes += sum(len(g.episodes) for g in stale)
+        self._groups = collections.deque(g for g in self._groups if g.version >= oldest_version)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise ProducerFailed(f"the episode producer stopped: {self._error!r}") from self._error
+        if self._closed:
+            raise ProducerFailed("the episode producer was stopped")
+
+    def fail(self, error: BaseException) -> None:
+        """Record the producer's error: the learner's waiting `take` raises it."""
+        with self._changed:
+            self._error = error
+            self._closed = True
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Stop taking groups: a waiting `put` returns False, a waiting `take` raises."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+
+class CopiedWeights:
+    """The transformers backend's own copy of the policy, reloaded between generation steps.
+
+    Args:
+        policy: The policy (unwrapped); copied once, here.
+        version: The optimizer step of the policy's weights now.
+    """
+
+    def __init__(self, policy: torch.nn.Module, version: int):
+        self.model = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.version = version
+        self.paused_s = 0.0  # generation paused for pushes since the last `take_paused_s`
+
+    async def push(
+        self, backend: TransformersBackend, policy: torch.nn.Module, version: int
+    ) -> None:
+        """Copy `policy`'s tensors into the generator's, between two steps of `backend`."""
+
+        def copy_in() -> None:
+            started = time.perf_counter()
+            with torch.no_grad():
+                targets = self.model.state_dict()
+                for name, tensor in policy.state_dict().items():
+                    targets[name].copy_(tensor)
+            self.version = version
+            self.paused_s += time.perf_counter() - started
+
+        await backend.between_steps(copy_in)
+
+    def take_paused_s(self) -> float:
+        """Seconds generation paused for pushes since the last call."""
+        paused, self.paused_s = self.paused_s, 0.0
+        return paused
+
+
+class RowStream:
+    """The training rows, epoch after epoch, shuffled per epoch by the run's seed.
+
+    Args:
+        dataset: Indexable rows.
+        shuffle: Shuffle each epoch (`shuffle_dataset`); else the dataset's order.
+        seed: The run's seed.
+        start: How many rows to skip (a resumed run continues after the rows it consumed).
+    """
+
+    def __init__(self, dataset: Any, shuffle: bool, seed: int, start: int = 0):
+        if len(dataset) == 0:
+            raise ValueError("the training dataset is empty: there is nothing to play")
+        self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
+        self.taken = start
+
+    def next(self) -> tuple[Mapping[str, Any], int]:
+        """The next row and its group's sampling seed."""
+        epoch, position = divmod(self.taken, len(self.dataset))
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(hash((self.seed, epoch)) % 2**31)
+            order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        seed = hash((self.seed, self.taken)) % 2**31
+        self.taken += 1
+        return self.dataset[order[position]], seed
+
+
+@dataclass
+class Waits:
+    """Seconds spent waiting, and episodes trained, since the metrics were last taken."""
+
+    learner_s: float = 0.0
+    staleness: list[int] = dataclasses.field(default_factory=list)
+
+
+class AsyncGeneration:
+    """The producer thread, its buffer and its weights; `take_round` feeds the learner's rounds.
+
+    Args:
+        engine: Plays episodes with the generator's backend (a `TransformersBackend` over
+            `weights.model`).
+        scorer: Rates each group as it ends.
+        weights: The generator's copy of the policy.
+        rows: Where the producer takes its rows.
+        num_generations: Episodes per group.
+        workers: Groups played at once.
+        max_staleness: See `GRPOConfig.max_staleness`.
+        round_steps: Optimizer steps one round is trained over (its last micro-batch is trained
+            `round_steps - 1` steps after its first).
+        max_episodes: `GRPOConfig.queue_maxsize`.
+        policy: Returns the learner's policy (unwrapped), read at start and at each push.
+        rows_per_step: Rows the learner consumes per optimizer step (where a resumed run's
+            producer starts in `rows`).
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        scorer: Scorer,
+        weights: CopiedWeights,
+        rows: RowStream,
+        num_generations: int,
+        workers: int,
+        max_staleness: int,
+        round_steps: int,
+        max_episodes: int,
+        policy: Callable[[], torch.nn.Module],
+        rows_per_step: float,
+    ):
+        self.policy, self.rows_per_step = policy, rows_per_step
+        self.engine, self.scorer, self.weights, self.rows = engine, scorer, weights, rows
+        self.num_generations, self.workers = num_generations, workers
+        self.max_staleness, self.round_steps = max_staleness, round_steps
+        self.buffer = GroupBuffer(max_episodes)
+        self.last_versions_N: list[int] = []  # the latest round's, one per episode
+        self._waits = Waits()
+        self._dropped_reported = 0
+        self._thread: threading.Thread | None = None
+        self._token: Any = None
+        self._scope: anyio.CancelScope | None = None
+        self._ready = threading.Event()
+
+    @classmethod
+    def build(
+        cls,
+        args: Any,
+        plan: RoundPlan,
+        policy: Callable[[], torch.nn.Module],
+        tokenizer: Any,
+        make_engine: Callable[[TransformersBackend], RolloutEngine],
+        scorer: Scorer,
+        dataset: Any,
+    ) -> AsyncGeneration:
+        """The producer of a `GRPOConfig` with `async_grpo`, generating from a policy copy.
+
+        Args:
+            args: The run's config.
+            plan: The training round's sizes.
+            policy: Returns the learner's policy (unwrapped).
+            tokenizer: The policy's tokenizer.
+            make_engine: Builds the engine (as the trainer builds its own) over a backend.
+            scorer: The trainer's scorer (its reward logs are the run's).
+            dataset: The training rows.
+        """
+        weights = CopiedWeights(policy(), version=0)
+        backend = TransformersBackend.from_tokenizer(
+            weights.model,
+            tokenizer,
+            seed=args.seed,
+            sampling_overrides=sampling_overrides(args),
+            **autocast_kwargs(mixed_precision_dtype(args)),
+        )
+        return cls(
+            make_engine(backend),
+            scorer,
+            weights,
+            RowStream(dataset, bool(args.shuffle_dataset), args.seed),
+            plan.num_generations,
+            workers=plan.prompts_per_process,
+            max_staleness=args.max_staleness,
+            round_steps=math.ceil(plan.repeats / plan.accumulation_steps),
+            max_episodes=args.queue_maxsize,
+            policy=policy,
+            rows_per_step=plan.prompts_per_process * plan.accumulation_steps / plan.repeats,
+        )
+
+    @property
+    def backend(self) -> TransformersBackend:
+        """The generator's backend."""
+        backend = self.engine.context.backend
+        assert isinstance(backend, TransformersBackend)  # built so by `build`
+        return backend
+
+    # ------------------------------------------------------------------ producer
+
+    def start(self, step: int) -> None:
+        """Start the producer thread with the policy of step `step` (once); returns when it runs.
+
+        It starts lazily, at the first round: a resumed run has loaded its checkpoint by then.
+        """
+        if self._thread is not None:
+            return
+        self.rows.taken = int(step * self.rows_per_step)
+        self._load(step)
+        self._thread = threading.Thread(target=self._main, name="agentgrpo-producer", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _main(self) -> None:
+        try:
+            anyio.run(self._produce)
+        except BaseException as error:  # the learner raises it
+            self.buffer.fail(error)
+        finally:
+            self._ready.set()
+
+    async def _produce(self) -> None:
+        self._token = anyio.lowlevel.current_token()
+        async with anyio.create_task_group() as workers:
+            self._scope = workers.cancel_scope
+            self._ready.set()
+            for _ in range(self.workers):
+                workers.start_soon(self._play_groups)
+
+    async def _play_groups(self) -> None:
+        """Play group after group until the buffer closes."""
+        while True:
+            row, seed = self.rows.next()
+            version = self.weights.version
+            episodes, rewards_G_F = await play_round(
+                self.engine, [row], self.num_generations, seed, self.scorer
+            )
+            group = PlayedGroup(episodes, rewards_G_F, version)
+            if not await anyio.to_thread.run_sync(self.buffer.put, group):
+                return
+
+    def stop(self) -> None:
+        """Close the buffer, cancel the episodes in flight and wait for the thread to end."""
+        self.buffer.close()
+        thread, scope = self._thread, self._scope
+        if thread is None or not thread.is_alive():
+            return
+        if scope is not None:
+            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
+                anyio.from_thread.run_sync(scope.cancel, token=self._token)
+        thread.join(STOP_TIMEOUT_S)
+        if thread.is_alive():
+            raise RuntimeError(f"the episode producer did not stop within {STOP_TIMEOUT_S:.0f} s")
+
+    # ------------------------------------------------------------------ learner
+
+    def take_round(
+        self, rows: Sequence[Mapping[str, Any]], num_generations: int, seed: int, *, step: int
+    ) -> tuple[list[Episode], torch.Tensor]:
+        """A `round.Play` for the learner at optimizer step `step`: `len(rows)` fresh groups.
+
+        `rows` give only the count (the producer plays its own rows), `seed` is unused. A group
+        is fresh when the round's last optimizer step is at most `max_staleness` steps after
+        its version. Episodes are renumbered into this round's groups.
+        """
+        self.start(step)
+        oldest = step + self.round_steps - 1 - self.max_staleness
+        started = time.perf_counter()
+        groups = self.buffer.take(len(rows), oldest)
+        self._waits.learner_s += time.perf_counter() - started
+        episodes = [
+            dataclasses.replace(e, group=g, index=g * num_generations + k)
+            for g, group in enumerate(groups)
+            for k, e in enumerate(group.episodes)
+        ]
+        self.last_versions_N = [group.version for group in groups for _ in group.episodes]
+        self._waits.staleness += [step - version for version in self.last_versions_N]
+        return episodes, torch.cat([group.rewards_G_F for group in groups])
+
+    def push(self, step: int) -> float:
+        """Push the policy's weights (at optimizer step `step`) to the generator; seconds taken."""
+        started = time.perf_counter()
+        if self._thread is None or not self._thread.is_alive():
+            self._load(step)  # nothing generates
+        else:
+            anyio.from_thread.run(
+                self.weights.push, self.backend, self.policy(), step, token=self._token
+            )
+        return time.perf_counter() - started
+
+    def _load(self, step: int) -> None:
+        with torch.no_grad():
+            self.weights.model.load_state_dict(self.policy().state_dict())
+        self.weights.version = step
+
+    def take_metrics(self) -> dict[str, float]:
+        """The metrics since the last call, under TRL's AsyncGRPO names where it logs the same.
+
+        `sample/staleness_mean` and `_max`: optimizer steps between the weights that started
+        each trained episode and the step that first trains it. `sample/dropped_stale_total`:
+        episodes dropped as stale since the last call. `rollout/queue_size`: episodes waiting.
+        `perf/rollout_wait_s`: the learner's wait for episodes. `perf/weight_sync_pause_s`:
+        generation paused for weight pushes.
+        """
+        staleness, self._waits.staleness = self._waits.staleness, []
+        dropped = self.buffer.dropped_episodes - self._dropped_reported
+        self._dropped_reported = self.buffer.dropped_episodes
+        metrics = {
+            "sample/dropped_stale_total": float(dropped),
+            "rollout/queue_size": float(self.buffer.episodes),
+            "perf/rollout_wait_s": self._waits.learner_s,
+            "perf/weight_sync_pause_s": self.weights.take_paused_s(),
+        }
+        self._waits.learner_s = 0.0
+        if staleness:
+            metrics["sample/staleness_mean"] = sum(staleness) / len(staleness)
+            metrics["sample/staleness_max"] = float(max(staleness))
+        return metrics
+
+
+class WeightPushes(TrainerCallback):
+    """Push the policy to the generator after every `weight_sync_steps` optimizer steps.
+
+    Args:
+        generation: The producer to push to.
+        every: `weight_sync_steps`.
+        record: Receives `perf/weight_sync_s`, the learner's time spent on each push.
+    """
+
+    def __init__(
+        self, generation: AsyncGeneration, every: int, record: Callable[[dict[str, float]], None]
+    ):
+        self.generation, self.every, self.record = generation, every, record
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Push when the step count reaches a multiple of `every`."""
+        if state.global_step % self.every == 0:
+            seconds = self.generation.push(state.global_step)
+            self.record({"perf/weight_sync_s": seconds})
