@@ -12,9 +12,11 @@ the learner pushes its weights to the generator, between two generation steps.
 The transformers backend generates from a copy of the policy (`CopiedWeights`), so that the
 optimizer never changes weights under a forward pass; the push copies the policy's tensors in.
 
-A group's version is that of its first token: tokens sampled after a push mid-group are newer,
-so its staleness is an upper bound for each of its tokens. The loss's old logprobs are the
-sampler's own (`TrainingBatch.sampler_logprobs_B_C`): the policy that generated each token.
+Every sampled token records the version of the weights that drew it (`EpisodeRow.
+policy_versions`; an episode that spans a push holds two or more). An episode's version is its
+oldest token's, and a group's its oldest episode's, so the staleness checked is the bound for
+each of its tokens. The loss's old logprobs are the sampler's own
+(`TrainingBatch.sampler_logprobs_B_C`), token by token: the weights that drew each token.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -37,11 +41,14 @@ import anyio.to_thread
 import torch
 from transformers import TrainerCallback
 
+from agentgrpo.async_queue import QueueFolder
 from agentgrpo.precision import autocast_kwargs, mixed_precision_dtype
 from agentgrpo.round import RoundPlan
 from agentgrpo.rounds import Scorer, play_round
 from agentgrpo.weight_sync import sampling_overrides
-from rollout import Episode, RolloutEngine, TransformersBackend
+from rollout import Episode, EpisodeRecord, RolloutEngine, TransformersBackend
+
+logger = logging.getLogger(__name__)
 
 # How long `AsyncGeneration.stop` waits for the producer thread to end, in seconds.
 STOP_TIMEOUT_S = 60.0
@@ -54,12 +61,14 @@ class PlayedGroup:
     Attributes:
         episodes: The G episodes of one row.
         rewards_G_F: One reward column per scorer name.
-        version: The optimizer step of the weights the group's first token was sampled with.
+        version: The optimizer step of the weights its oldest token was drawn with.
+        path: Its file in the queue folder (`async_queue`), or None when not written.
     """
 
     episodes: list[Episode]
     rewards_G_F: torch.Tensor
     version: int
+    path: Path | None = None
 
 
 class ProducerFailed(RuntimeError):
@@ -71,10 +80,14 @@ class GroupBuffer:
 
     Args:
         max_episodes: The most episodes held; `put` waits while one more group would not fit.
+        on_drop: Called with the groups dropped as stale (under the buffer's lock).
     """
 
-    def __init__(self, max_episodes: int):
+    def __init__(
+        self, max_episodes: int, on_drop: Callable[[list[PlayedGroup]], None] = lambda _: None
+    ):
         self.max_episodes = max_episodes
+        self.on_drop = on_drop
         self.dropped_episodes = 0  # since the run started
         self._groups: collections.deque[PlayedGroup] = collections.deque()
         self._changed = threading.Condition()
@@ -96,6 +109,18 @@ class GroupBuffer:
             self._groups.append(group)
             self._changed.notify_all()
             return True
+
+    def preload(self, groups: Sequence[PlayedGroup]) -> None:
+        """Add groups ahead of any played, even past `max_episodes` (a resumed run's queue)."""
+        with self._changed:
+            self._groups.extendleft(reversed(groups))
+            self._changed.notify_all()
+
+    def count_dropped(self, groups: Sequence[PlayedGroup]) -> None:
+        """Count groups dropped as stale before they reached the buffer."""
+        with self._changed:
+            self.dropped_episodes += sum(len(g.episodes) for g in groups)
+            self.on_drop(list(groups))
 
     def take(self, count: int, oldest_version: int) -> list[PlayedGroup]:
         """The first `count` groups of version >= `oldest_version`, waiting for them to arrive.
@@ -119,7 +144,9 @@ class GroupBuffer:
 
     def _drop_older(self, oldest_version: int) -> None:
         stale = [g for g in self._groups if g.version < oldest_version]
-        self.dropped_episodes += sum(len(g.episodes) for g in stale)
+        if stale:
+            self.dropped_episodes += sum(len(g.episodes) for g in stale)
+            self.on_drop(stale)
         self._groups = collections.deque(g for g in self._groups if g.version >= oldest_version)
 
     def _raise_if_failed(self) -> None:
@@ -169,7 +196,7 @@ class CopiedWeights:
             self.version = version
             self.paused_s += time.perf_counter() - started
 
-        await backend.between_steps(copy_in)
+        await backend.between_steps(copy_in, version)
 
     def take_paused_s(self) -> float:
         """Seconds generation paused for pushes since the last call."""
@@ -231,6 +258,8 @@ class AsyncGeneration:
         policy: Returns the learner's policy (unwrapped), read at start and at each push.
         rows_per_step: Rows the learner consumes per optimizer step (where a resumed run's
             producer starts in `rows`).
+        queue: Where each played group is written before it is trained on (`async_queue`),
+            or None to keep them in memory only.
     """
 
     def __init__(
@@ -246,12 +275,16 @@ class AsyncGeneration:
         max_episodes: int,
         policy: Callable[[], torch.nn.Module],
         rows_per_step: float,
+        queue: QueueFolder | None = None,
     ):
-        self.policy, self.rows_per_step = policy, rows_per_step
+        self.policy, self.rows_per_step, self.queue = policy, rows_per_step, queue
+        self.consumed: list[tuple[int, Path]] = []  # (step a round took it at, its file)
+        self.resumed_groups = 0  # groups a resumed run found in the queue and kept
+        self.resumed_dropped = 0  # episodes it found there too stale to train on
         self.engine, self.scorer, self.weights, self.rows = engine, scorer, weights, rows
         self.num_generations, self.workers = num_generations, workers
         self.max_staleness, self.round_steps = max_staleness, round_steps
-        self.buffer = GroupBuffer(max_episodes)
+        self.buffer = GroupBuffer(max_episodes, self._forget)
         self.last_versions_N: list[int] = []  # the latest round's, one per episode
         self._waits = Waits()
         self._dropped_reported = 0
@@ -302,6 +335,7 @@ class AsyncGeneration:
             max_episodes=args.queue_maxsize,
             policy=policy,
             rows_per_step=plan.prompts_per_process * plan.accumulation_steps / plan.repeats,
+            queue=QueueFolder(args.output_dir, scorer.names),
         )
 
     @property
@@ -322,6 +356,7 @@ class AsyncGeneration:
             return
         self.rows.taken = int(step * self.rows_per_step)
         self._load(step)
+        self._resume_queue(step)
         self._thread = threading.Thread(target=self._main, name="agentgrpo-producer", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -346,13 +381,69 @@ class AsyncGeneration:
         """Play group after group until the buffer closes."""
         while True:
             row, seed = self.rows.next()
-            version = self.weights.version
+            started = self.weights.version
             episodes, rewards_G_F = await play_round(
                 self.engine, [row], self.num_generations, seed, self.scorer
             )
+            version = min(episode_version(e, started) for e in episodes)
             group = PlayedGroup(episodes, rewards_G_F, version)
-            if not await anyio.to_thread.run_sync(self.buffer.put, group):
+            if not await anyio.to_thread.run_sync(self._store_and_put, group):
                 return
+
+    def _store_and_put(self, group: PlayedGroup) -> bool:
+        """Write the group to the queue folder, then put it in the buffer (False: closed)."""
+        if self.queue is not None:
+            records = [
+                EpisodeRecord(e, _rewards(self.scorer.names, r), math.nan, math.nan, group.version)
+                for e, r in zip(group.episodes, group.rewards_G_F.tolist(), strict=True)
+            ]
+            group = dataclasses.replace(group, path=self.queue.write(records))
+        return self.buffer.put(group)
+
+    def _resume_queue(self, step: int) -> None:
+        """Put the groups a run left in the queue folder first; drop the stale ones.
+
+        A run that starts at step 0 clears the folder instead. A group is kept when it would
+        be fresh now and was not played with weights newer than the checkpoint's (they were
+        lost with the run that played it).
+        """
+        if self.queue is None:
+            return
+        if step == 0:
+            self.queue.clear()
+            return
+        oldest = step + self.round_steps - 1 - self.max_staleness
+        stored = [
+            PlayedGroup([r.episode for r in g.records], g.rewards_G_F, g.version, g.path)
+            for g in self.queue.read()
+        ]
+        kept = [g for g in stored if oldest <= g.version <= step]
+        dropped = [g for g in stored if not oldest <= g.version <= step]
+        self.buffer.preload(kept)
+        self.buffer.count_dropped(dropped)
+        self.resumed_groups = len(kept)
+        self.resumed_dropped = sum(len(g.episodes) for g in dropped)
+        if stored:
+            logger.warning(
+                "resuming at step %d with %d queued group(s) played before the stop: %d to train "
+                "first, %d episode(s) dropped as stale",
+                step,
+                len(stored),
+                len(kept),
+                self.resumed_dropped,
+            )
+
+    def _forget(self, groups: list[PlayedGroup]) -> None:
+        """Remove the files of groups that will never be trained on again."""
+        if self.queue is not None:
+            self.queue.remove(g.path for g in groups if g.path is not None)
+
+    def forget_trained(self, step: int) -> None:
+        """Remove the files of the rounds whose every step is before `step` (a checkpoint's)."""
+        done = [(s, p) for s, p in self.consumed if s + self.round_steps <= step]
+        self.consumed = [item for item in self.consumed if item not in done]
+        if self.queue is not None:
+            self.queue.remove(path for _, path in done)
 
     def stop(self) -> None:
         """Close the buffer, cancel the episodes in flight and wait for the thread to end."""
@@ -388,7 +479,10 @@ class AsyncGeneration:
             for g, group in enumerate(groups)
             for k, e in enumerate(group.episodes)
         ]
-        self.last_versions_N = [group.version for group in groups for _ in group.episodes]
+        self.last_versions_N = [
+            episode_version(e, group.version) for group in groups for e in group.episodes
+        ]
+        self.consumed += [(step, g.path) for g in groups if g.path is not None]
         self._waits.staleness += [step - version for version in self.last_versions_N]
         return episodes, torch.cat([group.rewards_G_F for group in groups])
 
@@ -407,6 +501,7 @@ class AsyncGeneration:
         with torch.no_grad():
             self.weights.model.load_state_dict(self.policy().state_dict())
         self.weights.version = step
+        self.backend.set_weights_version(step)
 
     def take_metrics(self) -> dict[str, float]:
         """The metrics since the last call, under TRL's AsyncGRPO names where it logs the same.
@@ -433,6 +528,26 @@ class AsyncGeneration:
         return metrics
 
 
+def _rewards(names: Sequence[str], rewards_F: Sequence[float]) -> dict[str, float | None]:
+    """A group member's reward columns by name, None where NaN (as the episode record holds)."""
+    return {n: None if math.isnan(r) else r for n, r in zip(names, rewards_F, strict=True)}
+
+
+def episode_version(episode: Episode, default: int) -> int:
+    """The version of the oldest weights that drew a token of `episode`.
+
+    `default` (the version when it started) when its rows recorded no versions.
+    """
+    versions = [
+        version
+        for row in episode.rows
+        if row.policy_versions is not None
+        for version in row.policy_versions
+        if version >= 0
+    ]
+    return min(versions, default=default)
+
+
 class WeightPushes(TrainerCallback):
     """Push the policy to the generator after every `weight_sync_steps` optimizer steps.
 
@@ -446,6 +561,14 @@ class WeightPushes(TrainerCallback):
         self, generation: AsyncGeneration, every: int, record: Callable[[dict[str, float]], None]
     ):
         self.generation, self.every, self.record = generation, every, record
+
+    def on_save(self, args, state, control, **kwargs):
+        """The checkpoint holds the rounds trained so far: their queued files can go."""
+        self.generation.forget_trained(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Training ended normally: nothing trained will be trained again."""
+        self.generation.forget_trained(2**62)
 
     def on_step_end(self, args, state, control, **kwargs):
         """Push when the step count reaches a multiple of `every`."""

@@ -146,7 +146,10 @@ class _State:
 
 
 def _row(tokens: TokenRow) -> EpisodeRow:
-    return EpisodeRow(tokens.prompt_ids, tokens.completion_ids, tokens.loss_mask, tokens.logprobs)
+    versions = tokens.versions if tokens.versions and 1 in tokens.loss_mask else None
+    return EpisodeRow(
+        tokens.prompt_ids, tokens.completion_ids, tokens.loss_mask, tokens.logprobs, versions
+    )
 
 
 async def run_episode(
@@ -327,7 +330,7 @@ async def _turn(
     turn_seed = hash((state.sample_seed, state.turns)) % 2**62
     params = ctx.config.sampling(budget, turn_seed)
     completion = await ctx.backend.generate(state.tokens.context_ids, params)
-    state.tokens.append_sampled(completion.token_ids, completion.logprobs)
+    state.tokens.append_sampled(completion.token_ids, completion.logprobs, completion.versions)
     state.turns += 1
     decode = ctx.renderer.tokenizer.decode
     if not completion.stopped:

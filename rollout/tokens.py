@@ -10,6 +10,8 @@ class TokenRow:
 
     Sampled tokens carry loss mask 1 and their sampler logprob; tokens the template, a tool or the
     environment adds carry mask 0 and logprob 0.0. Nothing is decoded and re-encoded.
+    `versions` holds each token's weights version (-1 for mask 0) while every sampled token came
+    with one, and is None from the first that did not.
 
     >>> row = TokenRow([1, 2])
     >>> row.append_sampled([3, 4], [-0.5, -0.25])
@@ -23,20 +25,29 @@ class TokenRow:
         self.completion_ids: list[int] = []
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
+        self.versions: list[int] | None = []
 
-    def append_sampled(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        """Append tokens the policy sampled, with the sampler's logprob of each."""
+    def append_sampled(
+        self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int] | None = None
+    ) -> None:
+        """Append tokens the policy sampled, with the sampler's logprob (and version) of each."""
         if len(ids) != len(logprobs):
             raise ValueError(f"{len(ids)} sampled ids but {len(logprobs)} logprobs")
         self.completion_ids.extend(ids)
         self.loss_mask.extend([1] * len(ids))
         self.logprobs.extend(logprobs)
+        if versions is None or self.versions is None:
+            self.versions = None
+        else:
+            self.versions.extend(versions)
 
     def append_context(self, ids: Sequence[int]) -> None:
         """Append tokens the policy did not sample (tool results, template glue): mask 0."""
         self.completion_ids.extend(ids)
         self.loss_mask.extend([0] * len(ids))
         self.logprobs.extend([0.0] * len(ids))
+        if self.versions is not None:
+            self.versions.extend([-1] * len(ids))
 
     @property
     def context_ids(self) -> list[int]:

@@ -142,6 +142,10 @@ def test_no_trained_episode_is_older_than_max_staleness_when_the_learner_is_slow
     for name in ("rollout/queue_size", "perf/rollout_wait_s", "perf/weight_sync_pause_s"):
         assert len(logged(trainer, name)) == 3, name
     assert len(logged(trainer, "perf/weight_sync_s")) == 3
+    for record in trainer.last_records:  # every sampled token carries its weights' version
+        for row in record.episode.rows:
+            assert row.policy_versions is not None
+            assert {v for v, m in zip(row.policy_versions, row.loss_mask, strict=True) if m} == {2}
 
 
 def test_several_iterations_per_round_train_within_the_staleness_bound(tokenizer, tmp_path):
