@@ -72,7 +72,7 @@ class PlayedGroup:
 
 
 class ProducerFailed(RuntimeError):
-    """The producer thread stopped on an error (the error is its `__cause__`)."""
+    """The producer thread stopped without an error of its own (it was stopped)."""
 
 
 class GroupBuffer:
@@ -128,7 +128,9 @@ class GroupBuffer:
         Older groups are dropped on the way and counted in `dropped_episodes`.
 
         Raises:
-            ProducerFailed: The producer stopped on an error (before or while waiting).
+            Exception: The producer's own error, when it stopped on one (a reward function's
+                `RewardFunctionError`, say), so the learner fails as a synchronous run would.
+            ProducerFailed: The buffer was closed.
         """
         taken: list[PlayedGroup] = []
         with self._changed:
@@ -151,7 +153,7 @@ class GroupBuffer:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise ProducerFailed(f"the episode producer stopped: {self._error!r}") from self._error
+            raise self._error
         if self._closed:
             raise ProducerFailed("the episode producer was stopped")
 
@@ -365,7 +367,7 @@ class AsyncGeneration:
         try:
             anyio.run(self._produce)
         except BaseException as error:  # the learner raises it
-            self.buffer.fail(error)
+            self.buffer.fail(_first_error(error))
         finally:
             self._ready.set()
 
@@ -526,6 +528,13 @@ class AsyncGeneration:
             metrics["sample/staleness_mean"] = sum(staleness) / len(staleness)
             metrics["sample/staleness_max"] = float(max(staleness))
         return metrics
+
+
+def _first_error(error: BaseException) -> BaseException:
+    """The first error a task group's exception group holds (itself for a plain error)."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
 
 
 def _rewards(names: Sequence[str], rewards_F: Sequence[float]) -> dict[str, float | None]:
