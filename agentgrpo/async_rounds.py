@@ -350,12 +350,19 @@ class AsyncGeneration:
     # ------------------------------------------------------------------ producer
 
     def start(self, step: int) -> None:
-        """Start the producer thread with the policy of step `step` (once); returns when it runs.
+        """Start the producer thread with the policy of step `step`; returns when it runs.
 
         It starts lazily, at the first round: a resumed run has loaded its checkpoint by then.
+        Nothing happens while it runs; after `stop` (a second `train()`), a new one starts with
+        an empty buffer and the queue folder's groups.
         """
         if self._thread is not None:
-            return
+            if self._thread.is_alive():
+                return
+            dropped = self.buffer.dropped_episodes
+            self.buffer = GroupBuffer(self.buffer.max_episodes, self._forget)
+            self.buffer.dropped_episodes = self._dropped_reported = dropped
+            self._ready = threading.Event()
         self.rows.taken = int(step * self.rows_per_step)
         self._load(step)
         self._resume_queue(step)

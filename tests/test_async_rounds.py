@@ -210,3 +210,16 @@ def test_trls_async_names_train_asynchronously(tokenizer, tmp_path):
         )
     with pytest.raises(TypeError, match="did you mean 'max_staleness'"):
         AsyncGRPOConfig(output_dir=str(tmp_path), max_stalenes=2)
+
+
+def test_a_second_train_call_starts_a_new_producer(tokenizer, tmp_path):
+    args = config(tmp_path, max_steps=1)
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
+    )
+    trainer.train()
+    first = trainer._async._thread
+    trainer.args.max_steps = 2
+    trainer.train(resume_from_checkpoint=None)
+    assert trainer._async._thread is not first and not trainer._async._thread.is_alive()
+    assert trainer.state.global_step == 2
