@@ -270,7 +270,15 @@ class GRPOTrainer(TRLAttributes):
         """The producer (`async_rounds`), its weight pushes, and the rounds that read from it.
 
         The loss's old logprobs are always the sampler's: the policy that played each token.
+
+        Raises:
+            ValueError: A `rollout_func` or an agent plays the episodes (not asynchronous yet).
         """
+        if self.rollout_func is not None or self.agent is not None:
+            raise ValueError(
+                "async_grpo plays episodes with the engine's own loop; a rollout_func or an "
+                "agent cannot run asynchronously yet: set async_grpo=False."
+            )
         args, tokenizer = self.args, self.processing_class
         self._async = generation = AsyncGeneration.build(
             args,

@@ -223,3 +223,18 @@ def test_a_second_train_call_starts_a_new_producer(tokenizer, tmp_path):
     trainer.train(resume_from_checkpoint=None)
     assert trainer._async._thread is not first and not trainer._async._thread.is_alive()
     assert trainer.state.global_step == 2
+
+
+def test_a_rollout_func_is_refused_in_async_mode(tokenizer, tmp_path):
+    def rollout_func(prompts, trainer):
+        return {}
+
+    with pytest.raises(ValueError, match="rollout_func or an agent cannot run asynchronously"):
+        GRPOTrainer(
+            tiny_llama(tokenizer),
+            rank_in_call,
+            config(tmp_path),
+            PROMPTS,
+            processing_class=tokenizer,
+            rollout_func=rollout_func,
+        )
