@@ -27,7 +27,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-WORKLOADS = {"chain": "env:Chain", "slow-tools": "bench/slow_chain.py:SlowChain"}
+WORKLOADS = {
+    "chain": ["env:Chain"],
+    "slow-tools": ["bench/slow_chain.py:SlowChain"],
+    # The tiny random Llama (tests/tiny_model.py), which never calls a tool, on Counter with a
+    # reward that takes 1 s: minutes instead of hours on a loaded CPU; no eval.
+    "tiny-slow-reward": [
+        "env:Counter", "--reward", "bench.slow_chain:slow_reward", "--warm-start-steps", "0",
+        "--chat-template", "chatml_tools", "--max-completion-length", "24",
+    ],
+}  # fmt: skip
 MODES = {"sync": [], "async": ["--async"]}
 
 
@@ -56,10 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(env: str, extra: list[str], seed: int, args: argparse.Namespace) -> dict:
+def _run(env: list[str], extra: list[str], seed: int, args: argparse.Namespace) -> dict:
     """One `agentgrpo run` (and its eval) in child processes."""
     with tempfile.TemporaryDirectory(prefix="agentgrpo-async-bench-") as folder:
-        command = [sys.executable, "-m", "agentgrpo", "run", env, "--output-dir", folder]
+        command = [sys.executable, "-m", "agentgrpo", "run", *env, "--output-dir", folder]
+        if "env:Counter" in env:
+            command += ["--model", _tiny_model(folder)]
         command += ["--max-steps", str(args.max_steps), "--seed", str(seed), *extra]
         if args.warm_start_steps is not None:
             command += ["--warm-start-steps", str(args.warm_start_steps)]
@@ -74,6 +85,22 @@ def _run(env: str, extra: list[str], seed: int, args: argparse.Namespace) -> dic
             )
             run["success"] = float(_figures(evaluated)["success_rate"])
     return run
+
+
+def _tiny_model(folder: str) -> str:
+    """The tiny Llama with the default model's tokenizer, saved under `folder`."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(root), str(root / "tests")]
+    from tiny_model import tiny_llama  # the tests' model: a config, no download
+    from transformers import AutoTokenizer
+
+    from agentgrpo.default_model import default_model_path
+
+    path = Path(folder) / "tiny-model"
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    tiny_llama(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
 
 
 def _child(command: list[str]) -> str:

@@ -33,3 +33,13 @@ class SlowChain(Chain):
     add = _slow(Chain.add)
     subtract = _slow(Chain.subtract)
     multiply = _slow(Chain.multiply)
+
+
+def slow_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """0, 1, 2, ... per group, after `TOOL_SECONDS`: a reward that waits on I/O (a judge, say).
+
+    With the tiny random model (which never calls a tool) it gives the run a slow, I/O-bound
+    stage, and every group distinct rewards, so each step moves the weights.
+    """
+    time.sleep(TOOL_SECONDS)
+    return [float(k) for k in range(len(completions))]
