@@ -11,13 +11,19 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from agentgrpo.async_trainer import AsyncGRPOConfig, AsyncGRPOTrainer
     from agentgrpo.config import GRPOConfig
     from agentgrpo.trainer import GRPOTrainer
 
 __version__ = "0.1.0"
-__all__ = ["GRPOConfig", "GRPOTrainer"]
+__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "GRPOConfig", "GRPOTrainer"]
 
-_LAZY = {"GRPOConfig": "agentgrpo.config", "GRPOTrainer": "agentgrpo.trainer"}
+_LAZY = {
+    "GRPOConfig": "agentgrpo.config",
+    "GRPOTrainer": "agentgrpo.trainer",
+    "AsyncGRPOConfig": "agentgrpo.async_trainer",
+    "AsyncGRPOTrainer": "agentgrpo.async_trainer",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -123,10 +123,11 @@ def check_arguments(args: GRPOConfig, num_generations: int | None) -> None:
 def default_config(model: Any, num_generations: int | None) -> GRPOConfig:
     """TRL's default config: written to `<model name>-GRPO`, with `num_generations` if given."""
     group: dict[str, Any] = {} if num_generations is None else {"num_generations": num_generations}
-    return GRPOConfig(output_dir=f"{_model_name(model)}-GRPO", **group)
+    return GRPOConfig(output_dir=f"{model_name(model)}-GRPO", **group)
 
 
-def _model_name(model: Any) -> str:
+def model_name(model: Any) -> str:
+    """The last part of the model's name or path (TRL names the output folder after it)."""
     name = model if isinstance(model, str) else model.config._name_or_path
     return str(name).rstrip("/").split("/")[-1] or "model"
 

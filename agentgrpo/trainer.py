@@ -22,6 +22,7 @@ import torch
 from accelerate.utils import gather_object
 
 from agentgrpo import checkpoints, porting, run_folder
+from agentgrpo.async_mode import AsyncMode
 from agentgrpo.config import GRPOConfig
 from agentgrpo.data import (
     adapt_to_iterable_datasets,
@@ -70,7 +71,7 @@ from rollout.agents import Agent
 WARM_START_DIR = "warm_start"
 
 
-class GRPOTrainer(TRLAttributes, LoggedRounds):
+class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
     """Train a causal LM with GRPO on single-turn prompts or multi-turn tool-calling episodes.
 
     Accepts the arguments of TRL's `GRPOTrainer` with the same meanings, so a TRL script ports
@@ -214,17 +215,7 @@ class GRPOTrainer(TRLAttributes, LoggedRounds):
         """Build the engine, scorer and loss step (`wiring.build_parts`) and the round's parts."""
         args, tokenizer = self.args, self.processing_class
         backend, self.weight_sync = build_generator(self.model, tokenizer, args, self.accelerator)
-        parts = build_parts(
-            args,
-            backend,
-            # a VLM's processor renders its images
-            tokenizer if self.processor is None else self.processor,
-            factory,
-            tools,
-            self._reward_functions,
-            trainer_state=lambda: self.state,
-            agent=self.agent,
-        )
+        parts = self._build_parts(backend, tools, factory, self.agent)
         self.engine, self.scorer = parts.engine, parts.scorer
         self.loss_step = LossStep.from_config(args, parts.loss_config, router_coef)
         shaping = RewardShaping.from_config(args)
@@ -239,6 +230,14 @@ class GRPOTrainer(TRLAttributes, LoggedRounds):
             gather=self._gather,
             process_index=self.accelerator.process_index,
         )
+        if args.async_grpo:  # training rounds take groups a producer thread played meanwhile
+            self._wire_async(tools, factory)
+
+    def _build_parts(self, backend: Any, tools: Sequence[Callable], factory: Any, agent: Any):
+        """`wiring.build_parts` for this run over `backend`; a VLM's processor renders images."""
+        renderer = self.processing_class if self.processor is None else self.processor
+        rewards, state = self._reward_functions, lambda: self.state
+        return build_parts(self.args, backend, renderer, factory, tools, rewards, state, agent)
 
     @property
     def _mode(self) -> str:
@@ -278,7 +277,10 @@ class GRPOTrainer(TRLAttributes, LoggedRounds):
                 self._warm_start()
                 if self.args.save_warm_start:
                     self.save_model(os.path.join(output_dir, WARM_START_DIR))
-            return super().train(checkpoint, *args, **kwargs)
+            try:
+                return super().train(checkpoint, *args, **kwargs)
+            finally:
+                self._stop_async()
 
     def _warm_start(self) -> None:
         """Fine-tune on the environment's demonstrations (`warm_start_from_environment`)."""
@@ -346,13 +348,14 @@ class GRPOTrainer(TRLAttributes, LoggedRounds):
         """Play, score and batch one round (`round_pipeline.play_and_batch`), and record it."""
         step, process = self.state.global_step, self.accelerator.process_index
         seed = round_seed(self.args.seed, plan.train, step, process)
-        round_ = play_and_batch(self._round_parts, plan, rows, seed)
+        round_ = play_and_batch(self._parts_for(plan, self._round_parts), plan, rows, seed)
+        versions = self._async_versions(plan)  # None: played by the current weights
         # an agent offers tools with its requests: its calls, turns and forks count too
         with_tools = self.engine.context.has_tools or self.engine.player is not None
         shaping, tokens_seen = self._round_parts.shaping, self.state.num_input_tokens_seen
         layout = RewardLayout.of(self.scorer.names, shaping, plan.num_generations, with_tools)
         self.state.num_input_tokens_seen = self._trainer_log.record_round(
-            round_, self._mode, self.scorer, layout, tokens_seen, step
+            round_, self._mode, self.scorer, layout, tokens_seen, step, versions
         )
         return round_
 

@@ -154,6 +154,7 @@ class _State:
 
 
 def _row(tokens: TokenRow) -> EpisodeRow:
+    versions = tokens.versions if tokens.versions and 1 in tokens.loss_mask else None
     return EpisodeRow(
         tokens.prompt_ids,
         tokens.completion_ids,
@@ -161,6 +162,7 @@ def _row(tokens: TokenRow) -> EpisodeRow:
         tokens.logprobs,
         tuple(tokens.images),
         tokens.vision_inputs,
+        policy_versions=versions,
     )
 
 
@@ -352,7 +354,7 @@ async def _turn(
     turn_seed = hash((state.sample_seed, state.turns)) % 2**62
     params = ctx.config.sampling(budget, turn_seed)
     completion = await _generate(ctx.backend, state.tokens, params)
-    state.tokens.append_sampled(completion.token_ids, completion.logprobs)
+    state.tokens.append_sampled(completion.token_ids, completion.logprobs, completion.versions)
     state.turns += 1
     decode = ctx.renderer.tokenizer.decode
     if not completion.stopped:

@@ -6,7 +6,8 @@ for every record whose values are JSON data, and the episode read back equals th
 in every field but `environment` (a live object, not data: it reads back None).
 
 Each line is a JSON object holding the episode's fields (`rows`: a list of
-`{"prompt_ids", "completion_ids", "loss_mask", "sampler_logprobs"}` objects, one per training row;
+`{"prompt_ids", "completion_ids", "loss_mask", "sampler_logprobs"}` objects, one per training row,
+with `"policy_versions"` too when the row has them (an asynchronous run's per-token versions);
 `messages`, `tool_calls`, `finish`, `error`, `stats`, `row`, `group`, `index`, `env_reward`,
 `agent_rewards`)
 and its scores (`rewards` by function, `reward`, `advantage`),
@@ -274,12 +275,15 @@ def _type_name(value: Any) -> str:
 
 
 def _row_to_dict(row: EpisodeRow) -> dict[str, Any]:
-    return {
+    data = {
         "prompt_ids": [int(t) for t in row.prompt_ids],
         "completion_ids": [int(t) for t in row.completion_ids],
         "loss_mask": [int(m) for m in row.loss_mask],
         "sampler_logprobs": [_encode_float(x) for x in row.sampler_logprobs],
     }
+    if row.policy_versions is not None:
+        data["policy_versions"] = [int(v) for v in row.policy_versions]
+    return data
 
 
 def _row_from_dict(data: Mapping[str, Any]) -> EpisodeRow:
@@ -288,6 +292,7 @@ def _row_from_dict(data: Mapping[str, Any]) -> EpisodeRow:
         list(data["completion_ids"]),
         list(data["loss_mask"]),
         [decode_value(x) for x in data["sampler_logprobs"]],
+        policy_versions=data.get("policy_versions"),
     )
 
 

@@ -13,6 +13,8 @@ class TokenRow:
 
     Sampled tokens carry loss mask 1 and their sampler logprob; tokens the template, a tool or the
     environment adds carry mask 0 and logprob 0.0. Nothing is decoded and re-encoded.
+    `versions` holds each token's weights version (-1 for mask 0) while every sampled token came
+    with one, and is None from the first that did not.
 
     >>> row = TokenRow([1, 2])
     >>> row.append_sampled([3, 4], [-0.5, -0.25])
@@ -34,14 +36,21 @@ class TokenRow:
         # A VLM's images in the row, in order, and the processor's tensors for each addition.
         self.images: list[Any] = list(images)
         self.vision_parts: list[Mapping[str, Any]] = [vision] if vision else []
+        self.versions: list[int] | None = []
 
-    def append_sampled(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        """Append tokens the policy sampled, with the sampler's logprob of each."""
+    def append_sampled(
+        self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int] | None = None
+    ) -> None:
+        """Append tokens the policy sampled, with the sampler's logprob (and version) of each."""
         if len(ids) != len(logprobs):
             raise ValueError(f"{len(ids)} sampled ids but {len(logprobs)} logprobs")
         self.completion_ids.extend(ids)
         self.loss_mask.extend([1] * len(ids))
         self.logprobs.extend(logprobs)
+        if versions is None or self.versions is None:
+            self.versions = None
+        else:
+            self.versions.extend(versions)
 
     def append_context(
         self,
@@ -59,6 +68,8 @@ class TokenRow:
         self.completion_ids.extend(ids)
         self.loss_mask.extend([0] * len(ids))
         self.logprobs.extend([0.0] * len(ids))
+        if self.versions is not None:
+            self.versions.extend([-1] * len(ids))
 
     @property
     def vision_inputs(self) -> dict[str, Any]:

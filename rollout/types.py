@@ -56,16 +56,21 @@ class Completion:
     `logprobs[i]` is log p(token_ids[i]) under the temperature-scaled distribution the token was
     drawn from, before top-k/top-p filtering: the quantity the learner recomputes. `stopped` is
     True when generation ended on a stop token (kept as the last id), False when `max_tokens` ran
-    out.
+    out. `versions[i]` is the version of the weights `token_ids[i]` was drawn with, when the
+    backend counts versions (an asynchronous run updates the weights while episodes play);
+    None otherwise.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     stopped: bool
+    versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"{len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} token ids but {len(self.versions)} versions")
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,9 @@ class EpisodeRow:
     tokens appear in the row) and `vision_inputs`, the tensors its processor made of them
     (`pixel_values`, ...; see `rollout.images`), which every forward over the row takes. Both
     are empty for text rows and are left out of equality.
+    `policy_versions`, when the generator counted versions for every sampled token (an
+    asynchronous run), holds the weights version each completion token was drawn with, and
+    -1 wherever the mask is 0; None otherwise.
     """
 
     prompt_ids: list[int]
@@ -150,14 +158,17 @@ class EpisodeRow:
     sampler_logprobs: list[float]
     images: tuple[Any, ...] = field(default=(), compare=False, repr=False)
     vision_inputs: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    policy_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         lengths = {len(self.completion_ids), len(self.loss_mask), len(self.sampler_logprobs)}
-        if len(lengths) != 1:
+        versions = self.policy_versions
+        if len(lengths) != 1 or (versions is not None and len(versions) not in lengths):
             raise ValueError(
-                f"a row needs one mask and one logprob per completion token; got "
-                f"{len(self.completion_ids)} ids, {len(self.loss_mask)} mask values and "
-                f"{len(self.sampler_logprobs)} logprobs"
+                f"a row needs one mask, one logprob (and one version, if any) per completion "
+                f"token; got {len(self.completion_ids)} ids, {len(self.loss_mask)} mask values, "
+                f"{len(self.sampler_logprobs)} logprobs and "
+                f"{'no' if versions is None else len(versions)} versions"
             )
 
     @property

@@ -149,6 +149,7 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
         help_text = field.metadata.get("help", "").replace("%", "%%")
         groups[name in own].add_argument(
             option_name(name),
+            *OPTION_ALIASES.get(name, ()),
             dest=name,
             default=argparse.SUPPRESS,
             metavar=_metavar(name),
@@ -157,6 +158,10 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
             const=True if _is_bool(name) else None,
             help=f"{help_text} (default: {default})",
         )
+
+
+# Shorter spellings of some options, beside `--field-name`.
+OPTION_ALIASES = {"async_grpo": ("--async",)}
 
 
 def option_name(field_name: str) -> str:

@@ -4,8 +4,8 @@ The fields, their types and their defaults are those of TRL 1.x's `GRPOConfig`, 
 ports by changing its import; agentgrpo's own additions come last. Each group of fields lives in
 the module named for its concern, in TRL's order: `model`, `batching`, `generation`, `vllm`,
 `loss` (with the off-policy corrections), `episodes` (TRL's tool-calling bound first), `logs`,
-`generation` again (TRL's engines agentgrpo lacks), then agentgrpo's `episodes` and
-`warm_start`. Every value left open (`bf16`, `epsilon_high`, the batch sizes,
+`generation` again (TRL's engines agentgrpo lacks), then agentgrpo's `episodes`,
+`warm_start` and `asynchronous`. Every value left open (`bf16`, `epsilon_high`, the batch sizes,
 `pad_to_multiple_of`) is resolved here, so what `to_dict()` saves is what the run used.
 
 Decisions that differ from TRL, each for a reason given where it is made:
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import TrainingArguments
 
+from agentgrpo.config.asynchronous import AsyncFields, check_async
 from agentgrpo.config.batching import BatchingFields, check_eval_batch, resolve_batches
 from agentgrpo.config.checks import check_combinations, check_numbers, check_values, normalize
 from agentgrpo.config.episodes import EpisodeFields, ToolCallingFields
@@ -36,9 +37,10 @@ from agentgrpo.config.warm_start import WarmStartFields
 
 
 # The field groups, last first: a dataclass lays out its bases' fields from the last base to the
-# first, so TrainingArguments' fields come first and agentgrpo's warm start last, as in TRL.
+# first, so TrainingArguments' fields come first and agentgrpo's own last, as in TRL.
 @dataclass
 class GRPOConfig(
+    AsyncFields,
     WarmStartFields,
     EpisodeFields,
     OtherGeneratorFields,
@@ -132,6 +134,7 @@ class GRPOConfig(
         check_combinations(self)
         resolve_batches(self)
         check_eval_batch(self)
+        check_async(self)
 
     @property
     def episode_max_turns(self) -> int:

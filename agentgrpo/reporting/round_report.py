@@ -86,16 +86,20 @@ def completions_table(
 
 
 def episode_records(
-    round_: Round, reward_names: Sequence[str], policy_version: int, process: int
+    round_: Round, reward_names: Sequence[str], policy_version: int | Sequence[int], process: int
 ) -> list[EpisodeRecord]:
     """The round's episodes with their scores, as the episode record holds them.
 
     Args:
         round_: The round, on this process.
         reward_names: One name per reward column.
-        policy_version: The global step whose weights generated the round.
+        policy_version: The global step whose weights generated the round, or one per episode
+            (an asynchronous round's groups were played at different steps).
         process: This process's index.
     """
+    versions = policy_version
+    if isinstance(versions, int):
+        versions = [versions] * len(round_.episodes)
     scores = zip(
         round_.rewards_N_F.tolist(),
         round_.rewards_N.tolist(),
@@ -108,8 +112,10 @@ def episode_records(
             {n: None if math.isnan(r) else r for n, r in zip(reward_names, rewards_F, strict=True)},
             reward,
             advantage,
-            policy_version=policy_version,
+            policy_version=version,
             process=process,
         )
-        for episode, (rewards_F, reward, advantage) in zip(round_.episodes, scores, strict=True)
+        for episode, version, (rewards_F, reward, advantage) in zip(
+            round_.episodes, versions, scores, strict=True
+        )
     ]

@@ -193,8 +193,9 @@ class EpisodeLog(TrainerCallback):
     One `rollout.record` line per episode: token ids, loss mask, sampler logprobs, messages, tool
     calls with their results and error kinds, finish reason, per-function rewards, advantage and
     policy version. A round goes to the file of the first optimizer step it trains (the step
-    after its `policy_version`); when a round serves several steps (`steps_per_generation` above
-    `gradient_accumulation_steps`, or `num_iterations` > 1), the steps after it have no file.
+    after the trainer's `last_round_step`, when it was assembled); when a round serves several
+    steps (`steps_per_generation` above `gradient_accumulation_steps`, or `num_iterations` > 1),
+    the steps after it have no file.
 
     The file is written whole when that step ends, under a temporary name then renamed, so a
     crash loses at most the step in flight and never leaves half a file, and a resumed run that
@@ -221,7 +222,7 @@ class EpisodeLog(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         """Write the round this step was the first to train, if it was."""
         records = self.trainer.last_records
-        if not records or records[0].policy_version + 1 != state.global_step:
+        if not records or self.trainer.last_round_step + 1 != state.global_step:
             return
         folder = episode_file(args.output_dir, state.global_step).parent
         images = ImageFolder(folder / IMAGES_DIR, folder)

@@ -60,6 +60,7 @@ class TrainerLog:
         self.episodes: list[tuple[Episode, float]] = []
         self.records: list[EpisodeRecord] = []
         self.completions: CompletionsTable | None = None
+        self.round_step = -1  # the global step the latest training round was assembled at
 
     def add(self, mode: str, metrics: Mapping[str, float]) -> None:
         """Queue metric values for the next log of `mode` ("train" or "eval")."""
@@ -93,13 +94,16 @@ class TrainerLog:
         layout: RewardLayout,
         tokens_seen: int,
         step: int,
+        versions: list[int] | None = None,
     ) -> int:
         """Queue the round's metrics; keep its episodes, records and completions table.
 
         The metrics include those reward functions logged with `log_metric` during the round.
         `tokens_seen` is the run's training tokens before the round, `step` the global step the
-        round was played at. Returns the training tokens seen after it (a training round adds
-        its tokens over every process; an evaluation round adds none).
+        round was played at, `versions` the step of the weights that started each episode when
+        older weights played them (an asynchronous round; None: `step` for every episode).
+        Returns the training tokens seen after it (a training round adds its tokens over every
+        process; an evaluation round adds none).
         """
         gather, gather_objects = self.gather, self.gather_objects
         metrics = gathered_metrics(round_, gather, layout)
@@ -116,7 +120,9 @@ class TrainerLog:
             self.completions = completions_table(round_, views, names, extra, gather_objects, step)
         self.episodes = list(zip(round_.episodes, round_.rewards_N.tolist(), strict=True))
         if mode == "train":
-            self.records = episode_records(round_, names, step, self.process_index)
+            played_by = step if versions is None else versions
+            self.records = episode_records(round_, names, played_by, self.process_index)
+            self.round_step = step
         return tokens_seen
 
 
@@ -136,10 +142,16 @@ class LoggedRounds(Trainer):
 
         Each has its per-function rewards (None where a function returned None), the combined
         reward, the advantage the loss used, and `policy_version`: the global step the round
-        was generated at (it is first trained at the next step). Empty before the first round;
-        replaced, never mutated, by the next training round (eval rounds leave it alone).
+        was generated at (it is first trained at the next step); with `async_grpo`, the step of
+        the weights that started the episode's group. Empty before the first round; replaced,
+        never mutated, by the next training round (eval rounds leave it alone).
         """
         return self._trainer_log.records
+
+    @property
+    def last_round_step(self) -> int:
+        """The global step at which the latest training round was assembled (-1 before one)."""
+        return self._trainer_log.round_step
 
     @property
     def last_completions(self) -> CompletionsTable | None:

@@ -155,8 +155,9 @@ def episode_view(record: EpisodeRecord) -> dict[str, Any]:
     (by function), `finish`, `error`, `turns`, `tool_calls` (a count), `tool_errors` (failed
     calls by kind, kinds that happened only), `calls` (each tool call: `name`, `arguments` as
     JSON text, `result`, `error`), `task` (the dataset row's columns other than the prompt, as
-    JSON text) and `rows` (each training row's `prompt_ids`, `completion_ids`, `loss_mask` and
-    `logprobs`: the sampler logprob to 4 significant digits where the mask is 1, else 0).
+    JSON text) and `rows` (each training row's `prompt_ids`, `completion_ids`, `loss_mask`,
+    `logprobs`: the sampler logprob to 4 significant digits where the mask is 1, else 0, and
+    `versions`: each token's weights version, -1 where the mask is 0, or None when unrecorded).
     """
     episode = record.episode
     return {
@@ -229,6 +230,7 @@ def _row_view(row: EpisodeRow) -> dict[str, Any]:
         "completion_ids": list(row.completion_ids),
         "loss_mask": list(row.loss_mask),
         "logprobs": logprobs,
+        "versions": None if row.policy_versions is None else list(row.policy_versions),
     }
 
 

@@ -52,6 +52,8 @@ class Row:
         tokens: The sampled ids; `logprobs` their sampler logprobs.
         processors: transformers' logits processors the row draws through
             (`generation_settings.row_processors`), or None: `sampling` alone decides.
+        version: The weights version its next tokens are drawn with, or None when the
+            backend counts no versions; `versions` holds each sampled token's.
     """
 
     request: Request
@@ -62,6 +64,8 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     finished: bool = False
     processors: LogitsProcessorList | None = None
+    version: int | None = None
+    versions: list[int] = field(default_factory=list)
     _generator: torch.Generator | None = None
 
     @property
@@ -88,10 +92,13 @@ class Row:
         """Append a sampled token; finish (with the request's result) if the row stops there."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
+        if self.version is not None:
+            self.versions.append(self.version)
         stopped = token in stop_token_ids
         if stopped or len(self.tokens) >= self.request.params.max_tokens or self.request.abandoned:
             self.finished = True
-            self.request.result = Completion(self.tokens, self.logprobs, stopped)
+            versions = self.versions if self.version is not None else None
+            self.request.result = Completion(self.tokens, self.logprobs, stopped, versions)
 
 
 def draw_rows(

@@ -24,7 +24,7 @@ no cache is shared with other requests.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -142,6 +142,8 @@ class TransformersBackend:
         self._arriving: list[Request] = []
         self._batch: DynamicBatch | SlotBatch | None = None
         self._lock = anyio.Lock()
+        # The version tagging each drawn token (`Completion.versions`); None: no tags.
+        self.weights_version: int | None = None
         # transformers checks the processors' values when they are built: fail now, not mid-round
         self._processors([pad_token_id], SamplingParams(max_tokens=1), self.sampling_overrides)
 
@@ -158,6 +160,30 @@ class TransformersBackend:
     def reset_prefix_cache(self) -> None:
         """Forget the cached keys and values: call it whenever the model's weights change."""
         self.prefixes.clear()
+
+    async def between_steps(self, update: Callable[[], None], version: int | None = None) -> None:
+        """Run `update` (a weight load, say) while no generation step runs, then empty the cache.
+
+        Steps already queued wait for it; rows that are decoding continue after it with the
+        updated model (their cached keys and values were computed before it). With `version`,
+        the tokens drawn from then on carry it (`Completion.versions`; see `weights_version`).
+        """
+        async with self._lock:
+            update()
+            self.reset_prefix_cache()
+            if version is not None:
+                self.set_weights_version(version)
+
+    def set_weights_version(self, version: int) -> None:
+        """Tag the tokens drawn from now on with `version`, those of running rows included.
+
+        Rows started before the backend had a version keep none (their completions have
+        `versions=None`). Call it only between steps (`between_steps` does).
+        """
+        self.weights_version = version
+        for row in self._running().rows:
+            if row.version is not None:
+                row.version = version
 
     @property
     def running_rows(self) -> int:
@@ -381,7 +407,10 @@ class TransformersBackend:
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self._seeds))
         processors = self._processors(request.prompt_ids, params, sampling)
-        return Row(request, sampling, seed, fed=list(request.prompt_ids), processors=processors)
+        fed = list(request.prompt_ids)
+        return Row(
+            request, sampling, seed, fed, processors=processors, version=self.weights_version
+        )
 
     def _processors(
         self, prompt_ids: list[int], params: SamplingParams, sampling: Mapping[str, Any]

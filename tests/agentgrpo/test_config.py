@@ -109,6 +109,11 @@ AGENTGRPO_DEFAULTS = [
     ("warm_start_steps", 0),
     ("warm_start_learning_rate", 5e-5),
     ("save_warm_start", False),
+    # asynchronous GRPO: TRL's AsyncGRPOConfig names and defaults
+    ("async_grpo", False),
+    ("max_staleness", 4),
+    ("queue_maxsize", 1024),
+    ("weight_sync_steps", 1),
 ]
 
 DECLARED = {f.name: f for f in dataclasses.fields(GRPOConfig)}

@@ -197,7 +197,8 @@ def test_an_episode_file_onto_a_full_disk_says_so_and_leaves_no_temporary_file(
     fill(small_disk)
     episode = scripted_episode(tokenizer, COUNTER_TURNS)
     record = EpisodeRecord(episode, {"Counter": 1.0}, reward=1.0, advantage=0.5, policy_version=0)
-    trainer = SimpleNamespace(last_records=[record])  # what EpisodeLog reads of the trainer
+    # what EpisodeLog reads of the trainer
+    trainer = SimpleNamespace(last_records=[record], last_round_step=0)
     with pytest.raises(OutputDirUnwritable, match=f"{small_disk}: No space left on device"):
         EpisodeLog(trainer).on_step_end(*callback_args(small_disk))
     assert list((small_disk / "episodes").iterdir()) == []

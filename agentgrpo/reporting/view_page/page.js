@@ -169,7 +169,7 @@ function detail(pane, data) {
   return el("div", { class: "detail" },
     el("h3", {}, `step ${data.step}, episode ${label(e)}`),
     el("p", {}, `reward ${fmt(e.reward)} (${rewards.join(", ")}) · advantage ${fmt(e.advantage)}` +
-      ` · finish ${e.finish} · ${e.turns} turns · played with the weights of step ${e.policy_version}`),
+      ` · finish ${e.finish} · ${e.turns} turns · played with the weights of ${steps(e)}`),
     el("p", {}, "task: ", el("code", {}, e.task)),
     e.images.length ? el("p", { class: "images" }, "pictures the model saw: ",
       ...e.images.map((src, i) => el("img", { src, alt: `picture ${i + 1}`, title: `picture ${i + 1}` }))) : null,
@@ -197,13 +197,25 @@ function tokenRow(row, r, count) {
   const which = count > 1 ? `row ${r + 1} of ${count}${r ? " (forked)" : ""}: ` : "";
   const prompt = row.prompt_ids.map((id) => token(id, "p", `prompt · id ${id}`));
   const completion = row.completion_ids.map((id, i) => row.loss_mask[i] === 1
-    ? token(id, "m1", `sampled · logprob ${logprob(row.logprobs[i])} · id ${id}`)
+    ? token(id, "m1", `sampled · logprob ${logprob(row.logprobs[i])}${version(row, i)} · id ${id}`)
     : token(id, "m0", `tool / environment / template · id ${id}`));
   return el("div", { class: "row" },
     el("h4", {}, `${which}${row.completion_ids.length} completion tokens, ${sampled} sampled`),
     el("details", {}, el("summary", {}, `prompt: ${row.prompt_ids.length} tokens`),
       el("div", { class: "tokens prompt" }, ...prompt)),
     el("div", { class: "tokens completion", "data-row": r }, ...completion));
+}
+
+// The steps whose weights drew the episode's tokens: one, or a range when it spans a weight update.
+function steps(e) {
+  const versions = e.rows.flatMap((row) => (row.versions || []).filter((v) => v >= 0));
+  if (!versions.length) return `step ${e.policy_version}`;
+  const [low, high] = [Math.min(...versions), Math.max(...versions)];
+  return low === high ? `step ${low}` : `steps ${low} to ${high}`;
+}
+
+function version(row, i) {
+  return row.versions ? ` · weights of step ${row.versions[i]}` : "";
 }
 
 function logprob(value) {

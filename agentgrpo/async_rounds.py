@@ -1,0 +1,616 @@
+"""Asynchronous GRPO: a producer plays groups into a bounded queue while the learner trains.
+
+The producer is a thread of its own running an event loop. Its workers each take the next row,
+play its group of `num_generations` episodes with the generator's weights, score it, and put it
+in a `GroupBuffer`, tagged with the version (the optimizer step) of the weights the group started
+with. The learner's round takes `prompts_per_process` groups from the buffer in place of playing
+them (`AsyncGeneration.take_round` is a `round.Play`); every other stage of the round is the
+synchronous one. A group whose version lags the steps that will train on it by more than
+`max_staleness` is dropped, whole, and counted. After every `weight_sync_steps` optimizer steps
+the learner pushes its weights to the generator, between two generation steps.
+
+The transformers backend generates from a copy of the policy (`CopiedWeights`), so that the
+optimizer never changes weights under a forward pass; the push copies the policy's tensors in.
+
+Every sampled token records the version of the weights that drew it (`EpisodeRow.
+policy_versions`; an episode that spans a push holds two or more). An episode's version is its
+oldest token's, and a group's its oldest episode's, so the staleness checked is the bound for
+each of its tokens. The loss's old logprobs are the sampler's own
+(`TrainingBatch.sampler_logprobs_B_C`), token by token: the weights that drew each token.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
+import torch
+from transformers import TrainerCallback
+
+from agentgrpo.async_queue import QueueFolder
+from agentgrpo.learner.batch import TrainingBatch
+from agentgrpo.precision import autocast_kwargs, mixed_precision_dtype
+from agentgrpo.round_pipeline import RoundParts, RoundPlan
+from agentgrpo.scoring import Scorer, play_round
+from agentgrpo.weight_sync import sampling_overrides
+from rollout import Episode, EpisodeRecord, RolloutEngine, TransformersBackend
+
+logger = logging.getLogger(__name__)
+
+# How long `AsyncGeneration.stop` waits for the producer thread to end, in seconds.
+STOP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class PlayedGroup:
+    """One played and scored group, waiting to be trained on.
+
+    Attributes:
+        episodes: The G episodes of one row.
+        rewards_G_F: One reward column per scorer name.
+        version: The optimizer step of the weights its oldest token was drawn with.
+        path: Its file in the queue folder (`async_queue`), or None when not written.
+    """
+
+    episodes: list[Episode]
+    rewards_G_F: torch.Tensor
+    version: int
+    path: Path | None = None
+
+
+class ProducerFailed(RuntimeError):
+    """The producer thread stopped without an error of its own (it was stopped)."""
+
+
+class GroupBuffer:
+    """A bounded FIFO of played groups between the producer thread and the learner.
+
+    Args:
+        max_episodes: The most episodes held; `put` waits while one more group would not fit.
+        on_drop: Called with the groups dropped as stale (under the buffer's lock).
+    """
+
+    def __init__(
+        self, max_episodes: int, on_drop: Callable[[list[PlayedGroup]], None] = lambda _: None
+    ):
+        self.max_episodes = max_episodes
+        self.on_drop = on_drop
+        self.dropped_episodes = 0  # since the run started
+        self._groups: collections.deque[PlayedGroup] = collections.deque()
+        self._changed = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False
+
+    @property
+    def episodes(self) -> int:
+        """Episodes waiting now."""
+        return sum(len(group.episodes) for group in self._groups)
+
+    def put(self, group: PlayedGroup) -> bool:
+        """Add `group` once there is room; False (and nothing added) when the buffer closed."""
+        with self._changed:
+            while not self._closed and self.episodes + len(group.episodes) > self.max_episodes:
+                self._changed.wait()
+            if self._closed:
+                return False
+            self._groups.append(group)
+            self._changed.notify_all()
+            return True
+
+    def preload(self, groups: Sequence[PlayedGroup]) -> None:
+        """Add groups ahead of any played, even past `max_episodes` (a resumed run's queue)."""
+        with self._changed:
+            self._groups.extendleft(reversed(groups))
+            self._changed.notify_all()
+
+    def count_dropped(self, groups: Sequence[PlayedGroup]) -> None:
+        """Count groups dropped as stale before they reached the buffer."""
+        with self._changed:
+            self.dropped_episodes += sum(len(g.episodes) for g in groups)
+            self.on_drop(list(groups))
+
+    def take(self, count: int, oldest_version: int) -> list[PlayedGroup]:
+        """The first `count` groups of version >= `oldest_version`, waiting for them to arrive.
+
+        Older groups are dropped on the way and counted in `dropped_episodes`.
+
+        Raises:
+            Exception: The producer's own error, when it stopped on one (a reward function's
+                `RewardFunctionError`, say), so the learner fails as a synchronous run would.
+            ProducerFailed: The buffer was closed.
+        """
+        taken: list[PlayedGroup] = []
+        with self._changed:
+            while len(taken) < count:
+                self._drop_older(oldest_version)
+                while self._groups and len(taken) < count:
+                    taken.append(self._groups.popleft())
+                self._changed.notify_all()
+                if len(taken) < count:
+                    self._raise_if_failed()
+                    self._changed.wait()
+        return taken
+
+    def _drop_older(self, oldest_version: int) -> None:
+        stale = [g for g in self._groups if g.version < oldest_version]
+        if stale:
+            self.dropped_episodes += sum(len(g.episodes) for g in stale)
+            self.on_drop(stale)
+        self._groups = collections.deque(g for g in self._groups if g.version >= oldest_version)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise ProducerFailed("the episode producer was stopped")
+
+    def fail(self, error: BaseException) -> None:
+        """Record the producer's error: the learner's waiting `take` raises it."""
+        with self._changed:
+            self._error = error
+            self._closed = True
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Stop taking groups: a waiting `put` returns False, a waiting `take` raises."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+
+class CopiedWeights:
+    """The transformers backend's own copy of the policy, reloaded between generation steps.
+
+    Args:
+        policy: The policy (unwrapped); copied once, here.
+        version: The optimizer step of the policy's weights now.
+    """
+
+    def __init__(self, policy: torch.nn.Module, version: int):
+        self.model = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.version = version
+        self.paused_s = 0.0  # generation paused for pushes since the last `take_paused_s`
+
+    async def push(
+        self, backend: TransformersBackend, policy: torch.nn.Module, version: int
+    ) -> None:
+        """Copy `policy`'s tensors into the generator's, between two steps of `backend`."""
+
+        def copy_in() -> None:
+            started = time.perf_counter()
+            with torch.no_grad():
+                targets = self.model.state_dict()
+                for name, tensor in policy.state_dict().items():
+                    targets[name].copy_(tensor)
+            self.version = version
+            self.paused_s += time.perf_counter() - started
+
+        await backend.between_steps(copy_in, version)
+
+    def take_paused_s(self) -> float:
+        """Seconds generation paused for pushes since the last call."""
+        paused, self.paused_s = self.paused_s, 0.0
+        return paused
+
+
+class RowStream:
+    """The training rows, epoch after epoch, shuffled per epoch by the run's seed.
+
+    Args:
+        dataset: Indexable rows.
+        shuffle: Shuffle each epoch (`shuffle_dataset`); else the dataset's order.
+        seed: The run's seed.
+        start: How many rows to skip (a resumed run continues after the rows it consumed).
+    """
+
+    def __init__(self, dataset: Any, shuffle: bool, seed: int, start: int = 0):
+        if len(dataset) == 0:
+            raise ValueError("the training dataset is empty: there is nothing to play")
+        self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
+        self.taken = start
+
+    def next(self) -> tuple[Mapping[str, Any], int]:
+        """The next row and its group's sampling seed."""
+        epoch, position = divmod(self.taken, len(self.dataset))
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(hash((self.seed, epoch)) % 2**31)
+            order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        seed = hash((self.seed, self.taken)) % 2**31
+        self.taken += 1
+        return self.dataset[order[position]], seed
+
+
+@dataclass
+class Waits:
+    """Seconds spent waiting, and episodes trained, since the metrics were last taken."""
+
+    learner_s: float = 0.0
+    staleness: list[int] = dataclasses.field(default_factory=list)
+
+
+class AsyncGeneration:
+    """The producer thread, its buffer and its weights; `take_round` feeds the learner's rounds.
+
+    Args:
+        engine: Plays episodes with the generator's backend (a `TransformersBackend` over
+            `weights.model`).
+        scorer: Rates each group as it ends.
+        weights: The generator's copy of the policy.
+        rows: Where the producer takes its rows.
+        num_generations: Episodes per group.
+        workers: Groups played at once.
+        max_staleness: See `GRPOConfig.max_staleness`.
+        round_steps: Optimizer steps one round is trained over (its last micro-batch is trained
+            `round_steps - 1` steps after its first).
+        max_episodes: `GRPOConfig.queue_maxsize`.
+        policy: Returns the learner's policy (unwrapped), read at start and at each push.
+        rows_per_step: Rows the learner consumes per optimizer step (where a resumed run's
+            producer starts in `rows`).
+        queue: Where each played group is written before it is trained on (`async_queue`),
+            or None to keep them in memory only.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        scorer: Scorer,
+        weights: CopiedWeights,
+        rows: RowStream,
+        num_generations: int,
+        workers: int,
+        max_staleness: int,
+        round_steps: int,
+        max_episodes: int,
+        policy: Callable[[], torch.nn.Module],
+        rows_per_step: float,
+        queue: QueueFolder | None = None,
+    ):
+        self.policy, self.rows_per_step, self.queue = policy, rows_per_step, queue
+        self.consumed: list[tuple[int, Path]] = []  # (step a round took it at, its file)
+        self.resumed_groups = 0  # groups a resumed run found in the queue and kept
+        self.resumed_dropped = 0  # episodes it found there too stale to train on
+        self.engine, self.scorer, self.weights, self.rows = engine, scorer, weights, rows
+        self.num_generations, self.workers = num_generations, workers
+        self.max_staleness, self.round_steps = max_staleness, round_steps
+        self.buffer = GroupBuffer(max_episodes, self._forget)
+        self.last_versions_N: list[int] = []  # the latest round's, one per episode
+        self._waits = Waits()
+        self._dropped_reported = 0
+        self._thread: threading.Thread | None = None
+        self._token: Any = None
+        self._scope: anyio.CancelScope | None = None
+        self._ready = threading.Event()
+
+    @classmethod
+    def build(
+        cls,
+        args: Any,
+        plan: RoundPlan,
+        policy: Callable[[], torch.nn.Module],
+        tokenizer: Any,
+        make_engine: Callable[[TransformersBackend], RolloutEngine],
+        scorer: Scorer,
+        dataset: Any,
+    ) -> AsyncGeneration:
+        """The producer of a `GRPOConfig` with `async_grpo`, generating from a policy copy.
+
+        Args:
+            args: The run's config.
+            plan: The training round's sizes.
+            policy: Returns the learner's policy (unwrapped).
+            tokenizer: The policy's tokenizer.
+            make_engine: Builds the engine (as the trainer builds its own) over a backend.
+            scorer: The trainer's scorer (its reward logs are the run's).
+            dataset: The training rows.
+        """
+        weights = CopiedWeights(policy(), version=0)
+        backend = TransformersBackend.from_tokenizer(
+            weights.model,
+            tokenizer,
+            seed=args.seed,
+            sampling_overrides=sampling_overrides(args),
+            **autocast_kwargs(mixed_precision_dtype(args)),
+        )
+        return cls(
+            make_engine(backend),
+            scorer,
+            weights,
+            RowStream(dataset, bool(args.shuffle_dataset), args.seed),
+            plan.num_generations,
+            workers=plan.prompts_per_process,
+            max_staleness=args.max_staleness,
+            round_steps=math.ceil(plan.repeats / plan.accumulation_steps),
+            max_episodes=args.queue_maxsize,
+            policy=policy,
+            rows_per_step=plan.prompts_per_process * plan.accumulation_steps / plan.repeats,
+            queue=QueueFolder(args.output_dir, scorer.names),
+        )
+
+    @property
+    def backend(self) -> TransformersBackend:
+        """The generator's backend."""
+        backend = self.engine.context.backend
+        assert isinstance(backend, TransformersBackend)  # built so by `build`
+        return backend
+
+    # ------------------------------------------------------------------ producer
+
+    def start(self, step: int) -> None:
+        """Start the producer thread with the policy of step `step`; returns when it runs.
+
+        It starts lazily, at the first round: a resumed run has loaded its checkpoint by then.
+        Nothing happens while it runs; after `stop` (a second `train()`), a new one starts with
+        an empty buffer and the queue folder's groups.
+        """
+        if self._thread is not None:
+            if self._thread.is_alive():
+                return
+            dropped = self.buffer.dropped_episodes
+            self.buffer = GroupBuffer(self.buffer.max_episodes, self._forget)
+            self.buffer.dropped_episodes = self._dropped_reported = dropped
+            self._ready = threading.Event()
+        self.rows.taken = int(step * self.rows_per_step)
+        self._load(step)
+        self._resume_queue(step)
+        self._thread = threading.Thread(target=self._main, name="agentgrpo-producer", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _main(self) -> None:
+        try:
+            anyio.run(self._produce)
+        except BaseException as error:  # the learner raises it
+            self.buffer.fail(_first_error(error))
+        finally:
+            self._ready.set()
+
+    async def _produce(self) -> None:
+        self._token = anyio.lowlevel.current_token()
+        async with anyio.create_task_group() as workers:
+            self._scope = workers.cancel_scope
+            self._ready.set()
+            for _ in range(self.workers):
+                workers.start_soon(self._play_groups)
+
+    async def _play_groups(self) -> None:
+        """Play group after group until the buffer closes."""
+        while True:
+            row, seed = self.rows.next()
+            started = self.weights.version
+            episodes, rewards_G_F = await play_round(
+                self.engine, [row], self.num_generations, seed, self.scorer
+            )
+            version = min(episode_version(e, started) for e in episodes)
+            group = PlayedGroup(episodes, rewards_G_F, version)
+            if not await anyio.to_thread.run_sync(self._store_and_put, group):
+                return
+
+    def _store_and_put(self, group: PlayedGroup) -> bool:
+        """Write the group to the queue folder, then put it in the buffer (False: closed)."""
+        if self.queue is not None:
+            records = [
+                EpisodeRecord(e, _rewards(self.scorer.names, r), math.nan, math.nan, group.version)
+                for e, r in zip(group.episodes, group.rewards_G_F.tolist(), strict=True)
+            ]
+            group = dataclasses.replace(group, path=self.queue.write(records))
+        return self.buffer.put(group)
+
+    def _resume_queue(self, step: int) -> None:
+        """Put the groups a run left in the queue folder first; drop the stale ones.
+
+        A run that starts at step 0 clears the folder instead. A group is kept when it would
+        be fresh now and was not played with weights newer than the checkpoint's (they were
+        lost with the run that played it).
+        """
+        if self.queue is None:
+            return
+        if step == 0:
+            self.queue.clear()
+            return
+        oldest = step + self.round_steps - 1 - self.max_staleness
+        stored = [
+            PlayedGroup([r.episode for r in g.records], g.rewards_G_F, g.version, g.path)
+            for g in self.queue.read()
+        ]
+        kept = [g for g in stored if oldest <= g.version <= step]
+        dropped = [g for g in stored if not oldest <= g.version <= step]
+        self.buffer.preload(kept)
+        self.buffer.count_dropped(dropped)
+        self.resumed_groups = len(kept)
+        self.resumed_dropped = sum(len(g.episodes) for g in dropped)
+        if stored:
+            logger.warning(
+                "resuming at step %d with %d queued group(s) played before the stop: %d to train "
+                "first, %d episode(s) dropped as stale",
+                step,
+                len(stored),
+                len(kept),
+                self.resumed_dropped,
+            )
+
+    def _forget(self, groups: list[PlayedGroup]) -> None:
+        """Remove the files of groups that will never be trained on again."""
+        if self.queue is not None:
+            self.queue.remove(g.path for g in groups if g.path is not None)
+
+    def forget_trained(self, step: int) -> None:
+        """Remove the files of the rounds whose every step is before `step` (a checkpoint's)."""
+        done = [(s, p) for s, p in self.consumed if s + self.round_steps <= step]
+        self.consumed = [item for item in self.consumed if item not in done]
+        if self.queue is not None:
+            self.queue.remove(path for _, path in done)
+
+    def stop(self) -> None:
+        """Close the buffer, cancel the episodes in flight and wait for the thread to end."""
+        self.buffer.close()
+        thread, scope = self._thread, self._scope
+        if thread is None or not thread.is_alive():
+            return
+        if scope is not None:
+            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
+                anyio.from_thread.run_sync(scope.cancel, token=self._token)
+        thread.join(STOP_TIMEOUT_S)
+        if thread.is_alive():
+            raise RuntimeError(f"the episode producer did not stop within {STOP_TIMEOUT_S:.0f} s")
+
+    # ------------------------------------------------------------------ learner
+
+    def take_round(
+        self, rows: Sequence[Mapping[str, Any]], num_generations: int, seed: int, *, step: int
+    ) -> tuple[list[Episode], torch.Tensor]:
+        """A `round.Play` for the learner at optimizer step `step`: `len(rows)` fresh groups.
+
+        `rows` give only the count (the producer plays its own rows), `seed` is unused. A group
+        is fresh when the round's last optimizer step is at most `max_staleness` steps after
+        its version. Episodes are renumbered into this round's groups.
+        """
+        self.start(step)
+        oldest = step + self.round_steps - 1 - self.max_staleness
+        started = time.perf_counter()
+        groups = self.buffer.take(len(rows), oldest)
+        self._waits.learner_s += time.perf_counter() - started
+        episodes = [
+            dataclasses.replace(e, group=g, index=g * num_generations + k)
+            for g, group in enumerate(groups)
+            for k, e in enumerate(group.episodes)
+        ]
+        self.last_versions_N = [
+            episode_version(e, group.version) for group in groups for e in group.episodes
+        ]
+        self.consumed += [(step, g.path) for g in groups if g.path is not None]
+        self._waits.staleness += [step - version for version in self.last_versions_N]
+        return episodes, torch.cat([group.rewards_G_F for group in groups])
+
+    def push(self, step: int) -> float:
+        """Push the policy's weights (at optimizer step `step`) to the generator; seconds taken."""
+        started = time.perf_counter()
+        if self._thread is None or not self._thread.is_alive():
+            self._load(step)  # nothing generates
+        else:
+            anyio.from_thread.run(
+                self.weights.push, self.backend, self.policy(), step, token=self._token
+            )
+        return time.perf_counter() - started
+
+    def _load(self, step: int) -> None:
+        with torch.no_grad():
+            self.weights.model.load_state_dict(self.policy().state_dict())
+        self.weights.version = step
+        self.backend.set_weights_version(step)
+
+    def take_metrics(self) -> dict[str, float]:
+        """The metrics since the last call, under TRL's AsyncGRPO names where it logs the same.
+
+        `sample/staleness_mean` and `_max`: optimizer steps between the weights that started
+        each trained episode and the step that first trains it. `sample/dropped_stale_total`:
+        episodes dropped as stale since the last call. `rollout/queue_size`: episodes waiting.
+        `perf/rollout_wait_s`: the learner's wait for episodes. `perf/weight_sync_pause_s`:
+        generation paused for weight pushes.
+        """
+        staleness, self._waits.staleness = self._waits.staleness, []
+        dropped = self.buffer.dropped_episodes - self._dropped_reported
+        self._dropped_reported = self.buffer.dropped_episodes
+        metrics = {
+            "sample/dropped_stale_total": float(dropped),
+            "rollout/queue_size": float(self.buffer.episodes),
+            "perf/rollout_wait_s": self._waits.learner_s,
+            "perf/weight_sync_pause_s": self.weights.take_paused_s(),
+        }
+        self._waits.learner_s = 0.0
+        if staleness:
+            metrics["sample/staleness_mean"] = sum(staleness) / len(staleness)
+            metrics["sample/staleness_max"] = float(max(staleness))
+        return metrics
+
+
+def _first_error(error: BaseException) -> BaseException:
+    """The first error a task group's exception group holds (itself for a plain error)."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
+def _rewards(names: Sequence[str], rewards_F: Sequence[float]) -> dict[str, float | None]:
+    """A group member's reward columns by name, None where NaN (as the episode record holds)."""
+    return {n: None if math.isnan(r) else r for n, r in zip(names, rewards_F, strict=True)}
+
+
+def episode_version(episode: Episode, default: int) -> int:
+    """The version of the oldest weights that drew a token of `episode`.
+
+    `default` (the version when it started) when its rows recorded no versions.
+    """
+    versions = [
+        version
+        for row in episode.rows
+        if row.policy_versions is not None
+        for version in row.policy_versions
+        if version >= 0
+    ]
+    return min(versions, default=default)
+
+
+def asynchronous_round_parts(
+    generation: AsyncGeneration, parts: RoundParts, step: Callable[[], int]
+) -> RoundParts:
+    """`parts` whose rounds take `generation`'s played groups at the learner's `step()`.
+
+    The loss's old logprobs are the sampler's: the weights that drew each token, which the
+    importance-sampling correction needs once the learner has moved on.
+    """
+    collate = parts.collate
+    return dataclasses.replace(
+        parts,
+        play=lambda rows, n, seed: generation.take_round(rows, n, seed, step=step()),
+        collate=lambda episodes, advantages_N: _sampler_as_old(collate(episodes, advantages_N)),
+        old_logprobs=lambda batch: batch.sampler_logprobs_B_C,
+    )
+
+
+def _sampler_as_old(batch: TrainingBatch) -> TrainingBatch:
+    """`batch` with the sampler's logprobs as the old ones."""
+    return dataclasses.replace(batch, old_logprobs_B_C=batch.sampler_logprobs_B_C)
+
+
+class WeightPushes(TrainerCallback):
+    """Push the policy to the generator after every `weight_sync_steps` optimizer steps.
+
+    Args:
+        generation: The producer to push to.
+        every: `weight_sync_steps`.
+        record: Receives `perf/weight_sync_s`, the learner's time spent on each push.
+    """
+
+    def __init__(
+        self, generation: AsyncGeneration, every: int, record: Callable[[dict[str, float]], None]
+    ):
+        self.generation, self.every, self.record = generation, every, record
+
+    def on_save(self, args, state, control, **kwargs):
+        """The checkpoint holds the rounds trained so far: their queued files can go."""
+        self.generation.forget_trained(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Training ended normally: nothing trained will be trained again."""
+        self.generation.forget_trained(2**62)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Push when the step count reaches a multiple of `every`."""
+        if state.global_step % self.every == 0:
+            seconds = self.generation.push(state.global_step)
+            self.record({"perf/weight_sync_s": seconds})

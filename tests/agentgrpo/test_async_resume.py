@@ -1,0 +1,131 @@
+"""Nothing lost: played groups are written before they are trained on, and a resumed run trains
+the fresh ones first; a Ctrl-C during a weight push stops the producer cleanly."""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+
+import anyio
+import pytest
+
+from agentgrpo import GRPOTrainer
+from agentgrpo.async_queue import QueueFolder
+from rollout import EpisodeRecord
+from tests.agentgrpo.test_async_rounds import PROMPTS, config
+from tests.support.tiny_model import tiny_llama
+from tests.support.trainer import rank_in_call
+
+
+class FirstRound(GRPOTrainer):
+    """Keeps the completions of the first training round it plays."""
+
+    first: list[list[int]] | None = None
+
+    def _prepare_inputs(self, rows):
+        batch = super()._prepare_inputs(rows)
+        if self.model.training and self.first is None:
+            self.first = [episode.completion_ids for episode in self._round.episodes]
+        return batch
+
+
+def interrupt_main_when(event: threading.Event) -> threading.Thread:
+    """Send the main thread a real SIGINT (a Ctrl-C) once `event` is set."""
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def wait_and_interrupt() -> None:
+        if event.wait(300):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    thread = threading.Thread(target=wait_and_interrupt, daemon=True)
+    thread.start()
+    return thread
+
+
+def hold_the_push_of(trainer, version: int, pushing: threading.Event) -> None:
+    """Make the push of `version` wait (in the producer's loop) until the run is stopped."""
+    weights = trainer._async.weights
+    push = weights.push
+
+    async def held(backend, policy, pushed_version):
+        if pushed_version == version:
+            pushing.set()
+            await anyio.sleep(600)
+        await push(backend, policy, pushed_version)
+
+    weights.push = held
+
+
+def test_ctrl_c_during_a_weight_push_then_resume_trains_the_queued_groups_first(
+    tokenizer, tmp_path
+):
+    args = config(tmp_path, max_steps=3, save_strategy="steps", save_steps=1, max_staleness=1)
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
+    )
+    pushing = threading.Event()
+    hold_the_push_of(trainer, version=2, pushing=pushing)  # after checkpoint-1 is saved
+    interrupter = interrupt_main_when(pushing)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    interrupter.join(30)
+    generation = trainer._async
+    assert not generation._thread.is_alive()  # stopped, not left generating
+    assert generation.weights.version == 1  # the held push never copied a thing
+    assert not [t for t in threading.enumerate() if t.name == "agentgrpo-producer"]
+
+    queue = QueueFolder(tmp_path, trainer.scorer.names)
+    stored = queue.read()
+    assert stored, "the groups played before the stop were written"
+    # Resuming at step 1 with max_staleness=1 keeps the groups of versions 0 and 1, in order.
+    fresh = [g for g in stored if 0 <= g.version <= 1]
+    expected = [r.episode.completion_ids for g in fresh[:2] for r in g.records]
+
+    resumed = FirstRound(
+        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
+    )
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed._async.resumed_groups == len(fresh)
+    assert resumed._async.resumed_dropped == sum(len(g.records) for g in stored) - 4 * len(fresh)
+    assert resumed.first == expected
+    assert resumed.state.global_step == 3
+    # A run that ended normally removed what it trained on; what is left was never trained.
+    left = [r.episode.completion_ids for g in queue.read() for r in g.records]
+    assert not [ids for ids in resumed.first if ids in left]
+
+
+def stored_group(tokenizer, trainer, version: int) -> list[EpisodeRecord]:
+    from conftest import scripted_episode
+
+    episode = scripted_episode(tokenizer, ["Hi.", "Done."])
+    rewards = {name: 1.0 for name in trainer.scorer.names}
+    return [EpisodeRecord(episode, rewards, math.nan, math.nan, version)] * 4
+
+
+def test_a_resumed_run_drops_stale_and_newer_groups_and_counts_them(tokenizer, tmp_path):
+    args = config(tmp_path, max_staleness=1)
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
+    )
+    generation = trainer._async
+    for version in (3, 5, 4, 6):
+        generation.queue.write(stored_group(tokenizer, trainer, version))
+    generation._resume_queue(step=5)  # fresh: versions 4 and 5 (6 was played by lost weights)
+    assert generation.resumed_groups == 2 and generation.resumed_dropped == 8
+    assert [g.version for g in generation.queue.read()] == [5, 4]  # the dropped files are gone
+    taken = generation.buffer.take(2, oldest_version=4)
+    assert [g.version for g in taken] == [5, 4]  # in the order they were played
+    assert taken[0].rewards_G_F.tolist() == [[1.0]] * 4
+    assert generation.buffer.dropped_episodes == 8
+
+
+def test_a_run_that_starts_afresh_clears_what_an_earlier_run_queued(tokenizer, tmp_path):
+    args = config(tmp_path)
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
+    )
+    trainer._async.queue.write(stored_group(tokenizer, trainer, 0))
+    trainer._async._resume_queue(step=0)
+    assert trainer._async.queue.read() == []
