@@ -237,7 +237,9 @@ class GRPOTrainer(TRLAttributes):
     def _wire(self, tools: Sequence[Callable[..., Any]], factory: Any) -> None:
         """Build the engine, scorer and loss settings (`wiring.build_parts`) and the round."""
         args, tokenizer = self.args, self.processing_class
-        backend, self.weight_sync = build_generator(self.model, tokenizer, args, self.accelerator)
+        backend, self.weight_sync = build_generator(
+            self.model, tokenizer, args, self.accelerator, self.processor
+        )
         parts = build_parts(
             args,
             backend,
