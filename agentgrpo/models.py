@@ -139,9 +139,15 @@ def load_for_generation(path: str, device: torch.device) -> tuple[Any, torch.dty
 
     As a training run holds it: float32 weights, on `backends.attention`'s "sdpa_gqa" where it
     uses "sdpa". Returns the model (in eval mode) and the autocast dtype to generate under
-    (`devices.inference_autocast`: bf16 on a GPU that supports it, None on a CPU).
+    (`devices.inference_autocast`: bf16 on a GPU that supports it, None on a CPU). A
+    vision-language model loads with `AutoModelForImageTextToText`.
     """
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from transformers import AutoModelForImageTextToText
+
+    from agentgrpo.vision import is_vision_folder
+
+    auto = AutoModelForImageTextToText if is_vision_folder(path) else AutoModelForCausalLM
+    model: Any = auto.from_pretrained(path, dtype=torch.float32)
     model = model.to(device).eval()
     use_grouped_query_sdpa(model)
     return model, inference_autocast(device)

@@ -19,6 +19,13 @@ def is_vision_model(model: Any) -> bool:
     return getattr(getattr(model, "config", None), "vision_config", None) is not None
 
 
+def is_vision_folder(path: str) -> bool:
+    """Whether the model saved at `path` (folder or hub id) has a vision tower."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+
+
 def tokenizer_and_processor(
     model: Any, processing_class: Any = None, load_kwargs: dict[str, Any] | None = None
 ) -> tuple[Any, Any]:
