@@ -140,9 +140,13 @@ def load_for_generation(path: str, device: torch.device) -> tuple[Any, torch.dty
 
     As a training run holds it: float32 weights, on `backends.attention`'s "sdpa_gqa" where it
     uses "sdpa". Returns the model (in eval mode) and the autocast dtype to generate under
-    (`devices.inference_autocast`: bf16 on a GPU that supports it, None on a CPU).
+    (`devices.inference_autocast`: bf16 on a GPU that supports it, None on a CPU). A
+    vision-language model loads with `AutoModelForImageTextToText`.
     """
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from transformers import AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if is_vision_folder(path) else AutoModelForCausalLM
+    model: Any = auto.from_pretrained(path, dtype=torch.float32)
     model = model.to(device).eval()
     use_grouped_query_sdpa(model)
     return model, inference_autocast(device)
@@ -387,6 +391,13 @@ def load_policy_and_processing(
 def is_vision_model(model: Any) -> bool:
     """Whether `model`'s config has a vision tower (a `vision_config`)."""
     return getattr(getattr(model, "config", None), "vision_config", None) is not None
+
+
+def is_vision_folder(path: str) -> bool:
+    """Whether the model saved at `path` (folder or hub id) has a vision tower."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
 
 
 def tokenizer_and_processor(

@@ -214,7 +214,9 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
     def _wire(self, tools: Sequence[Callable[..., Any]], factory: Any, router_coef: float) -> None:
         """Build the engine, scorer and loss step (`wiring.build_parts`) and the round's parts."""
         args, tokenizer = self.args, self.processing_class
-        backend, self.weight_sync = build_generator(self.model, tokenizer, args, self.accelerator)
+        backend, self.weight_sync = build_generator(
+            self.model, tokenizer, args, self.accelerator, self.processor
+        )
         parts = self._build_parts(backend, tools, factory, self.agent)
         self.engine, self.scorer = parts.engine, parts.scorer
         self.loss_step = LossStep.from_config(args, parts.loss_config, router_coef)

@@ -58,9 +58,12 @@ class WeightSync(Protocol):
 
 
 def build_generator(
-    model: Any, tokenizer: Any, args: GRPOConfig, accelerator: Any
+    model: Any, tokenizer: Any, args: GRPOConfig, accelerator: Any, processor: Any = None
 ) -> tuple[GenerationBackend, WeightSync]:
-    """The backend `args` asks for (`use_vllm`, `vllm_mode`) and the sync that feeds it."""
+    """The backend `args` asks for (`use_vllm`, `vllm_mode`) and the sync that feeds it.
+
+    `processor`: a vision-language model's; colocated vLLM processes the rows' images with it.
+    """
     if not args.use_vllm:
         local = TransformersBackend.from_tokenizer(
             model,
@@ -73,7 +76,7 @@ def build_generator(
     stop = default_stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     if args.vllm_mode == "colocate":
         sleeps = _sleeps(args)
-        colocated = _colocated_vllm(model, tokenizer, args, stop, sleeps)
+        colocated = _colocated_vllm(model, processor or tokenizer, args, stop, sleeps)
         if sleeps:  # as TRL: its memory is free until the first round
             colocated.sleep()
         return colocated, ColocatedPush(colocated, sleeps)
@@ -283,7 +286,10 @@ class ServerPush:
 def _colocated_vllm(
     model: Any, tokenizer: Any, args: GRPOConfig, stop: set[int], sleeps: bool
 ) -> VLLMColocateBackend:
-    """Start vLLM in this process on the policy's config, with the policy's weights."""
+    """Start vLLM in this process on the policy's config, with the policy's weights.
+
+    `tokenizer`: the policy's, or a vision-language model's processor.
+    """
     with policy_weights(model) as weights:
         return VLLMColocateBackend.start(
             model.config,

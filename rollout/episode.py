@@ -330,7 +330,9 @@ def _start(
     if images and not getattr(ctx.backend, "reads_images", False):
         raise ValueError(
             f"this row holds images but the generation backend ({type(ctx.backend).__name__}) "
-            f"cannot read them; generate with transformers (use_vllm=False)"
+            "cannot read them; generate with transformers (use_vllm=False) or colocated vLLM "
+            "started with the model's processor (vllm_mode='colocate'); vLLM's completions "
+            "endpoint takes no pictures, so server mode cannot"
         )
     return _State(messages, TokenRow(prompt_ids, images, vision), prompt_text, sample_seed)
 
@@ -383,10 +385,11 @@ async def _generate(
     backend: GenerationBackend, tokens: TokenRow, params: SamplingParams
 ) -> Completion:
     """The model's next turn; the row's images go only to backends that read them."""
-    vision = tokens.vision_inputs
-    if not vision:
+    if not tokens.images:
         return await backend.generate(tokens.context_ids, params)
-    return await backend.generate(tokens.context_ids, params, vision=vision)  # type: ignore[call-arg]
+    return await backend.generate(  # type: ignore[call-arg]
+        tokens.context_ids, params, vision=tokens.vision_inputs, images=tokens.images
+    )
 
 
 def _add_tool_turn(

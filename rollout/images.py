@@ -337,3 +337,40 @@ def _padded_images(value: torch.Tensor | None, like: torch.Tensor, count: int) -
     if value is not None:
         padded[:, : value.shape[1]] = value
     return padded
+
+
+def unexpanded_ids(processor: Any, ids: Sequence[int], images: Sequence[Any]) -> list[int]:
+    """`ids` with each image's expanded tokens put back to its placeholder's ids.
+
+    `encode_with_images` expands every placeholder; vLLM expands the placeholders of the ids it
+    is given itself (always, even where they are expanded already), so it is given these ids.
+    Each image's expansion is found in order: the ids of its placeholder encoded alone.
+
+    Raises:
+        ValueError: An image's expansion is not in `ids` after the previous one's (its tokens
+            depend on the text around it, or `images` are not those `ids` were encoded with).
+    """
+    placeholder = image_placeholder(processor)
+    short = processor.tokenizer.encode(placeholder, add_special_tokens=False)
+    unexpanded, start = [], 0
+    for number, image in enumerate(images):
+        expanded = encode_with_images(processor, placeholder, [image])[0]
+        at = _find(ids, expanded, start)
+        if at is None:
+            raise ValueError(
+                f"image {number}'s tokens ({len(expanded)} ids, its placeholder {placeholder!r} "
+                "expanded alone) are not in the prompt ids: this family's expansion depends on "
+                "the text around it, so vLLM cannot be given its unexpanded prompt; generate "
+                "with transformers (use_vllm=False)"
+            )
+        unexpanded += [*ids[start:at], *short]
+        start = at + len(expanded)
+    return unexpanded + list(ids[start:])
+
+
+def _find(ids: Sequence[int], part: Sequence[int], start: int) -> int | None:
+    """Where `part` first occurs in `ids` from `start` on (None: nowhere)."""
+    for at in range(start, len(ids) - len(part) + 1):
+        if list(ids[at : at + len(part)]) == list(part):
+            return at
+    return None

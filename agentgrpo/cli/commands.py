@@ -530,23 +530,27 @@ def _eval_engine(
     from transformers import AutoTokenizer
 
     from agentgrpo.doctor import startup_checks
-    from agentgrpo.models import load_tokenizer
+    from agentgrpo.models import is_vision_folder, load_tokenizer
     from agentgrpo.rewards.calls import reward_functions
     from agentgrpo.scoring import environment_reward_name
     from agentgrpo.wiring import build_parts
+    from rollout.images import load_processor
 
     rewards = reward_functions(sources.reward_functions(namespace.reward), None)
     played_by = _played_by(source)
     if not rewards and "agent" not in played_by and environment_reward_name(source) is None:
         raise UsageError(f"{source.__name__} has no reward(); pass --reward module:function")
     path = sources.model_path(namespace.model)
-    tokenizer = load_tokenizer(None, AutoTokenizer.from_pretrained(path))
+    # a VLM folder: its processor renders the pictures, its tokenizer the rest
+    processor = load_processor(path) if is_vision_folder(path) else None
+    text = AutoTokenizer.from_pretrained(path) if processor is None else processor.tokenizer
+    tokenizer = load_tokenizer(None, text)
     backend, where = _eval_backend(namespace, path, tokenizer, device)
     config = eval_config(namespace, source)
     parts = build_parts(
         config,
         backend,
-        tokenizer,
+        tokenizer if processor is None else processor,
         played_by.get("environment_factory"),
         (),
         rewards,

@@ -8,7 +8,7 @@ the prefill and by every decoding batch.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,12 +23,14 @@ from rollout.types import Completion, SamplingParams
 class Request:
     """One `generate` call: its prompt, its sampling, and (once done) its result or error.
 
-    `vision` holds the processor's tensors of the prompt's images (empty: a text prompt).
+    `vision` holds the processor's tensors of the prompt's images (empty: a text prompt),
+    `images` the pictures themselves (PIL), in order.
     """
 
     prompt_ids: list[int]
     params: SamplingParams
     vision: Mapping[str, Any] = field(default_factory=dict)
+    images: Sequence[Any] = ()
     result: Completion | None = None
     error: BaseException | None = None
     abandoned: bool = False

@@ -11,7 +11,7 @@ them.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import nn
@@ -86,14 +86,14 @@ class PrefixCache:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         self.max_tokens = max_tokens
-        self._entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+        self._entries: OrderedDict[tuple[Hashable, ...], KV] = OrderedDict()
 
     @property
     def tokens(self) -> int:
         """Positions kept now."""
         return sum(len(tokens) for tokens in self._entries)
 
-    def longest_prefix(self, token_ids: Sequence[int]) -> tuple[int, KV | None]:
+    def longest_prefix(self, token_ids: Sequence[Hashable]) -> tuple[int, KV | None]:
         """The most leading tokens of `token_ids` some entry holds, and that entry's KV.
 
         The KV may be longer than the shared prefix: use its first n positions.
@@ -108,8 +108,12 @@ class PrefixCache:
         self._entries.move_to_end(best_key)
         return best, self._entries[best_key]
 
-    def add(self, token_ids: Sequence[int], kv: KV) -> None:
-        """Keep the KV (one row, `len(token_ids)` positions) of `token_ids`."""
+    def add(self, token_ids: Sequence[Hashable], kv: KV) -> None:
+        """Keep the KV (one row, `len(token_ids)` positions) of `token_ids`.
+
+        Ids, or keys standing for them (`image_prefixes.prefix_key`: a picture's tokens paired
+        with its digest).
+        """
         key = tuple(token_ids)
         if len(key) > self.max_tokens:
             return
@@ -124,7 +128,7 @@ class PrefixCache:
         self._entries.clear()
 
 
-def shared_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+def shared_prefix_length(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     """How many leading tokens `a` and `b` have in common."""
     length = 0
     for x, y in zip(a, b, strict=False):

@@ -17,14 +17,16 @@ steps per host round trip, replayed as CUDA graphs).
 
 Models whose cache is not plain attention keys and values (recurrent or linear-attention
 layers) generate one request at a time, without prefix reuse. So do prompts with images (a
-vision-language model's): the prefill reads their pixels with their ids (`rollout.images`), and
-no cache is shared with other requests.
+vision-language model's): the prefill reads their pixels with their ids (`rollout.images`).
+Where the model has full attention and plain positions (not Qwen2-VL's 3-D ones), they reuse
+the prefix cache keyed by their ids and their pictures (`image_prefixes`): requests that share
+a prompt with the same pictures prefill it once; other pictures never match.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,6 +38,7 @@ from rollout.backends import kv_cache
 from rollout.backends.dynamic_batch import DynamicBatch, left_padded_ones
 from rollout.backends.generation_rows import Request, Row, draw_rows
 from rollout.backends.generation_settings import generation_settings, row_processors
+from rollout.backends.image_prefixes import prefix_key, reusable_length
 from rollout.backends.kv_cache import KV, PrefixCache
 from rollout.backends.slot_batch import SlotBatch
 from rollout.images import feature_token_ids, vision_forward_kwargs
@@ -134,6 +137,10 @@ class TransformersBackend:
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.reuses_keys_and_values = _has_plain_attention_cache(model)
         self.batches_prefills = _layer_types(model) == {"full_attention"}
+        self.feature_ids = frozenset(feature_token_ids(model.config))
+        # 3-D rotary positions (Qwen2-VL's family) depend on the whole prompt's pictures
+        plain_positions = getattr(model.config, "vision_start_token_id", None) is None
+        self.caches_images = self.batches_prefills and plain_positions
         self.static_cache = static_cache
         self.autocast_dtype = autocast_dtype
         self.chunk_steps = chunk_steps
@@ -214,11 +221,13 @@ class TransformersBackend:
         prompt_ids: list[int],
         params: SamplingParams,
         vision: Mapping[str, torch.Tensor] | None = None,
+        images: Sequence[Any] = (),
     ) -> Completion:
         """Queue a request and return its completion once the steps have generated it.
 
         `vision`: the processor's tensors of the images whose tokens `prompt_ids` hold
-        (`rollout.images.encode_with_images`); such a request generates on its own.
+        (`rollout.images.encode_with_images`); such a request generates on its own. `images`:
+        those pictures (PIL); the model reads `vision`, not them.
         """
         if self.context_limit and len(prompt_ids) + params.max_tokens > self.context_limit:
             raise ValueError(
@@ -228,7 +237,7 @@ class TransformersBackend:
         if not prompt_ids:
             raise ValueError("the prompt is empty: there is nothing to continue")
         params = replace(params, max_tokens=self.settings.turn_budget(params.max_tokens))
-        request = Request(list(prompt_ids), params, dict(vision or {}))
+        request = Request(list(prompt_ids), params, dict(vision or {}), tuple(images))
         self._arriving.append(request)
         try:
             while not request.done:
@@ -380,11 +389,17 @@ class TransformersBackend:
         )
 
     def _generate_alone(self, request: Request) -> None:
-        """Generate one request with the model's own cache (models without plain KV, images)."""
+        """Generate one request with the model's own cache (models without plain KV, images).
+
+        A request with images starts from the longest cached prefix of its ids and pictures
+        (`caches_images`), and leaves what it read in the prefix cache.
+        """
         row = self._new_row(request)
-        out = self._forward(
-            request.prompt_ids, range(len(request.prompt_ids)), None, request.vision
-        )
+        key = self._image_key(request.prompt_ids, request.images)
+        reused, cache = self._cached_prefix(key, request.prompt_ids)
+        new = request.prompt_ids[reused:]
+        vision = request.vision if self.feature_ids.intersection(new) else {}
+        out = self._forward(new, range(reused, len(request.prompt_ids)), cache, vision)
         rope_delta = getattr(out, "rope_deltas", None) if request.vision else None
         self._draw([row], out.logits[:, -1, :])
         while not row.finished:
@@ -394,6 +409,24 @@ class TransformersBackend:
                 [row.tokens[-1]], range(last, last + 1), out.past_key_values, {}, rope_delta
             )
             self._draw([row], out.logits[:, -1, :])
+        if key is not None and (fed_key := self._image_key(row.fed, request.images)):
+            self.prefixes.add(fed_key, kv_cache.kv_of(out.past_key_values))
+
+    def _image_key(self, ids: list[int], images: Sequence[Any]) -> tuple | None:
+        """The prefix-cache key of a prompt with images (None: it is not cached)."""
+        if not images or not self.caches_images:
+            return None
+        return prefix_key(ids, images, self.feature_ids)
+
+    def _cached_prefix(self, key: tuple | None, ids: list[int]) -> tuple[int, DynamicCache | None]:
+        """How many leading `ids` a cached prefix serves, and a cache holding their KV."""
+        if key is None:
+            return 0, None
+        cached, kv = self.prefixes.longest_prefix(key)
+        reused = reusable_length(cached, ids, self.feature_ids)
+        if kv is None or reused == 0:
+            return 0, None
+        return reused, kv_cache.cache_of(kv_cache.first_positions(kv, reused))
 
     def _new_row(self, request: Request) -> Row:
         params = request.params

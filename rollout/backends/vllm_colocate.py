@@ -16,7 +16,7 @@ import itertools
 import os
 import tempfile
 import threading
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ import anyio
 import torch
 
 from rollout.backends.vllm_worker import load_weights
+from rollout.images import is_vision_processor, unexpanded_ids
 from rollout.types import Completion, SamplingParams
 
 INSTALL_HINT = (
@@ -82,6 +83,7 @@ class _Request:
     id: str
     prompt_ids: list[int]
     params: Any  # vllm.SamplingParams
+    prompt: dict[str, Any]  # what vLLM is given: ids (unexpanded, with images) and pictures
     result: Completion | None = None
     error: BaseException | None = None
 
@@ -105,6 +107,8 @@ class VLLMColocateBackend:
             `repetition_penalty`, ...); they win over the request's own temperature, top-p and
             top-k. See `RESERVED_SAMPLING_FIELDS`.
         regex: Constrain every turn to this regular expression (vLLM structured outputs).
+        processor: A vision-language model's processor: requests may then hold images (see
+            `generate`). None: text only.
 
     """
 
@@ -114,11 +118,13 @@ class VLLMColocateBackend:
         stop_token_ids: Collection[int],
         sampling_overrides: Mapping[str, Any] | None = None,
         regex: str | None = None,
+        processor: Any = None,
     ):
         if not stop_token_ids:
             raise ValueError("stop_token_ids is empty: generation would never end a turn")
         check_sampling_overrides(sampling_overrides or {})
         self.llm = llm
+        self.processor = processor
         self.stop_token_ids = frozenset(stop_token_ids)
         self.sampling_overrides = dict(sampling_overrides or {})
         if regex is not None:
@@ -154,7 +160,8 @@ class VLLMColocateBackend:
 
         Args:
             model_config: The policy's transformers config (`model.config`).
-            tokenizer: The policy's tokenizer.
+            tokenizer: The policy's tokenizer, or a vision-language model's processor (then
+                vLLM processes the requests' images with it, and they may hold images).
             weights: `(checkpoint name, tensor)` pairs of the policy.
             stop_token_ids: Ids that end a turn. None: the tokenizer's and the config's eos.
             sampling_overrides: See the class.
@@ -178,14 +185,34 @@ class VLLMColocateBackend:
             generation_config="vllm",
             **engine_args,
         )
-        stop = stop_token_ids or default_stop_token_ids(tokenizer, model_config)
-        backend = cls(llm, stop, sampling_overrides, regex)
+        processor = tokenizer if is_vision_processor(tokenizer) else None
+        text_tokenizer = tokenizer if processor is None else processor.tokenizer
+        stop = stop_token_ids or default_stop_token_ids(text_tokenizer, model_config)
+        backend = cls(llm, stop, sampling_overrides, regex, processor)
         backend._folder = folder
         backend.load_weights(weights)
         return backend
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Submit a request and return its completion when vLLM finishes it."""
+    @property
+    def reads_images(self) -> bool:
+        """Whether requests may hold images: the backend was started with a processor."""
+        return self.processor is not None
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        vision: Mapping[str, torch.Tensor] | None = None,
+        images: Sequence[Any] = (),
+    ) -> Completion:
+        """Submit a request and return its completion when vLLM finishes it.
+
+        `images`: the pictures (PIL) whose expanded tokens `prompt_ids` hold, in order
+        (`rollout.images.encode_with_images`). vLLM expands placeholders itself, so it is given
+        the ids with each picture's tokens put back to its placeholder, and the pictures; the
+        request fails if vLLM's expansion is not `prompt_ids` exactly. `vision` (the
+        processor's tensors of them) is not read: vLLM makes its own from the pictures.
+        """
         if self._failure is not None:
             raise RuntimeError("the vLLM engine failed earlier in this run") from self._failure
         if self.context_limit and len(prompt_ids) + params.max_tokens > self.context_limit:
@@ -193,7 +220,10 @@ class VLLMColocateBackend:
                 f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed vLLM's "
                 f"context of {self.context_limit} tokens (vllm_max_model_length)"
             )
-        request = _Request(str(next(self._ids)), list(prompt_ids), self._vllm_params(params))
+        prompt = self._prompt(prompt_ids, images)
+        request = _Request(
+            str(next(self._ids)), list(prompt_ids), self._vllm_params(params), prompt
+        )
         with self._guard:
             self._arriving.append(request)
         try:
@@ -210,7 +240,7 @@ class VLLMColocateBackend:
         return request.result
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights into the engine in place and reset its prefix cache.
+        """Load new weights into the engine in place and reset its prefix and encoder caches.
 
         Call it between generation rounds (no request in flight). A failure leaves the engine
         unusable: vLLM may have moved layers to the meta device half-way.
@@ -221,6 +251,7 @@ class VLLMColocateBackend:
             self._failure = error
             raise
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        self.llm.llm_engine.reset_encoder_cache()  # so were cached image features
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory: weights and KV cache discarded (level 2).
@@ -241,6 +272,20 @@ class VLLMColocateBackend:
     def sleeping(self) -> bool:
         """Whether some of the engine's memory is freed (`sleep` without a full `wake_up`)."""
         return bool(self.asleep)
+
+    def _prompt(self, prompt_ids: list[int], images: Sequence[Any]) -> dict[str, Any]:
+        """The prompt vLLM is given: the ids, or with images the unexpanded ids and pictures."""
+        if not images:
+            return {"prompt_token_ids": list(prompt_ids)}
+        if self.processor is None:
+            raise ValueError(
+                "this request holds images but the vLLM backend was started with a tokenizer; "
+                "start it with the model's processor (`rollout.images.load_processor`)"
+            )
+        return {
+            "prompt_token_ids": unexpanded_ids(self.processor, prompt_ids, images),
+            "multi_modal_data": {"image": list(images)},
+        }
 
     def _vllm_params(self, params: SamplingParams) -> Any:
         vllm = import_vllm()
@@ -276,14 +321,12 @@ class VLLMColocateBackend:
             for output in outputs:
                 finished = self._running.pop(output.request_id, None) if output.finished else None
                 if finished is not None:
-                    finished.result = _completion(output.outputs[0])
+                    _finish(finished, output)
 
     def _admit(self, request: _Request) -> None:
         """Hand a request to vLLM; one it refuses (bad parameters) fails alone."""
         try:
-            self.llm.llm_engine.add_request(
-                request.id, {"prompt_token_ids": request.prompt_ids}, request.params
-            )
+            self.llm.llm_engine.add_request(request.id, request.prompt, request.params)
         except Exception as error:  # its parameters; a broken engine fails the step after
             request.error = error
             return
@@ -305,6 +348,19 @@ class VLLMColocateBackend:
                 self._arriving.remove(request)
             elif self._running.pop(request.id, None) is not None:
                 self._abandoned.append(request.id)
+
+
+def _finish(request: _Request, output: Any) -> None:
+    """Store a finished request's completion, or an error if vLLM read other prompt ids."""
+    if list(output.prompt_token_ids) != request.prompt_ids:
+        request.error = ValueError(
+            "vLLM expanded this prompt's images into other tokens than the processor did "
+            f"({len(output.prompt_token_ids)} ids, not {len(request.prompt_ids)}): its logprobs "
+            "would not be the policy's. Check that the model folder's processor settings are "
+            "those of the processor given to agentgrpo, or generate with transformers"
+        )
+        return
+    request.result = _completion(output.outputs[0])
 
 
 def _completion(output: Any) -> Completion:

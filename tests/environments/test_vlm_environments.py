@@ -89,21 +89,24 @@ def test_a_tool_image_is_rendered_through_the_template_as_image_tokens_with_mask
     assert row.images == (GREEN,) and "pixel_values" in row.vision_inputs
     # the answer was generated after the picture, with its tensors
     assert backend.visions[0] is None and "pixel_values" in backend.visions[1]
+    assert backend.pictures == [(), (GREEN,)]
     assert images_of(episode.messages) == [GREEN]
     assert episode.tool_calls[0].result == "A green square."
 
 
 class ImageReadingScript(ScriptedBackend):
-    """The scripted double, taking (and recording) a row's image tensors."""
+    """The scripted double, taking (and recording) a row's image tensors and pictures."""
 
     reads_images = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.visions = []
+        self.pictures = []
 
-    async def generate(self, prompt_ids, params, vision=None):
+    async def generate(self, prompt_ids, params, vision=None, images=()):
         self.visions.append(vision)
+        self.pictures.append(tuple(images))
         return await super().generate(prompt_ids, params)
 
 

