@@ -14,6 +14,7 @@ from agentgrpo import GRPOTrainer
 from agentgrpo.async_queue import QueueFolder
 from rollout import EpisodeRecord
 from tests.agentgrpo.test_async_rounds import PROMPTS, config
+from tests.support.episodes import scripted_episode
 from tests.support.tiny_model import tiny_llama
 from tests.support.trainer import rank_in_call
 
@@ -97,8 +98,6 @@ def test_ctrl_c_during_a_weight_push_then_resume_trains_the_queued_groups_first(
 
 
 def stored_group(tokenizer, trainer, version: int) -> list[EpisodeRecord]:
-    from conftest import scripted_episode
-
     episode = scripted_episode(tokenizer, ["Hi.", "Done."])
     rewards = {name: 1.0 for name in trainer.scorer.names}
     return [EpisodeRecord(episode, rewards, math.nan, math.nan, version)] * 4
