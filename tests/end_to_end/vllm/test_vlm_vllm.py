@@ -14,10 +14,9 @@ import torch
 from PIL import Image
 
 from rollout import EpisodeConfig, RolloutEngine
-from rollout.backends.vllm_colocate import VLLMColocateBackend
 from rollout.images import encode_with_images, unexpanded_ids, vision_forward_kwargs
 from tests.support.trainer import colour_square_run
-from tests.support.vllm_support import needs_vllm
+from tests.support.vllm_support import colocated_backend, needs_vllm
 from tests.support.vlm_models import tiny_vlm
 
 pytestmark = needs_vllm
@@ -48,15 +47,7 @@ def idefics3():
 @pytest.fixture(scope="module")
 def backend(vllm_environment, idefics3):
     model, processor = idefics3
-    return VLLMColocateBackend.start(
-        model.config,
-        processor,
-        model.state_dict().items(),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        seed=0,
-    )
+    return colocated_backend(model, processor, max_model_len=512)
 
 
 def rows_with_pictures() -> list[dict]:
