@@ -14,7 +14,7 @@ from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.async_rounds import GroupBuffer, PlayedGroup, ProducerFailed
 from agentgrpo.rewards.calls import RewardFunctionError
 from tests.support.tiny_model import tiny_llama
-from tests.support.trainer import rank_in_call
+from tests.support.trainer import logged, rank_in_call, short_run_config
 
 PROMPTS = Dataset.from_dict({"prompt": ["The sky is", "Hello", "One two", "A B C"] * 40})
 
@@ -24,23 +24,9 @@ def group(version: int, size: int = 2) -> PlayedGroup:
 
 
 def config(tmp_path, **overrides) -> GRPOConfig:
-    fields = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        learning_rate=1e-2,
-        max_steps=3,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        async_grpo=True,
-        queue_maxsize=64,
-    )
-    return GRPOConfig(**(fields | overrides))
+    """short_run_config's run, async: 3 steps of 8 rows, a queue of 64 episodes."""
+    run = dict(per_device_train_batch_size=8, max_steps=3, async_grpo=True, queue_maxsize=64)
+    return short_run_config(tmp_path, **(run | overrides))
 
 
 class VersionsTrained(GRPOTrainer):
@@ -71,10 +57,6 @@ class SlowLearner(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         time.sleep(self.seconds)
-
-
-def logged(trainer, name: str) -> list[float]:
-    return [entry[name] for entry in trainer.state.log_history if name in entry]
 
 
 def test_the_buffer_drops_whole_stale_groups_and_counts_their_episodes():

@@ -19,7 +19,8 @@ from rollout import (
     TransformersBackend,
 )
 from rollout.images import images_of, vision_forward_kwargs, with_row_images
-from tests.support.vlm_models import FAMILIES, tiny_vlm
+from tests.support.trainer import rank_in_call, short_run_config
+from tests.support.vlm_models import FAMILIES, image_token_of, tiny_vlm
 
 RED, BLUE = (Image.new("RGB", (20, 20), colour) for colour in ((255, 0, 0), (0, 0, 255)))
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
@@ -30,32 +31,10 @@ def image_rows(count: int = 4) -> Dataset:
     return Dataset.from_dict({"prompt": [QUESTION] * count, "image": [RED, BLUE] * (count // 2)})
 
 
-def rank_in_call(completion_ids, **kwargs):
-    """0, 1, 2, ...: no group ties, so every step has advantages and moves the weights."""
-    return [float(k) for k in range(len(completion_ids))]
-
-
 def config(tmp_path, **overrides) -> GRPOConfig:
-    fields = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=6,
-        learning_rate=1e-2,
-        max_steps=1,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    return GRPOConfig(**(fields | overrides))
-
-
-def image_token_of(model) -> int:
-    config = model.config
-    return getattr(config, "image_token_id", None) or config.image_token_index
+    """short_run_config's run made smaller: 1 step of 4 rows in groups of 2, up to 6 tokens."""
+    run = dict(num_generations=2, max_completion_length=6, max_steps=1)
+    return short_run_config(tmp_path, **(run | overrides))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -9,25 +9,15 @@ import pytest
 import torch
 from PIL import Image
 
-from agentgrpo import GRPOConfig, GRPOTrainer
 from environments import ColourSquare, EnvironmentResetError
 from environments.colour_square import COLOURS, draw_square
 from rollout import RolloutEngine, ScriptedBackend, load_template
 from rollout.images import images_of
-from tests.support.vlm_models import FAMILIES, tiny_vlm
+from tests.support.trainer import colour_square_run
+from tests.support.vlm_models import FAMILIES, image_token_of, tiny_vlm
 from tools import as_tool, call_tool
 
 GREEN = Image.new("RGB", (20, 20), (0, 200, 0))
-
-
-def rank_in_call(completion_ids, **kwargs):
-    """0, 1, 2, ...: no group ties."""
-    return [float(k) for k in range(len(completion_ids))]
-
-
-def image_token_of(model) -> int:
-    config = model.config
-    return getattr(config, "image_token_id", None) or config.image_token_index
 
 
 class Camera:
@@ -67,14 +57,7 @@ def test_reset_may_return_an_image_or_texts_and_images_but_nothing_else():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_tool_image_is_rendered_through_the_template_as_image_tokens_with_mask_0(family):
     model, processor = tiny_vlm(family)
-    encode = processor.tokenizer.convert_tokens_to_ids
-    call = processor.tokenizer.encode(
-        '<tool_call>{"name": "photo", "arguments": {}}</tool_call><|im_end|>',
-        add_special_tokens=False,
-    )
-    answer = processor.tokenizer.encode("Green.<|im_end|>", add_special_tokens=False)
-    turns = iter([call, answer])
-    backend = ImageReadingScript(lambda _: next(turns), {encode("<|im_end|>")})
+    call, answer, backend = photo_then_answer(processor)
     engine = RolloutEngine(
         backend, processor, environment_factory=Camera, chat_template="chatml_vision"
     )
@@ -110,6 +93,22 @@ class ImageReadingScript(ScriptedBackend):
         return await super().generate(prompt_ids, params)
 
 
+def photo_then_answer(processor) -> tuple[list[int], list[int], ImageReadingScript]:
+    """A scripted model that calls Camera's `photo`, then answers "Green.".
+
+    Returns the call's ids, the answer's ids and the model (an ImageReadingScript).
+    """
+    tokenizer = processor.tokenizer
+    call = tokenizer.encode(
+        '<tool_call>{"name": "photo", "arguments": {}}</tool_call><|im_end|>',
+        add_special_tokens=False,
+    )
+    answer = tokenizer.encode("Green.<|im_end|>", add_special_tokens=False)
+    turns = iter([call, answer])
+    stop_ids = {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    return call, answer, ImageReadingScript(lambda _: next(turns), stop_ids)
+
+
 def test_colour_square_draws_the_colour_it_asks_about_and_rewards_only_the_right_answer():
     env = ColourSquare()
     _, picture = env.reset(colour="blue", seed=3)
@@ -127,33 +126,9 @@ def test_colour_square_draws_the_colour_it_asks_about_and_rewards_only_the_right
 def test_a_vlm_trains_on_colour_square_and_its_episodes_read_the_picture(tmp_path):
     model, processor = tiny_vlm("qwen2_5_vl")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        learning_rate=1e-2,
-        max_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        chat_template="chatml_vision",
-        log_episodes=True,
-    )
-    rows = ColourSquare.dataset("train").select(range(4))
     # The untrained model never answers right (reward 0 in every group): a reward that ranks
     # the completions gives the step advantages, so it must move the weights.
-    trainer = GRPOTrainer(
-        model,
-        rank_in_call,
-        args,
-        rows,
-        processing_class=processor,
-        environment_factory=ColourSquare,
-    )
-    trainer.train()
+    trainer = colour_square_run(model, processor, tmp_path, logging_steps=10)  # GRPOConfig's
     assert any(not torch.equal(p, before[name]) for name, p in model.named_parameters())
     episodes = [episode for episode, _ in trainer.last_episodes]
     for episode in episodes:
@@ -170,14 +145,7 @@ def test_an_episode_that_forks_after_a_tool_picture_starts_its_new_row_with_the_
         "{% if messages[-1].role == 'assistant' %}<tool_call>{% else %}<call>{% endif %}"
         '{"name": {{',
     )
-    encode = processor.tokenizer.convert_tokens_to_ids
-    call = processor.tokenizer.encode(
-        '<tool_call>{"name": "photo", "arguments": {}}</tool_call><|im_end|>',
-        add_special_tokens=False,
-    )
-    answer = processor.tokenizer.encode("Green.<|im_end|>", add_special_tokens=False)
-    turns = iter([call, answer])
-    backend = ImageReadingScript(lambda _: next(turns), {encode("<|im_end|>")})
+    call, answer, backend = photo_then_answer(processor)
     engine = RolloutEngine(backend, processor, environment_factory=Camera, chat_template=template)
     (episode,) = anyio.run(lambda: engine.run([{"prompt": "Hi"}]))
     first, second = episode.rows

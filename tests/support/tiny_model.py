@@ -5,6 +5,7 @@ A plain module, not a fixture file, so scripts outside pytest can import it too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -68,7 +69,7 @@ def tiny_llama(tokenizer: Any, seed: int = 0, num_attention_heads: int = 4) -> L
     ).eval()  # fmt: skip
 
 
-# What `tiny_tokenizer` learns its merges from: ChatML turns and a little arithmetic.
+# What `bpe_tokenizer` learns its merges from: ChatML turns and a little arithmetic.
 _CORPUS = [
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n",
     "<|im_start|>user\nWhat is 2+2? Say hi. Make the counter reach 7.<|im_end|>\n",
@@ -87,6 +88,18 @@ def tiny_tokenizer(vocab_size: int = 384) -> Any:
     exactly. `<|im_end|>` is the eos token, `<|endoftext|>` the pad token; the chat template
     is `rollout`'s built-in `chatml_tools`.
     """
+    return bpe_tokenizer("chatml_tools", vocab_size=vocab_size)
+
+
+def bpe_tokenizer(
+    template: str, special_tokens: Sequence[str] = (), vocab_size: int = 384, **named: str
+) -> Any:
+    """A byte-level BPE tokenizer trained on `_CORPUS`, with `rollout`'s chat `template`.
+
+    Its special tokens are ChatML's (`<|im_end|>` the eos token, `<|endoftext|>` the pad token)
+    and `special_tokens`. `named` give some of those a role as tokenizer attributes
+    (`boi_token="<start_of_image>"`), as Gemma3's processor reads them.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -99,15 +112,16 @@ def tiny_tokenizer(vocab_size: int = 384) -> Any:
         _CORPUS,
         trainers.BpeTrainer(
             vocab_size=vocab_size,
-            special_tokens=_SPECIAL_TOKENS,
+            special_tokens=[*_SPECIAL_TOKENS, *special_tokens],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         ),
     )
+    roles = {"extra_special_tokens": named} if named else {}
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", **roles
     )
-    tokenizer.chat_template = load_template(tokenizer, "chatml_tools")
+    tokenizer.chat_template = load_template(tokenizer, template)
     return tokenizer
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from environments import Counter
+from environments import ColourSquare, Counter
 from tests.support.runs import QUIET_CPU_RUN
 from tests.support.tiny_model import tiny_llama
 
@@ -43,6 +43,27 @@ def rank_in_call(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
     their length, can tie in a whole group and leave a step without a gradient).
     """
     return [float(k) for k in range(len(completion_ids))]
+
+
+def colour_square_run(model, processor, output_dir: str | Path, **fields: Any) -> GRPOTrainer:
+    """One GRPO step of the VLM `model` on ColourSquare's first 4 rows; the trained trainer.
+
+    short_run_config's run in groups of 2, in `chatml_vision`, with its episodes logged, rewarded
+    by rank_in_call (an untrained model never answers right); `fields` add to or override it.
+    """
+    run = dict(num_generations=2, max_steps=1, chat_template="chatml_vision", log_episodes=True)
+    args = short_run_config(output_dir, **(run | fields))
+    rows = ColourSquare.dataset("train").select(range(4))
+    trainer = GRPOTrainer(
+        model,
+        rank_in_call,
+        args,
+        rows,
+        processing_class=processor,
+        environment_factory=ColourSquare,
+    )
+    trainer.train()
+    return trainer
 
 
 def logged(trainer: Any, name: str) -> list[Any]:

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from rollout import RolloutEngine
-from rollout.backends.vllm_colocate import INSTALL_HINT
+from rollout.backends.vllm_colocate import INSTALL_HINT, VLLMColocateBackend
 from tests.support.episodes import counter_engine, single_row
 from tests.support.teach import teach
 from tests.support.tiny_model import tiny_llama
@@ -64,6 +64,19 @@ def untaught_model_path(tmp_path_factory, tokenizer) -> Path:
 
 def load_policy(path: Path) -> LlamaForCausalLM:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def colocated_backend(model, processing_class, max_model_len: int) -> VLLMColocateBackend:
+    """An in-process vLLM engine started from `model` as it is in memory: float32, eager, seed 0."""
+    return VLLMColocateBackend.start(
+        model.config,
+        processing_class,
+        model.state_dict().items(),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        seed=0,
+    )
 
 
 def logprob_gap(model, episodes, temperature: float) -> float:

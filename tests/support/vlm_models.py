@@ -10,15 +10,16 @@ downloaded. Images are tiny (16 or 32 pixels a side) so that an image is 4 token
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from rollout.images import image_only
-from tests.support.tiny_model import _CORPUS, _SPECIAL_TOKENS
+from tests.support.tiny_model import TINY_SIZES, bpe_tokenizer
 
 FAMILIES = ("qwen2_5_vl", "idefics3", "gemma3")
-_HIDDEN = 64
+_HIDDEN = TINY_SIZES["hidden_size"]
 
 
 class TinyVLM(NamedTuple):
@@ -41,36 +42,36 @@ def tiny_vlm(family: str, seed: int = 0) -> TinyVLM:
     return TinyVLM(builders[family](processor.tokenizer).eval(), processor)
 
 
-def _tokenizer(special_tokens: list[str], **named: str) -> Any:
-    """A byte-level BPE tokenizer with ChatML's tokens, `special_tokens` and the `named` ones.
+def saved_vlm(family: str, folder: Path) -> Path:
+    """`tiny_vlm(family)` and its processor saved in `folder`, a model folder to load; `folder`."""
+    model, processor = tiny_vlm(family)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
 
-    `named` become tokenizer attributes (`boi_token=...`), as Gemma3's processor reads them.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
-    from rollout import load_template
+def image_token_of(model: Any) -> int:
+    """The id of the token that stands for image features in `model`'s input ids."""
+    config = model.config
+    return getattr(config, "image_token_id", None) or config.image_token_index
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(
-        _CORPUS,
-        trainers.BpeTrainer(
-            vocab_size=384,
-            special_tokens=[*_SPECIAL_TOKENS, *special_tokens],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
+
+def _language_model(tokenizer: Any, **fields: Any) -> dict[str, Any]:
+    """The text config every family shares: TINY_SIZES over `tokenizer`; `fields` add to it."""
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return dict(TINY_SIZES, vocab_size=len(tokenizer), max_position_embeddings=2048, **ids) | fields
+
+
+def _siglip_tower() -> dict[str, Any]:
+    """The vision config Idefics3 and Gemma3 share: one layer, 32-pixel images, 8-pixel patches."""
+    return dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
     )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=named or None,
-    )
-    tokenizer.chat_template = load_template(tokenizer, "chatml_vision")
-    return tokenizer
 
 
 def _qwen_processor() -> Any:
@@ -79,7 +80,8 @@ def _qwen_processor() -> Any:
         Qwen2VLImageProcessorPil,
     )
 
-    tokenizer = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    image_tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer = bpe_tokenizer("chatml_vision", image_tokens)
     # Every image becomes 16 x 16 pixels: 4 x 4 patches of 4, merged 2 x 2 into 4 tokens.
     images = Qwen2VLImageProcessorPil(
         patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=256, max_pixels=256
@@ -92,20 +94,12 @@ def _qwen2_5_vl(tokenizer: Any) -> Any:
 
     ids = tokenizer.convert_tokens_to_ids
     config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": _HIDDEN,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 2048,
+        text_config=_language_model(
+            tokenizer,
             # head 16: 8 rotary frequencies split over time, height and width
-            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]},
-            "bos_token_id": None,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        },
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]},
+            bos_token_id=None,
+        ),
         vision_config={
             "depth": 1,
             "hidden_size": 32,
@@ -132,7 +126,8 @@ def _idefics3_processor() -> Any:
         Idefics3ImageProcessorPil,
     )
 
-    tokenizer = _tokenizer(["<fake_token_around_image>", "<image>", "<global-img>"])
+    image_tokens = ["<fake_token_around_image>", "<image>", "<global-img>"]
+    tokenizer = bpe_tokenizer("chatml_vision", image_tokens)
     # One 32-pixel image, not split: 4 x 4 patches of 8, shuffled 2 x 2 into 4 tokens.
     images = Idefics3ImageProcessorPil(
         do_image_splitting=False,
@@ -146,26 +141,8 @@ def _idefics3(tokenizer: Any) -> Any:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
 
     config = Idefics3Config(
-        text_config={
-            "model_type": "llama",
-            "vocab_size": len(tokenizer),
-            "hidden_size": _HIDDEN,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 2048,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        },
-        vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "image_size": 32,
-            "patch_size": 8,
-        },
+        text_config=_language_model(tokenizer, model_type="llama"),
+        vision_config=_siglip_tower(),
         scale_factor=2,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         pad_token_id=tokenizer.pad_token_id,
@@ -182,7 +159,7 @@ def _gemma3_processor() -> Any:
         "image_token": "<image_soft_token>",
         "eoi_token": "<end_of_image>",
     }
-    tokenizer = _tokenizer(list(named.values()), **named)
+    tokenizer = bpe_tokenizer("chatml_vision", list(named.values()), **named)
     images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
     return Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4)
 
@@ -192,28 +169,8 @@ def _gemma3(tokenizer: Any) -> Any:
 
     ids = tokenizer.convert_tokens_to_ids
     config = Gemma3Config(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": _HIDDEN,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "max_position_embeddings": 2048,
-            "sliding_window": 64,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-            "bos_token_id": None,
-        },
-        vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "image_size": 32,
-            "patch_size": 8,
-        },
+        text_config=_language_model(tokenizer, head_dim=16, sliding_window=64, bos_token_id=None),
+        vision_config=_siglip_tower(),
         mm_tokens_per_image=4,
         boi_token_index=ids("<start_of_image>"),
         eoi_token_index=ids("<end_of_image>"),

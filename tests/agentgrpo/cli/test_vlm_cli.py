@@ -6,16 +6,14 @@ import json
 
 from rollout.images import load_processor
 from tests.support.cli import agentgrpo
-from tests.support.vlm_models import tiny_vlm
+from tests.support.vlm_models import saved_vlm
 
 
 def test_a_run_of_a_vlm_folder_on_colour_square_keeps_each_picture_as_a_file(tmp_path):
-    model, processor = tiny_vlm("qwen2_5_vl")
-    model.save_pretrained(tmp_path / "vlm")
-    processor.save_pretrained(tmp_path / "vlm")
+    vlm = saved_vlm("qwen2_5_vl", tmp_path / "vlm")
     out = tmp_path / "run"
     result = agentgrpo(
-        "run", "env:ColourSquare", "--model", str(tmp_path / "vlm"), "--output-dir", str(out),
+        "run", "env:ColourSquare", "--model", str(vlm), "--output-dir", str(out),
         "--max-steps", "1", "--per-device-train-batch-size", "4", "--num-generations", "2",
         "--max-completion-length", "8", "--dataset-size", "4",
     )  # fmt: skip

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from tests.support.cli import agentgrpo
-from tests.support.vlm_models import tiny_vlm
+from tests.support.vlm_models import saved_vlm
 
 
 def test_eval_of_a_vlm_folder_shows_the_model_the_pictures(tmp_path):
-    model, processor = tiny_vlm("idefics3")
-    model.save_pretrained(tmp_path / "vlm")
-    processor.save_pretrained(tmp_path / "vlm")
+    vlm = saved_vlm("idefics3", tmp_path / "vlm")
     episodes = tmp_path / "episodes.txt"
     result = agentgrpo(
-        "eval", "env:ColourSquare", "--model", str(tmp_path / "vlm"), "--num-episodes", "2",
+        "eval", "env:ColourSquare", "--model", str(vlm), "--num-episodes", "2",
         "--max-completion-length", "8", "--episodes-file", str(episodes),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

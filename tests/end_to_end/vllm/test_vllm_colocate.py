@@ -23,6 +23,7 @@ from tests.support.episodes import (
 )
 from tests.support.vllm_support import (
     VLLM_CPU_ENVIRONMENT,
+    colocated_backend,
     load_policy,
     logprob_gap,
     needs_vllm,
@@ -44,15 +45,7 @@ def untaught_path(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="module")
 def backend(vllm_environment, policy, tokenizer):
     """One in-process engine for the module, started from the policy held in memory."""
-    return VLLMColocateBackend.start(
-        policy.config,
-        tokenizer,
-        policy.state_dict().items(),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=2048,
-        seed=0,
-    )
+    return colocated_backend(policy, tokenizer, max_model_len=2048)
 
 
 def test_the_colocated_backend_is_a_generation_backend_stopping_on_eos(backend, tokenizer):
@@ -144,15 +137,7 @@ def test_smollm2_through_colocated_vllm_matches_its_forward_before_and_after_a_p
     tokenizer,
 ):
     smollm2 = load_policy(smollm2_path)
-    smollm2_backend = VLLMColocateBackend.start(
-        smollm2.config,
-        tokenizer,
-        smollm2.state_dict().items(),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=1024,
-        seed=0,
-    )
+    smollm2_backend = colocated_backend(smollm2, tokenizer, max_model_len=1024)
     engine = RolloutEngine(
         smollm2_backend,
         tokenizer,

@@ -14,10 +14,9 @@ import torch
 from PIL import Image
 
 from rollout import EpisodeConfig, RolloutEngine
-from rollout.backends.vllm_colocate import VLLMColocateBackend
 from rollout.images import encode_with_images, unexpanded_ids, vision_forward_kwargs
-from tests.support.trainer import rank_in_call
-from tests.support.vllm_support import needs_vllm
+from tests.support.trainer import colour_square_run
+from tests.support.vllm_support import colocated_backend, needs_vllm
 from tests.support.vlm_models import tiny_vlm
 
 pytestmark = needs_vllm
@@ -48,15 +47,7 @@ def idefics3():
 @pytest.fixture(scope="module")
 def backend(vllm_environment, idefics3):
     model, processor = idefics3
-    return VLLMColocateBackend.start(
-        model.config,
-        processor,
-        model.state_dict().items(),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        seed=0,
-    )
+    return colocated_backend(model, processor, max_model_len=512)
 
 
 def rows_with_pictures() -> list[dict]:
@@ -134,39 +125,9 @@ def test_a_grpo_step_with_colocated_vllm_samples_the_pictures_as_the_learner_rea
     vllm_environment,
     tmp_path,
 ):
-    from agentgrpo import GRPOConfig, GRPOTrainer
-    from environments import ColourSquare
-
     model, processor = idefics3_with_heads_of_32(seed=2)
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_max_model_length=512,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        learning_rate=1e-2,
-        max_steps=1,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        chat_template="chatml_vision",
-        log_episodes=True,
-    )
-    rows = ColourSquare.dataset("train").select(range(4))
-    trainer = GRPOTrainer(
-        model,
-        rank_in_call,
-        args,
-        rows,
-        processing_class=processor,
-        environment_factory=ColourSquare,
-    )
-    trainer.train()
+    vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=512)
+    trainer = colour_square_run(model, processor, tmp_path, **vllm)
     logged = trainer.state.log_history[0]
     assert logged["sampling/sampling_logp_difference/max"] < 1e-3, logged
     assert all(len(episode.rows[0].images) == 1 for episode, _ in trainer.last_episodes)
