@@ -164,3 +164,22 @@ def test_a_peft_policy_is_pushed_merged_under_the_base_models_names(tokenizer):
     assert set(pushed) == names
     assert not torch.equal(merged, before)  # the adapter's update is in the pushed weights
     assert torch.allclose(q_proj.base_layer.weight, before, atol=1e-6)  # unmerged again
+
+
+def test_a_server_backend_without_a_processor_refuses_a_row_with_a_picture(refusing_port):
+    import anyio
+    from PIL import Image
+
+    from rollout import RolloutEngine
+    from tests.support.vlm_models import tiny_vlm
+
+    _, processor = tiny_vlm("idefics3")
+    connection = ServerConnection(f"http://127.0.0.1:{refusing_port}", timeout_s=1.0)
+    eos = {processor.tokenizer.eos_token_id}
+    assert VLLMServerBackend(connection, "m", eos, processor=processor).reads_images
+    text_only = VLLMServerBackend(connection, "m", eos)  # never contacted: refused before
+    engine = RolloutEngine(text_only, processor, chat_template="chatml_vision")
+    question = [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]
+    row = {"prompt": [{"role": "user", "content": question}], "image": Image.new("RGB", (32, 32))}
+    with pytest.raises(ValueError, match=r"cannot read them.*given the model's processor"):
+        anyio.run(engine.run, [row])
