@@ -183,3 +183,19 @@ def test_a_server_backend_without_a_processor_refuses_a_row_with_a_picture(refus
     row = {"prompt": [{"role": "user", "content": question}], "image": Image.new("RGB", (32, 32))}
     with pytest.raises(ValueError, match=r"cannot read them.*given the model's processor"):
         anyio.run(engine.run, [row])
+
+
+def test_a_generate_reply_whose_prompt_ids_differ_from_the_rows_is_an_error():
+    from rollout.backends.vllm_server import _generated
+
+    steps = [{"token_id": 7, "logprob": -0.5}, {"token_id": 2, "logprob": -0.25}]
+    choice = {"token_ids": [7, 2], "logprobs": {"content": steps}, "finish_reason": "stop"}
+    reply = {"prompt_token_ids": [1, 5, 5, 5], "choices": [choice]}
+    completion = _generated(reply, [1, 5, 5, 5])
+    assert (completion.token_ids, completion.logprobs, completion.stopped) == (
+        [7, 2],
+        [-0.5, -0.25],
+        True,
+    )
+    with pytest.raises(ValueError, match=r"other tokens than the processor did \(4 ids, not 5\)"):
+        _generated(reply, [1, 5, 5, 5, 5])
