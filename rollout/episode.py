@@ -330,9 +330,8 @@ def _start(
     if images and not getattr(ctx.backend, "reads_images", False):
         raise ValueError(
             f"this row holds images but the generation backend ({type(ctx.backend).__name__}) "
-            "cannot read them; generate with transformers (use_vllm=False) or colocated vLLM "
-            "started with the model's processor (vllm_mode='colocate'); vLLM's completions "
-            "endpoint takes no pictures, so server mode cannot"
+            "cannot read them; generate with transformers (use_vllm=False), or with vLLM "
+            "(colocated or a server) given the model's processor"
         )
     return _State(messages, TokenRow(prompt_ids, images, vision), prompt_text, sample_seed)
 

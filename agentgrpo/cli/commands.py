@@ -545,7 +545,7 @@ def _eval_engine(
     processor = load_processor(path) if is_vision_folder(path) else None
     text = AutoTokenizer.from_pretrained(path) if processor is None else processor.tokenizer
     tokenizer = load_tokenizer(None, text)
-    backend, where = _eval_backend(namespace, path, tokenizer, device)
+    backend, where = _eval_backend(namespace, path, tokenizer, device, processor)
     config = eval_config(namespace, source)
     parts = build_parts(
         config,
@@ -593,11 +593,12 @@ def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
 
 
 def _eval_backend(
-    namespace: argparse.Namespace, path: str, tokenizer: Any, device: Any
+    namespace: argparse.Namespace, path: str, tokenizer: Any, device: Any, processor: Any = None
 ) -> tuple[Any, str]:
     """The model on `device` in this process, or the server at `--server-url`; and which.
 
     The model plays as a training run on that device holds it (`models.load_for_generation`).
+    `processor`: a VLM folder's; the server is then sent the rows' pictures.
     """
     if namespace.server_url:
         from rollout.backends.vllm_colocate import default_stop_token_ids
@@ -605,7 +606,7 @@ def _eval_backend(
 
         connection = ServerConnection(namespace.server_url, namespace.server_timeout)
         server = VLLMServerBackend.connect(
-            connection, stop_token_ids=default_stop_token_ids(tokenizer)
+            connection, stop_token_ids=default_stop_token_ids(tokenizer), processor=processor
         )
         return server, f"the server at {namespace.server_url}"
     from agentgrpo.devices import describe_run_device

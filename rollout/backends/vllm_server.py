@@ -6,23 +6,33 @@ decoded and re-encoded. Requests run in worker threads (standard-library HTTP), 
 as episodes ask for, and the server batches them continuously. Any OpenAI-compatible server that
 returns token ids works for generation; pushing weights needs `agentgrpo vllm-serve`.
 
+`/v1/completions` takes no pictures, so a request with pictures goes to vLLM's token-in,
+token-out endpoint instead (`POST /inference/v1/generate`, which `agentgrpo vllm-serve` enables
+with `--enable-scale-out`): the prompt ids with each picture's tokens put back to its
+placeholder, the pictures as PNG data URLs, and vLLM's sampling parameters. vLLM expands the
+placeholders itself and returns the ids it read, which must be the row's exactly, as in
+colocate mode.
+
 Every failure to reach the server is a `ServerUnavailableError` that names the server and what
 to do, raised after at most the configured timeout: never a hang.
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
+import io
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import anyio
 
 from rollout.backends.vllm_colocate import check_sampling_overrides
+from rollout.images import unexpanded_ids
 from rollout.types import Completion, SamplingParams
 
 _TOKEN_ID_PREFIX = "token_id:"
@@ -33,7 +43,14 @@ class ServerUnavailableError(ConnectionError):
 
 
 class ServerRequestError(RuntimeError):
-    """The server answered a request with an error status; the message holds its reply."""
+    """The server answered a request with an error status; the message holds its reply.
+
+    `status`: the HTTP status (None where the reply itself was wrong).
+    """
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 def server_url(base_url: str | None, host: str, port: int) -> str:
@@ -100,7 +117,8 @@ class ServerConnection:
         except urllib.error.HTTPError as error:
             detail = error.read().decode(errors="replace")[:2000]
             raise ServerRequestError(
-                f"{request.get_method()} {request.full_url} failed with {error.code}: {detail}"
+                f"{request.get_method()} {request.full_url} failed with {error.code}: {detail}",
+                error.code,
             ) from None
         except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out
             raise ServerUnavailableError(
@@ -128,6 +146,8 @@ class VLLMServerBackend:
             `repetition_penalty`, ...), JSON-able.
         regex: Constrain every turn to this regular expression (vLLM structured outputs).
         max_concurrent_requests: The most requests in flight at once.
+        processor: A vision-language model's processor, the one the server's model folder
+            holds: requests may then hold images (see `generate`). None: text only.
 
     """
 
@@ -140,12 +160,14 @@ class VLLMServerBackend:
         sampling_overrides: Mapping[str, Any] | None = None,
         regex: str | None = None,
         max_concurrent_requests: int = 256,
+        processor: Any = None,
     ):
         if not stop_token_ids:
             raise ValueError("stop_token_ids is empty: generation would never end a turn")
         check_sampling_overrides(sampling_overrides or {})
         self.connection = connection
         self.model = model
+        self.processor = processor
         self.stop_token_ids = frozenset(stop_token_ids)
         self.context_limit = context_limit
         self.sampling_overrides = dict(sampling_overrides or {})
@@ -160,18 +182,80 @@ class VLLMServerBackend:
         [card, *_] = connection.get("/v1/models")["data"]
         return cls(connection, card["id"], context_limit=card.get("max_model_len"), **kwargs)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Send one completion request and return its sampled ids and logprobs."""
+    @property
+    def reads_images(self) -> bool:
+        """Whether requests may hold images: the backend was given a processor."""
+        return self.processor is not None
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        vision: Mapping[str, Any] | None = None,
+        images: Sequence[Any] = (),
+    ) -> Completion:
+        """Send one request and return its sampled ids and logprobs.
+
+        `images`: the pictures (PIL) whose expanded tokens `prompt_ids` hold, in order
+        (`rollout.images.encode_with_images`); the request then goes to
+        `/inference/v1/generate` and fails if the ids vLLM expanded are not `prompt_ids`.
+        `vision` (the processor's tensors of them) is not read: vLLM makes its own.
+        """
         if self.context_limit and len(prompt_ids) + params.max_tokens > self.context_limit:
             raise ValueError(
                 f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
                 f"server's context of {self.context_limit} tokens (--max-model-len)"
             )
+        if images:
+            return await self._generate_with_images(prompt_ids, params, images)
         body = self._request_body(prompt_ids, params)
         reply = await anyio.to_thread.run_sync(
             self.connection.post, "/v1/completions", body, limiter=self._threads
         )
         return _completion(reply["choices"][0])
+
+    async def _generate_with_images(
+        self, prompt_ids: list[int], params: SamplingParams, images: Sequence[Any]
+    ) -> Completion:
+        if self.processor is None:
+            raise ValueError(
+                "this request holds images but the vLLM server backend was built without a "
+                "processor; give it the model's processor (`rollout.images.load_processor`)"
+            )
+        body = {
+            "model": self.model,
+            "token_ids": unexpanded_ids(self.processor, prompt_ids, images),
+            "content_parts": [{"type": "image_url", "url": png_data_url(i)} for i in images],
+            "sampling_params": self._sampling_params(params),
+            "return_token_ids": True,
+        }
+        try:
+            reply = await anyio.to_thread.run_sync(
+                self.connection.post, "/inference/v1/generate", body, limiter=self._threads
+            )
+        except ServerRequestError as error:
+            if error.status not in (403, 404):  # 403: no --enable-scale-out; 404: not vLLM
+                raise
+            raise ServerRequestError(
+                f"the server at {self.connection.base_url} takes no pictures: start it with "
+                "`agentgrpo vllm-serve` (it passes vLLM --enable-scale-out, which serves "
+                f"/inference/v1/generate). The server said: {error}"
+            ) from None
+        return _generated(reply, prompt_ids)
+
+    def _sampling_params(self, params: SamplingParams) -> dict[str, Any]:
+        """The vLLM `SamplingParams` fields of a request with images (as `_request_body`'s)."""
+        return {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "max_tokens": params.max_tokens,
+            "seed": params.seed,
+            "n": 1,
+            "logprobs": 0,
+            "stop_token_ids": sorted(self.stop_token_ids),
+            "detokenize": False,
+        } | self.sampling_overrides
 
     def _request_body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
         sampling = {
@@ -207,6 +291,32 @@ def _completion(choice: Mapping[str, Any]) -> Completion:
         )
     sampled = [float(lp) for lp in logprobs.get("token_logprobs") or []]
     return Completion(list(token_ids), sampled, stopped=choice.get("finish_reason") == "stop")
+
+
+def _generated(reply: Mapping[str, Any], prompt_ids: list[int]) -> Completion:
+    """An `/inference/v1/generate` reply as a `Completion`, if vLLM read `prompt_ids` exactly."""
+    read = reply.get("prompt_token_ids")
+    if read != prompt_ids:
+        raise ValueError(
+            "vLLM expanded this prompt's images into other tokens than the processor did "
+            f"({len(read or [])} ids, not {len(prompt_ids)}): its logprobs would not be the "
+            "policy's. Check that the served model folder's processor settings are those of "
+            "the processor given to agentgrpo, or generate with transformers"
+        )
+    [choice] = reply["choices"]
+    steps = (choice.get("logprobs") or {}).get("content") or []
+    token_ids = list(choice.get("token_ids") or [])
+    if [step["token_id"] for step in steps] != token_ids:
+        raise ServerRequestError("the server returned no logprob for some sampled tokens")
+    logprobs = [float(step["logprob"]) for step in steps]
+    return Completion(token_ids, logprobs, stopped=choice.get("finish_reason") == "stop")
+
+
+def png_data_url(image: Any) -> str:
+    """A PIL image as a `data:image/png;base64,...` URL (lossless: vLLM reads the same pixels)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def _token_id(token: str) -> int:

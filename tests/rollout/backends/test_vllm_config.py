@@ -98,6 +98,7 @@ def test_vllm_serve_starts_vllms_server_with_agentgrpos_worker_extension():
     joined = " ".join(command)
     assert "--worker-extension-cls rollout.backends.vllm_worker.WeightReceiver" in joined
     assert "--logprobs-mode processed_logprobs" in joined
+    assert "--enable-scale-out" in command  # /inference/v1/generate: requests with pictures
     assert "--tensor-parallel-size 2 --host 0.0.0.0 --port 9000" in joined
     assert command[-2:] == ["--max-num-seqs", "8"]  # unknown arguments reach vLLM unchanged
     assert ("--enforce-eager" in command) == (not torch.cuda.is_available())
@@ -163,3 +164,38 @@ def test_a_peft_policy_is_pushed_merged_under_the_base_models_names(tokenizer):
     assert set(pushed) == names
     assert not torch.equal(merged, before)  # the adapter's update is in the pushed weights
     assert torch.allclose(q_proj.base_layer.weight, before, atol=1e-6)  # unmerged again
+
+
+def test_a_server_backend_without_a_processor_refuses_a_row_with_a_picture(refusing_port):
+    import anyio
+    from PIL import Image
+
+    from rollout import RolloutEngine
+    from tests.support.vlm_models import tiny_vlm
+
+    _, processor = tiny_vlm("idefics3")
+    connection = ServerConnection(f"http://127.0.0.1:{refusing_port}", timeout_s=1.0)
+    eos = {processor.tokenizer.eos_token_id}
+    assert VLLMServerBackend(connection, "m", eos, processor=processor).reads_images
+    text_only = VLLMServerBackend(connection, "m", eos)  # never contacted: refused before
+    engine = RolloutEngine(text_only, processor, chat_template="chatml_vision")
+    question = [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]
+    row = {"prompt": [{"role": "user", "content": question}], "image": Image.new("RGB", (32, 32))}
+    with pytest.raises(ValueError, match=r"cannot read them.*given the model's processor"):
+        anyio.run(engine.run, [row])
+
+
+def test_a_generate_reply_whose_prompt_ids_differ_from_the_rows_is_an_error():
+    from rollout.backends.vllm_server import _generated
+
+    steps = [{"token_id": 7, "logprob": -0.5}, {"token_id": 2, "logprob": -0.25}]
+    choice = {"token_ids": [7, 2], "logprobs": {"content": steps}, "finish_reason": "stop"}
+    reply = {"prompt_token_ids": [1, 5, 5, 5], "choices": [choice]}
+    completion = _generated(reply, [1, 5, 5, 5])
+    assert (completion.token_ids, completion.logprobs, completion.stopped) == (
+        [7, 2],
+        [-0.5, -0.25],
+        True,
+    )
+    with pytest.raises(ValueError, match=r"other tokens than the processor did \(4 ids, not 5\)"):
+        _generated(reply, [1, 5, 5, 5, 5])
