@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +22,21 @@ from rollout.backends.vllm_colocate import INSTALL_HINT, VLLMColocateBackend
 from tests.support.episodes import counter_engine, single_row
 from tests.support.teach import teach
 from tests.support.tiny_model import tiny_llama
+
+# One process, as a server push sees it outside a distributed launch.
+SINGLE_PROCESS = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+
+# "Does not hang", not a speed check: the server took about 250 s to answer at a load average
+# of 6-10 on 2 cores, close to the earlier 300 s.
+SERVER_START_TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
 
 needs_vllm = [
     pytest.mark.vllm,

@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
-from types import SimpleNamespace
 
 import anyio
 import pytest
@@ -30,7 +28,10 @@ from tests.support.episodes import (
     tool_call,
 )
 from tests.support.vllm_support import (
+    SERVER_START_TIMEOUT_S,
+    SINGLE_PROCESS,
     VLLM_CPU_ENVIRONMENT,
+    free_port,
     load_policy,
     logprob_gap,
     needs_vllm,
@@ -43,14 +44,6 @@ from tests.support.vllm_support import (
 )
 
 pytestmark = needs_vllm
-
-SINGLE_PROCESS = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +71,6 @@ def server(policy_path, tmp_path_factory):
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-
-
-# "Does not hang", not a speed check: the server took about 250 s to answer at a load average
-# of 6-10 on 2 cores, close to the earlier 300 s.
-SERVER_START_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module")

@@ -23,18 +23,16 @@ from rollout.backends.vllm_server import (
     ServerUnavailableError,
     VLLMServerBackend,
 )
-from tests.end_to_end.vllm.test_vllm_server import SERVER_START_TIMEOUT_S, SINGLE_PROCESS, free_port
-from tests.end_to_end.vllm.test_vlm_vllm import (
-    idefics3_with_heads_of_32,
-    logprob_gap,
-    play,
-)
 from tests.support.trainer import rank_in_call
 from tests.support.vllm_support import (
+    SERVER_START_TIMEOUT_S,
+    SINGLE_PROCESS,
     VLLM_CPU_ENVIRONMENT,
+    free_port,
     needs_vllm,
     without_multiprocessing_flag,
 )
+from tests.support.vlm_vllm import idefics3_with_heads_of_32, logprob_gap, play
 
 pytestmark = needs_vllm
 
