@@ -6,7 +6,8 @@ refused, which `call_tool` turns into an error message for the model.
 
 Limits, so that one expression cannot eat the machine: at most `MAX_EXPRESSION_CHARS`
 characters, exponents of magnitude at most `MAX_EXPONENT`, integer results of at most
-`MAX_RESULT_BITS` bits (checked before a power is computed), and finite float results.
+`MAX_RESULT_BITS` bits (checked before a power is computed), finite float results, and at
+most `MAX_NESTING` operators inside one another (whatever the interpreter's recursion limit).
 
 Output format: an int prints as an int (`"14"`); a float that is integral and exactly
 representable (magnitude below 2**53) prints without `.0` (`6 / 2` gives `"3"`), because
@@ -24,6 +25,7 @@ from collections.abc import Callable
 MAX_EXPRESSION_CHARS = 1000
 MAX_EXPONENT = 10_000
 MAX_RESULT_BITS = 10_000  # about 3,000 decimal digits
+MAX_NESTING = 200  # operators inside operators: far below the interpreter's recursion limit
 _EXACT_FLOAT_LIMIT = 2**53  # floats below this magnitude hold integers exactly
 
 Number = int | float
@@ -83,20 +85,22 @@ def calculator(expression: str) -> str:
         raise ValueError(f"not a valid arithmetic expression: {exc.msg}") from None
     try:
         return _format(_evaluate(tree.body))
-    except RecursionError:
+    except RecursionError:  # a deeper stack than MAX_NESTING allows for, still an answer
         raise ValueError("expression is nested too deeply") from None
 
 
-def _evaluate(node: ast.AST) -> Number:
-    """Evaluate one node of an arithmetic expression tree."""
+def _evaluate(node: ast.AST, depth: int = 0) -> Number:
+    """Evaluate one node of an arithmetic expression tree, `depth` operators down."""
+    if depth > MAX_NESTING:
+        raise ValueError(f"expression is nested too deeply (more than {MAX_NESTING} levels)")
     if isinstance(node, ast.Constant):
         if isinstance(node.value, int | float) and not isinstance(node.value, bool):
             return _checked(node.value)
         raise ValueError(f"only numbers are allowed, got {node.value!r}")
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
-        return _UNARY_OPS[type(node.op)](_evaluate(node.operand))
+        return _UNARY_OPS[type(node.op)](_evaluate(node.operand, depth + 1))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
-        left, right = _evaluate(node.left), _evaluate(node.right)
+        left, right = _evaluate(node.left, depth + 1), _evaluate(node.right, depth + 1)
         if isinstance(node.op, ast.Pow):
             _check_power(left, right)
         try:
