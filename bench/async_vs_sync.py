@@ -9,22 +9,31 @@ steps alone: the episode record's lines over the "train time" the run prints), a
 run, then per workload the median episodes per second of each mode and their ratio (async /
 sync), and the eval success of each mode over the seeds (mean and range) with the load average.
 
-Both modes use the transformers backend here: the generator is a thread of the training
-process (see docs/async.md for what that overlaps on one machine).
+By default both modes use the transformers backend: the generator is a thread of the training
+process. With `--server`, both generate with one `agentgrpo vllm-serve` of the run's model,
+started once and pinned to core 0, while each run (its learner) is pinned to core 1, both with
+one thread: the layout of docs/async.md. Each run's first push replaces the served weights.
 
 Run: `python bench/async_vs_sync.py` (16 steps, seed 0, both workloads); `--max-steps`,
-`--seeds 0 1 2`, `--workloads`, `--eval`, `--warm-start-steps`.
+`--seeds 0 1 2`, `--workloads`, `--eval`, `--warm-start-steps`, `--server`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import re
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 WORKLOADS = {
@@ -38,11 +47,20 @@ WORKLOADS = {
     ],
 }  # fmt: skip
 MODES = {"sync": [], "async": ["--async"]}
+SERVER_CORE, LEARNER_CORE = "0", "1"
+SERVER_START_S = 600
 
 
 def main() -> None:
     args = _parser().parse_args()
     print(f"load average {_load()} (1/5/15 min); {os.cpu_count()} cores", flush=True)
+    with _served() if args.server else contextlib.nullcontext() as server:
+        args.generator = server or []
+        _compare(args)
+    print(f"load average at the end {_load()}")
+
+
+def _compare(args: argparse.Namespace) -> None:
     for workload in args.workloads:
         runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
         for seed in args.seeds:
@@ -52,7 +70,6 @@ def main() -> None:
                 runs[mode].append(run)
                 print(f"  {workload:10} {mode:5} seed {seed}: {_describe(run)}", flush=True)
         _report(workload, runs)
-    print(f"load average at the end {_load()}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +79,60 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-steps", type=int, default=16, help="GRPO steps of each run")
     parser.add_argument("--eval", action="store_true", help="evaluate each trained model")
     parser.add_argument("--warm-start-steps", type=int, help="default: the run's own")
+    parser.add_argument(
+        "--server", action="store_true", help="generate with a vLLM server on its own core"
+    )
     return parser
+
+
+@contextlib.contextmanager
+def _served() -> Iterator[list[str]]:
+    """`agentgrpo vllm-serve` of the default model on `SERVER_CORE`; yields the runs' options."""
+    from agentgrpo.default_model import default_model_path
+
+    port = _free_port()
+    command = ["taskset", "-c", SERVER_CORE, sys.executable, "-m", "agentgrpo", "vllm-serve"]
+    command += ["--model", str(default_model_path()), "--port", str(port), "--host", "127.0.0.1"]
+    command += ["--dtype", "float32", "--max-model-len", "4096", "--disable-log-stats"]
+    environment = os.environ | {
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": SERVER_CORE,
+        "OMP_NUM_THREADS": "1",
+    }
+    with tempfile.NamedTemporaryFile("w+", prefix="agentgrpo-bench-server-", suffix=".log") as log:
+        server = subprocess.Popen(
+            command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_until_up(url, server, log.name)
+            print(f"vLLM server at {url} on core {SERVER_CORE}; learners on core {LEARNER_CORE}")
+            yield ["--use-vllm", "--vllm-mode", "server", "--vllm-server-base-url", url]
+        finally:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _wait_until_up(url: str, server: subprocess.Popen, log: str) -> None:
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            sys.exit(f"the vLLM server exited:\n{Path(log).read_text()[-3000:]}")
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(url + "/v1/models", timeout=5) as reply,
+        ):
+            json.load(reply)
+            return
+        time.sleep(2)
+    sys.exit(f"the vLLM server did not answer within {SERVER_START_S} s")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _run(env: list[str], extra: list[str], seed: int, args: argparse.Namespace) -> dict:
@@ -74,8 +144,13 @@ def _run(env: list[str], extra: list[str], seed: int, args: argparse.Namespace) 
         command += ["--max-steps", str(args.max_steps), "--seed", str(seed), *extra]
         if args.warm_start_steps is not None:
             command += ["--warm-start-steps", str(args.warm_start_steps)]
+        environment = None
+        if args.generator:  # the learner on its own core, beside the server's
+            command = ["taskset", "-c", LEARNER_CORE, *command, *args.generator]
+            command += ["--vllm-group-port", str(_free_port())]
+            environment = os.environ | {"OMP_NUM_THREADS": "1"}
         load = _load()
-        printed = _child(command)
+        printed = _child(command, environment)
         run = {"train_s": _train_seconds(printed), "episodes": _episodes(folder), "load": load}
         run["episodes_per_s"] = run["episodes"] / run["train_s"]
         if args.eval:
@@ -103,8 +178,8 @@ def _tiny_model(folder: str) -> str:
     return str(path)
 
 
-def _child(command: list[str]) -> str:
-    done = subprocess.run(command, capture_output=True, text=True)
+def _child(command: list[str], environment: dict[str, str] | None = None) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, env=environment)
     if done.returncode != 0:
         sys.exit(f"{' '.join(command)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
     return done.stdout + done.stderr

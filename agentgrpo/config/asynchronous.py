@@ -18,7 +18,8 @@ class AsyncFields:
         default=False,
         metadata={
             "help": "Overlap generation with training: a producer thread plays groups with the "
-            "generator's weights into a bounded queue while the learner trains on the fresh "
+            "generator's weights (a copy of the policy, or the vLLM server with "
+            "vllm_mode='server') into a bounded queue while the learner trains on the fresh "
             "ones (agentgrpo.async_rounds). False: rounds run in lock-step (the default)."
         },
     )
@@ -59,9 +60,14 @@ def check_async(config: "GRPOConfig") -> None:
         f"num_generations={config.num_generations}; raise it.",
     )
     require(
-        not config.use_vllm and config.world_size == 1,
-        "async_grpo runs on one process with the transformers backend for now; set "
-        "use_vllm=False and launch one process, or async_grpo=False.",
+        config.world_size == 1,
+        "async_grpo runs on one process for now; launch one process, or set async_grpo=False.",
+    )
+    require(
+        not config.use_vllm or config.vllm_mode == "server",
+        "async_grpo generates with transformers or a vLLM server, not a colocated vLLM (it "
+        "would share the learner's device and stop for every push); set vllm_mode='server' "
+        "and start one with `agentgrpo vllm-serve`, or use_vllm=False.",
     )
     assert config.steps_per_generation is not None  # `resolve_batches` set it
     round_steps = math.ceil(

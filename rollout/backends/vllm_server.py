@@ -13,6 +13,12 @@ placeholder, the pictures as PNG data URLs, and vLLM's sampling parameters. vLLM
 placeholders itself and returns the ids it read, which must be the row's exactly, as in
 colocate mode.
 
+An asynchronous run pushes new weights while episodes play. `between_steps` holds new requests
+back, pauses the server (`agentgrpo vllm-serve`'s `/pause?mode=abort`), which cuts the requests
+in flight short and returns what each had sampled, runs the push, and resumes. Each cut request
+is then continued, from its prompt and what it had sampled, with the new weights: a completion
+can hold tokens of two versions, and its `Completion.versions` says which (`request_gate`).
+
 Every failure to reach the server is a `ServerUnavailableError` that names the server and what
 to do, raised after at most the configured timeout: never a hang.
 """
@@ -20,17 +26,20 @@ to do, raised after at most the configured timeout: never a hang.
 from __future__ import annotations
 
 import base64
+import dataclasses
+import functools
 import http.client
 import io
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import anyio
 
+from rollout.backends.request_gate import RequestGate
 from rollout.backends.vllm_colocate import check_sampling_overrides
 from rollout.images import unexpanded_ids
 from rollout.types import Completion, SamplingParams
@@ -174,6 +183,7 @@ class VLLMServerBackend:
         if regex is not None:
             self.sampling_overrides["structured_outputs"] = {"regex": regex}
         self._threads = anyio.CapacityLimiter(max_concurrent_requests)
+        self._gate = RequestGate()
 
     @classmethod
     def connect(cls, connection: ServerConnection, **kwargs: Any) -> VLLMServerBackend:
@@ -206,22 +216,95 @@ class VLLMServerBackend:
                 f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
                 f"server's context of {self.context_limit} tokens (--max-model-len)"
             )
-        if images:
-            return await self._generate_with_images(prompt_ids, params, images)
-        body = self._request_body(prompt_ids, params)
-        reply = await anyio.to_thread.run_sync(
-            self.connection.post, "/v1/completions", body, limiter=self._threads
-        )
-        return _completion(reply["choices"][0])
-
-    async def _generate_with_images(
-        self, prompt_ids: list[int], params: SamplingParams, images: Sequence[Any]
-    ) -> Completion:
-        if self.processor is None:
+        if images and self.processor is None:
             raise ValueError(
                 "this request holds images but the vLLM server backend was built without a "
                 "processor; give it the model's processor (`rollout.images.load_processor`)"
             )
+        parts: list[Completion] = []
+        while True:  # a part cut short by a weight push is continued after it
+            drawn = [token for part in parts for token in part.token_ids]
+            rest = dataclasses.replace(
+                params,
+                max_tokens=params.max_tokens - len(drawn),
+                seed=None if params.seed is None else params.seed + len(drawn),
+            )
+            part, cut = await self._request(prompt_ids + drawn, rest, images)
+            parts.append(part)
+            if not cut or len(drawn) + len(part.token_ids) >= params.max_tokens:
+                return _joined(parts)
+
+    async def _request(
+        self, prompt_ids: list[int], params: SamplingParams, images: Sequence[Any]
+    ) -> tuple[Completion, bool]:
+        """One request; its completion, and whether a weight push cut it short."""
+        if images:
+            reply, version = await anyio.to_thread.run_sync(
+                self._post_with_images, prompt_ids, params, images, limiter=self._threads
+            )
+            completion, choice = _generated(reply, prompt_ids), reply["choices"][0]
+        else:
+            body = self._request_body(prompt_ids, params)
+            reply, version = await anyio.to_thread.run_sync(
+                self._post, "/v1/completions", body, limiter=self._threads
+            )
+            choice = reply["choices"][0]
+            completion = _completion(choice)
+        return _tagged(completion, version), choice.get("finish_reason") == "abort"
+
+    @property
+    def weights_version(self) -> int | None:
+        """The version tagging the tokens of requests sent now (None: no tags)."""
+        return self._gate.version
+
+    def set_weights_version(self, version: int) -> None:
+        """Tag the tokens of requests sent from now on with `version`."""
+        self._gate.version = version
+
+    async def between_steps(self, update: Callable[[], None], version: int | None = None) -> None:
+        """Run `update` (a weight push) while no request is in flight, then go on.
+
+        New requests wait from now until `update` has run; the server is paused, which cuts
+        the ones in flight short (`generate` continues them afterwards), and resumed at the
+        end, whether `update` succeeded or not. With `version`, the tokens drawn afterwards
+        carry it (`Completion.versions`). Two calls at once run one after the other.
+
+        Raises:
+            ServerRequestError: The server cannot pause (start it with `agentgrpo vllm-serve`).
+        """
+        await anyio.to_thread.run_sync(self._alone, update, version)
+
+    def _alone(self, update: Callable[[], None], version: int | None) -> None:
+        with self._gate.holding():
+            self._call_for_push("/pause?mode=abort")
+            try:
+                abort = functools.partial(self._call_for_push, "/abort_requests")
+                self._gate.wait_until_idle(abort, self.connection.timeout_s)
+                update()
+                if version is not None:
+                    self._gate.version = version
+            finally:
+                self._call_for_push("/resume")
+
+    def _call_for_push(self, path: str) -> None:
+        try:
+            self.connection.post(path)
+        except ServerRequestError as error:
+            raise ServerRequestError(
+                f"the server at {self.connection.base_url} cannot pause for a weight push "
+                f"({path}): start it with `agentgrpo vllm-serve` (it enables vLLM's "
+                f"VLLM_SERVER_DEV_MODE endpoints). The server said: {error}",
+                error.status,
+            ) from None
+
+    def _post(self, path: str, body: Mapping[str, Any]) -> tuple[Any, int | None]:
+        """`connection.post` once no push holds requests back; its reply and weights version."""
+        with self._gate.request() as version:
+            return self.connection.post(path, body), version
+
+    def _post_with_images(
+        self, prompt_ids: list[int], params: SamplingParams, images: Sequence[Any]
+    ) -> tuple[Any, int | None]:
         body = {
             "model": self.model,
             "token_ids": unexpanded_ids(self.processor, prompt_ids, images),
@@ -230,9 +313,7 @@ class VLLMServerBackend:
             "return_token_ids": True,
         }
         try:
-            reply = await anyio.to_thread.run_sync(
-                self.connection.post, "/inference/v1/generate", body, limiter=self._threads
-            )
+            return self._post("/inference/v1/generate", body)
         except ServerRequestError as error:
             if error.status not in (403, 404):  # 403: no --enable-scale-out; 404: not vLLM
                 raise
@@ -241,7 +322,6 @@ class VLLMServerBackend:
                 "`agentgrpo vllm-serve` (it passes vLLM --enable-scale-out, which serves "
                 f"/inference/v1/generate). The server said: {error}"
             ) from None
-        return _generated(reply, prompt_ids)
 
     def _sampling_params(self, params: SamplingParams) -> dict[str, Any]:
         """The vLLM `SamplingParams` fields of a request with images (as `_request_body`'s)."""
@@ -276,6 +356,26 @@ class VLLMServerBackend:
             "return_tokens_as_token_ids": True,
             **sampling,
         }
+
+
+def _joined(parts: Sequence[Completion]) -> Completion:
+    """The parts of one completion (cut by weight pushes) as one; it stopped if its last did."""
+    if len(parts) == 1:
+        return parts[0]
+    tagged = [part.versions for part in parts if part.versions is not None]
+    return Completion(
+        [token for part in parts for token in part.token_ids],
+        [logprob for part in parts for logprob in part.logprobs],
+        stopped=parts[-1].stopped,
+        versions=[v for tags in tagged for v in tags] if len(tagged) == len(parts) else None,
+    )
+
+
+def _tagged(completion: Completion, version: int | None) -> Completion:
+    """`completion` with every token tagged `version` (unchanged when None)."""
+    if version is None:
+        return completion
+    return dataclasses.replace(completion, versions=[version] * len(completion.token_ids))
 
 
 def _completion(choice: Mapping[str, Any]) -> Completion:

@@ -50,11 +50,11 @@ def hold_the_push_of(trainer, version: int, pushing: threading.Event) -> None:
     weights = trainer._async.weights
     push = weights.push
 
-    async def held(backend, policy, pushed_version):
+    async def held(policy, pushed_version):
         if pushed_version == version:
             pushing.set()
             await anyio.sleep(600)
-        await push(backend, policy, pushed_version)
+        await push(policy, pushed_version)
 
     weights.push = held
 

@@ -12,6 +12,7 @@ import os
 import socket
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -130,8 +131,12 @@ def trained_copy(model, episode, steps: int = 3) -> LlamaForCausalLM:
     return other.eval()
 
 
-def train_two_steps(policy_path: Path, tokenizer, output_dir: Path, **vllm_fields):
+def train_two_steps(
+    policy_path: Path, tokenizer, output_dir: Path, trainer_class: Any = None, **vllm_fields
+):
     """The trainer after 2 GRPO steps on the Counter row via vLLM (`vllm_fields`: the mode).
+
+    `trainer_class`: a `GRPOTrainer` subclass to train with (default: `GRPOTrainer`).
 
     With the untaught model (distinct completions) and `rank_in_call` (distinct rewards in every
     group), each step has a nonzero gradient by construction, not by luck of the draw.
@@ -145,7 +150,7 @@ def train_two_steps(policy_path: Path, tokenizer, output_dir: Path, **vllm_field
 
     episodes = dict(max_completion_length=48, max_turns=2, chat_template="chatml_tools")
     args = short_run_config(output_dir, use_vllm=True, **vllm_fields, **episodes)
-    trainer = GRPOTrainer(
+    trainer = (trainer_class or GRPOTrainer)(
         load_policy(policy_path),
         rank_in_call,
         args=args,

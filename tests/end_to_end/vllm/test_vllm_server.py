@@ -14,12 +14,15 @@ import time
 
 import anyio
 import pytest
+import torch
 
+from agentgrpo import GRPOTrainer
 from agentgrpo.vllm_serve import _parser, serve_command, serve_environment
 from agentgrpo.weight_sync import ServerPush, policy_weights
 from environments import Counter
 from rollout import EpisodeConfig, Finish, RolloutEngine
 from rollout.backends.vllm_server import ServerConnection, ServerUnavailableError, VLLMServerBackend
+from rollout.types import SamplingParams
 from tests.support.episodes import (
     COUNTER_ROW,
     counter_segments,
@@ -134,6 +137,68 @@ def test_a_pushed_training_step_reaches_the_server(backend, tokenizer, policy):
             sync.push(weights, policy.device)
 
 
+def test_long_seeded_prompts_arriving_together_leave_the_cpu_engine_running(backend, tokenizer):
+    """More prompt tokens at once than a step's budget: vLLM's CPU engine died on the seeded
+    request split over two steps, until `agentgrpo vllm-serve` turned chunked prefill off."""
+    prompt = tokenizer("one two three " * 200)["input_ids"][:600]
+
+    async def eight_at_once():
+        async with anyio.create_task_group() as tasks:
+            for seed in range(8):
+                params = SamplingParams(max_tokens=4, seed=seed)
+                tasks.start_soon(backend.generate, prompt + [seed + 10], params)
+
+    anyio.run(eight_at_once)  # 8 x 601 prompt tokens, a budget of 2048 a step
+    assert len(anyio.run(backend.generate, prompt, SamplingParams(max_tokens=2)).token_ids) >= 1
+
+
+def test_a_push_mid_turn_cuts_it_and_continues_it_with_the_new_weights(backend, tokenizer, policy):
+    """A long turn is cut by a push 0.5 s in, then continued: each token's logprob is its own
+    weights' (the served policy's before the cut, the pushed copy's after it)."""
+    other = scripted_episode(tokenizer, [tool_call("increment", step=5), "Done."])
+    updated = trained_copy(policy, other)
+    sync = ServerPush(backend.connection, free_port(), SINGLE_PROCESS)
+    rare = tokenizer.vocab_size - 1  # the only stop id: the turn runs its whole budget
+    long_turns = VLLMServerBackend(
+        backend.connection, backend.model, {rare}, sampling_overrides={"ignore_eos": True}
+    )
+    long_turns.set_weights_version(0)
+    prompt = tokenizer("Count on and on:")["input_ids"]
+    params = SamplingParams(max_tokens=1500, temperature=1.0, seed=3)
+
+    def push() -> None:
+        with policy_weights(updated) as weights:
+            sync.push(weights, updated.device)
+
+    async def push_while_generating():
+        completions = []
+
+        async def generate():
+            completions.append(await long_turns.generate(prompt, params))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(generate)
+            await anyio.sleep(0.5)
+            await long_turns.between_steps(push, 1)
+        return completions[0]
+
+    try:
+        completion = anyio.run(push_while_generating)
+    finally:
+        with policy_weights(policy) as weights:
+            sync.push(weights, policy.device)
+    cut = completion.versions.index(1)
+    assert 0 < cut < len(completion.token_ids) == 1500
+    assert completion.versions == [0] * cut + [1] * (1500 - cut)
+    ids = torch.tensor([prompt + completion.token_ids])
+    for model, drawn in ((policy, slice(0, cut)), (updated, slice(cut, None))):
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        forward = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+        sampled = torch.tensor(completion.logprobs)
+        assert (forward[drawn] - sampled[drawn]).abs().mean() < 1e-3
+
+
 def test_grpo_trains_against_the_server_and_pushes_every_step(
     server, backend, tokenizer, tmp_path_factory, tmp_path
 ):
@@ -155,6 +220,55 @@ def test_grpo_trains_against_the_server_and_pushes_every_step(
     model, episodes = play_on_final_weights(trainer)
     assert logprob_gap(model, episodes, temperature=1.0) < 1e-3
     assert logprob_gap(load_policy(untaught_path), episodes, temperature=1.0) > 1e-2
+
+
+class TrainedVersions(GRPOTrainer):
+    """Keeps, per training step, the weights version of every sampled token it trains on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained: list[tuple[int, list[int | None]]] = []
+
+    def _prepare_inputs(self, rows):
+        batch = super()._prepare_inputs(rows)
+        if self.model.training:
+            versions = [
+                v
+                for episode in self._round.episodes
+                for row in episode.rows
+                for v, sampled in zip(
+                    row.policy_versions or [None] * len(row.loss_mask), row.loss_mask, strict=True
+                )
+                if sampled
+            ]
+            self.trained.append((self.state.global_step, versions))
+        return batch
+
+
+def test_async_grpo_generates_on_the_server_and_pushes_between_its_requests(
+    server, backend, tokenizer, tmp_path_factory, tmp_path
+):
+    untaught_path = untaught_model_path(tmp_path_factory, tokenizer)
+    trainer = train_two_steps(
+        untaught_path,
+        tokenizer,
+        tmp_path,
+        trainer_class=TrainedVersions,
+        vllm_mode="server",
+        vllm_server_base_url=server.url,
+        vllm_server_timeout=300,  # per call; only "never hangs" is claimed
+        vllm_group_port=free_port(),
+        async_grpo=True,
+        max_staleness=1,
+    )
+    assert trainer._async.weights.version == 2  # pushed after each of the 2 steps
+    assert {step for step, _ in trainer.trained} == {0, 1}
+    for step, versions in trainer.trained:  # every trained token tagged, none too stale
+        assert versions and all(v is not None and 0 <= step - v <= 1 for v in versions)
+    steps = [e for e in trainer.state.log_history if "grad_norm" in e]
+    assert all(e["grad_norm"] > 0 and "sample/staleness_max" in e for e in steps)
+    model, episodes = play_on_final_weights(trainer)  # the server holds the final weights
+    assert logprob_gap(model, episodes, temperature=1.0) < 1e-3
 
 
 def test_a_server_that_hangs_or_dies_mid_run_is_a_clear_error_not_a_hang(

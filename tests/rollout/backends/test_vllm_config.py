@@ -102,7 +102,17 @@ def test_vllm_serve_starts_vllms_server_with_agentgrpos_worker_extension():
     assert "--tensor-parallel-size 2 --host 0.0.0.0 --port 9000" in joined
     assert command[-2:] == ["--max-num-seqs", "8"]  # unknown arguments reach vLLM unchanged
     assert ("--enforce-eager" in command) == (not torch.cuda.is_available())
+    # a seeded request's prompt split over two steps stops vLLM's CPU engine
+    assert ("--no-enable-chunked-prefill" in command) == (not torch.cuda.is_available())
     assert vllm_serve.serve_environment()["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_vllm_serve_leaves_chunked_prefill_to_arguments_that_set_it():
+    options, rest = vllm_serve._parser().parse_known_args(
+        ["--model", "m", "--enable-chunked-prefill"]
+    )
+    command = vllm_serve.serve_command(options, rest)
+    assert "--no-enable-chunked-prefill" not in command
 
 
 def test_the_server_backend_is_a_generation_backend_that_needs_a_stop_id(refusing_port):
