@@ -8,8 +8,9 @@ take new weights between two of their own steps, while episodes play:
   copies the policy's tensors in between two generation steps. Rows that are decoding go on
   with the new weights, so an episode, and even a turn, can hold two versions.
 - a vLLM server (`ServedWeights`, `agentgrpo vllm-serve`, in its own process): a push holds new
-  requests back, lets the ones in flight end, and broadcasts the weights (`ServerPush`). Each
-  request, a turn, is drawn with one version; an episode can hold several.
+  requests back and pauses the server, which cuts the turns in flight short, broadcasts the
+  weights (`ServerPush`) and resumes; the cut turns are continued with the new weights
+  (`VLLMServerBackend.between_steps`), so here too a turn can hold two versions.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class CopiedWeights:
 
 
 class ServedWeights:
-    """A vLLM server's weights, pushed by broadcast between requests.
+    """A vLLM server's weights, broadcast while the server is paused.
 
     Args:
         backend: The server's backend (the trainer's own: evaluation shares the server).
@@ -114,10 +115,9 @@ class ServedWeights:
         self.paused_s = 0.0  # new requests held back for pushes since the last `take_paused_s`
 
     async def push(self, policy: torch.nn.Module, version: int) -> None:
-        """Broadcast `policy`'s weights once the requests in flight have ended.
+        """Pause the server (cutting the turns in flight), broadcast `policy`'s weights, resume.
 
-        `take_paused_s` counts the whole wait of new requests: the end of the ones in flight,
-        and the broadcast.
+        `take_paused_s` counts the whole time new requests were held back.
         """
         started = time.perf_counter()
         await self.backend.between_steps(lambda: self._send(policy, version), version)

@@ -26,6 +26,7 @@ to do, raised after at most the configured timeout: never a hang.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import functools
 import http.client
@@ -187,8 +188,14 @@ class VLLMServerBackend:
 
     @classmethod
     def connect(cls, connection: ServerConnection, **kwargs: Any) -> VLLMServerBackend:
-        """Wait for the server, then serve its first model (its name and context length)."""
+        """Wait for the server, then serve its first model (its name and context length).
+
+        A server that a killed run left paused mid-push (`between_steps`) is resumed first,
+        so that requests do not wait for it until they time out.
+        """
         connection.wait_until_up()
+        with contextlib.suppress(ServerRequestError):  # not `agentgrpo vllm-serve`: no pauses
+            connection.post("/resume")
         [card, *_] = connection.get("/v1/models")["data"]
         return cls(connection, card["id"], context_limit=card.get("max_model_len"), **kwargs)
 

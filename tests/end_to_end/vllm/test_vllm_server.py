@@ -140,16 +140,16 @@ def test_a_pushed_training_step_reaches_the_server(backend, tokenizer, policy):
 def test_long_seeded_prompts_arriving_together_leave_the_cpu_engine_running(backend, tokenizer):
     """More prompt tokens at once than a step's budget: vLLM's CPU engine died on the seeded
     request split over two steps, until `agentgrpo vllm-serve` turned chunked prefill off."""
-    prompt = tokenizer("one two three " * 200)["input_ids"][:600]
+    words = tokenizer("one two three four five six seven " * 300)["input_ids"][:1500]
 
-    async def eight_at_once():
+    async def twelve_at_once():
         async with anyio.create_task_group() as tasks:
-            for seed in range(8):
+            for seed in range(12):  # distinct prompts: no prefix is cached
                 params = SamplingParams(max_tokens=4, seed=seed)
-                tasks.start_soon(backend.generate, prompt + [seed + 10], params)
+                tasks.start_soon(backend.generate, [seed + 10, *words], params)
 
-    anyio.run(eight_at_once)  # 8 x 601 prompt tokens, a budget of 2048 a step
-    assert len(anyio.run(backend.generate, prompt, SamplingParams(max_tokens=2)).token_ids) >= 1
+    anyio.run(twelve_at_once)  # 12 x 1501 prompt tokens
+    assert len(anyio.run(backend.generate, words, SamplingParams(max_tokens=2)).token_ids) >= 1
 
 
 def test_a_push_mid_turn_cuts_it_and_continues_it_with_the_new_weights(backend, tokenizer, policy):

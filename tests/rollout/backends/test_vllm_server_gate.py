@@ -85,6 +85,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         else:
             self._reply(404, {"detail": "Not Found"})
 
+    def do_GET(self) -> None:
+        self._reply(200, {"data": [{"id": "m", "max_model_len": 64}]})  # /v1/models
+
     def _reply(self, status: int, reply: dict) -> None:
         payload = json.dumps(reply).encode()
         self.send_response(status)
@@ -243,3 +246,15 @@ async def test_a_server_that_cannot_pause_is_named_with_the_fix():
 async def test_a_backend_without_a_version_tags_nothing(server):
     server.let_go()
     assert (await backend_of(server, version=None).generate([1, 3], PARAMS)).versions is None
+
+
+def test_connecting_resumes_a_server_that_a_killed_run_left_paused(server):
+    server.control("/pause?mode=abort")  # a run killed mid-push left it so
+    VLLMServerBackend.connect(ServerConnection(server.url, WAIT_S), stop_token_ids={2})
+    assert server.calls == ["/pause?mode=abort", "/resume"] and not server.paused
+
+
+def test_connecting_to_a_server_without_pauses_is_fine():
+    for held in serving(HeldServer(pausable=False)):
+        backend = VLLMServerBackend.connect(ServerConnection(held.url, WAIT_S), stop_token_ids={2})
+        assert (backend.model, backend.context_limit) == ("m", 64)
