@@ -6,8 +6,10 @@ in a `GroupBuffer`, tagged with the version (the optimizer step) of the weights 
 with. The learner's round takes `prompts_per_process` groups from the buffer in place of playing
 them (`AsyncGeneration.take_round` is a `round.Play`); every other stage of the round is the
 synchronous one. A group whose version lags the steps that will train on it by more than
-`max_staleness` is dropped, whole, and counted. After every `weight_sync_steps` optimizer steps
-the learner pushes its weights to the generator, between two generation steps.
+`max_staleness` is dropped, whole, and counted; the producer starts no group that could not be
+fresh by then, it waits for newer weights (`AsyncGeneration._hold`). After every
+`weight_sync_steps` optimizer steps the learner pushes its weights to the generator, between two
+of its steps.
 
 The generator is a copy of the policy on the producer's thread, or a vLLM server in its own
 process (`async_generators`); either takes new weights between two of its steps.
