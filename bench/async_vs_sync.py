@@ -9,13 +9,19 @@ steps alone: the episode record's lines over the "train time" the run prints), a
 run, then per workload the median episodes per second of each mode and their ratio (async /
 sync), and the eval success of each mode over the seeds (mean and range) with the load average.
 
+Both modes of a seed start from the same warm start: the first run's (`output_dir/warm_start`)
+is kept, and the second run trains it with `--warm-start-steps 0`. With `--results DIR`, each
+run's figures (`DIR/<workload>-<mode>-seed<seed>.json`) and each seed's warm start stay there,
+and a run already recorded there (with its eval, under `--eval`) is reported, not run again: a
+set of runs too long for one sitting is finished in several.
+
 By default both modes use the transformers backend: the generator is a thread of the training
 process. With `--server`, both generate with one `agentgrpo vllm-serve` of the run's model,
 started once and pinned to core 0, while each run (its learner) is pinned to core 1, both with
 one thread: the layout of docs/async.md. Each run's first push replaces the served weights.
 
 Run: `python bench/async_vs_sync.py` (16 steps, seed 0, both workloads); `--max-steps`,
-`--seeds 0 1 2`, `--workloads`, `--eval`, `--warm-start-steps`, `--server`.
+`--seeds 0 1 2`, `--workloads`, `--eval`, `--warm-start-steps`, `--server`, `--results`.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -52,7 +59,13 @@ SERVER_START_S = 600
 
 
 def main() -> None:
-    args = _parser().parse_args()
+    parser = _parser()
+    args = parser.parse_args()
+    if args.server and "tiny-slow-reward" in args.workloads:
+        parser.error(
+            "--server serves the default model and tiny-slow-reward trains the tiny one: "
+            "pass --workloads chain slow-tools"
+        )
     print(f"load average {_load()} (1/5/15 min); {os.cpu_count()} cores", flush=True)
     with _served() if args.server else contextlib.nullcontext() as server:
         args.generator = server or []
@@ -65,11 +78,33 @@ def _compare(args: argparse.Namespace) -> None:
         runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
         for seed in args.seeds:
             order = list(MODES) if seed % 2 == 0 else list(reversed(MODES))
-            for mode in order:
-                run = _run(WORKLOADS[workload], MODES[mode], seed, args)
-                runs[mode].append(run)
-                print(f"  {workload:10} {mode:5} seed {seed}: {_describe(run)}", flush=True)
+            with _kept(args.results) as kept:
+                warm = kept / f"warm-start-{workload}-seed{seed}"
+                for mode in order:
+                    recorded = kept / f"{workload}-{mode}-seed{seed}.json"
+                    run = json.loads(recorded.read_text()) if recorded.is_file() else {}
+                    if run and ("success" in run or not args.eval):
+                        source = f" ({recorded})"
+                    else:
+                        run, source = _run(workload, MODES[mode], seed, warm, args), ""
+                        recorded.write_text(json.dumps(run))
+                    runs[mode].append(run)
+                    print(
+                        f"  {workload:10} {mode:5} seed {seed}: {_describe(run)}{source}",
+                        flush=True,
+                    )
         _report(workload, runs)
+
+
+@contextlib.contextmanager
+def _kept(results: Path | None) -> Iterator[Path]:
+    """`results` (made if missing), or a temporary folder for one seed's warm start and runs."""
+    if results is not None:
+        results.mkdir(parents=True, exist_ok=True)
+        yield results
+        return
+    with tempfile.TemporaryDirectory(prefix="agentgrpo-async-bench-seed-") as folder:
+        yield Path(folder)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warm-start-steps", type=int, help="default: the run's own")
     parser.add_argument(
         "--server", action="store_true", help="generate with a vLLM server on its own core"
+    )
+    parser.add_argument(
+        "--results", type=Path, help="keep each run's figures and warm start here; reuse them"
     )
     return parser
 
@@ -135,14 +173,21 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _run(env: list[str], extra: list[str], seed: int, args: argparse.Namespace) -> dict:
-    """One `agentgrpo run` (and its eval) in child processes."""
+def _run(workload: str, extra: list[str], seed: int, warm: Path, args: argparse.Namespace) -> dict:
+    """One `agentgrpo run` (and its eval) in child processes.
+
+    The run starts from the warm start in `warm` if one is there, and otherwise leaves its own
+    warm start (if it makes one) there.
+    """
+    env = WORKLOADS[workload]
     with tempfile.TemporaryDirectory(prefix="agentgrpo-async-bench-") as folder:
         command = [sys.executable, "-m", "agentgrpo", "run", *env, "--output-dir", folder]
         if "env:Counter" in env:
             command += ["--model", _tiny_model(folder)]
+        elif warm.is_dir():
+            command += ["--model", str(warm), "--warm-start-steps", "0"]
         command += ["--max-steps", str(args.max_steps), "--seed", str(seed), *extra]
-        if args.warm_start_steps is not None:
+        if args.warm_start_steps is not None and not warm.is_dir():
             command += ["--warm-start-steps", str(args.warm_start_steps)]
         environment = None
         if args.generator:  # the learner on its own core, beside the server's
@@ -153,10 +198,12 @@ def _run(env: list[str], extra: list[str], seed: int, args: argparse.Namespace) 
         printed = _child(command, environment)
         run = {"train_s": _train_seconds(printed), "episodes": _episodes(folder), "load": load}
         run["episodes_per_s"] = run["episodes"] / run["train_s"]
+        if (Path(folder) / "warm_start").is_dir() and not warm.is_dir():
+            shutil.copytree(Path(folder) / "warm_start", warm)
         if args.eval:
             evaluated = _child(
                 [sys.executable, "-m", "agentgrpo", "eval", "env:Chain"]
-                + ["--model", folder, "--seed", str(seed)]
+                + ["--model", str(Path(folder) / "model"), "--seed", str(seed)]
             )
             run["success"] = float(_figures(evaluated)["success_rate"])
     return run

@@ -11,7 +11,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.async_rounds import GroupBuffer, PlayedGroup, ProducerFailed
+from agentgrpo.async_buffer import GroupBuffer, PlayedGroup, ProducerFailed
 from agentgrpo.rewards.calls import RewardFunctionError
 from tests.support.tiny_model import tiny_llama
 from tests.support.trainer import logged, rank_in_call, short_run_config

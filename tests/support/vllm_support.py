@@ -132,11 +132,17 @@ def trained_copy(model, episode, steps: int = 3) -> LlamaForCausalLM:
 
 
 def train_two_steps(
-    policy_path: Path, tokenizer, output_dir: Path, trainer_class: Any = None, **vllm_fields
+    policy_path: Path,
+    tokenizer,
+    output_dir: Path,
+    trainer_class: Any = None,
+    eval_rows: int = 0,
+    **vllm_fields,
 ):
     """The trainer after 2 GRPO steps on the Counter row via vLLM (`vllm_fields`: the mode).
 
     `trainer_class`: a `GRPOTrainer` subclass to train with (default: `GRPOTrainer`).
+    `eval_rows`: that many Counter rows are evaluated after every step (none by default).
 
     With the untaught model (distinct completions) and `rank_in_call` (distinct rewards in every
     group), each step has a nonzero gradient by construction, not by luck of the draw.
@@ -149,12 +155,15 @@ def train_two_steps(
     from tests.support.trainer import rank_in_call, short_run_config
 
     episodes = dict(max_completion_length=48, max_turns=2, chat_template="chatml_tools")
+    if eval_rows:
+        episodes |= dict(eval_strategy="steps", eval_steps=1)
     args = short_run_config(output_dir, use_vllm=True, **vllm_fields, **episodes)
     trainer = (trainer_class or GRPOTrainer)(
         load_policy(policy_path),
         rank_in_call,
         args=args,
         train_dataset=Dataset.from_list([COUNTER_ROW] * 8),
+        eval_dataset=Dataset.from_list([COUNTER_ROW] * eval_rows) if eval_rows else None,
         processing_class=tokenizer,
         environment_factory=Counter,
     )

@@ -199,20 +199,22 @@ def test_a_push_mid_turn_cuts_it_and_continues_it_with_the_new_weights(backend, 
         assert (forward[drawn] - sampled[drawn]).abs().mean() < 1e-3
 
 
-def test_grpo_trains_against_the_server_and_pushes_every_step(
-    server, backend, tokenizer, tmp_path_factory, tmp_path
-):
-    # The first push replaces the served policy: any model of the same shape can train here.
-    untaught_path = untaught_model_path(tmp_path_factory, tokenizer)
-    trainer = train_two_steps(
-        untaught_path,
-        tokenizer,
-        tmp_path,
+def served_by(server) -> dict:
+    """The config fields of a run that generates with `server`."""
+    return dict(
         vllm_mode="server",
         vllm_server_base_url=server.url,
         vllm_server_timeout=300,  # per call; only "never hangs" is claimed
         vllm_group_port=free_port(),
     )
+
+
+def test_grpo_trains_against_the_server_and_pushes_every_step(
+    server, backend, tokenizer, tmp_path_factory, tmp_path
+):
+    # The first push replaces the served policy: any model of the same shape can train here.
+    untaught_path = untaught_model_path(tmp_path_factory, tokenizer)
+    trainer = train_two_steps(untaught_path, tokenizer, tmp_path, **served_by(server))
     assert trainer.weight_sync.pushed_step == 1
     steps = [e for e in trainer.state.log_history if "grad_norm" in e]
     assert [e["frac_reward_zero_std"] for e in steps] == [0.0, 0.0]  # no tied group, by design
@@ -254,10 +256,7 @@ def test_async_grpo_generates_on_the_server_and_pushes_between_its_requests(
         tokenizer,
         tmp_path,
         trainer_class=TrainedVersions,
-        vllm_mode="server",
-        vllm_server_base_url=server.url,
-        vllm_server_timeout=300,  # per call; only "never hangs" is claimed
-        vllm_group_port=free_port(),
+        **served_by(server),
         async_grpo=True,
         max_staleness=1,
     )
@@ -269,6 +268,40 @@ def test_async_grpo_generates_on_the_server_and_pushes_between_its_requests(
     assert all(e["grad_norm"] > 0 and "sample/staleness_max" in e for e in steps)
     model, episodes = play_on_final_weights(trainer)  # the server holds the final weights
     assert logprob_gap(model, episodes, temperature=1.0) < 1e-3
+
+
+class EvaluatedVersions(GRPOTrainer):
+    """Keeps the step and the served weights' version at the end of every evaluation."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.evaluated: list[tuple[int, int]] = []
+
+    def evaluate(self, *args, **kwargs):
+        metrics = super().evaluate(*args, **kwargs)
+        self.evaluated.append((self.state.global_step, self._async.weights.version))
+        return metrics
+
+
+def test_an_async_evaluation_first_brings_the_shared_server_to_the_learners_step(
+    server, backend, tokenizer, tmp_path_factory, tmp_path
+):
+    # Pushes every 2 steps, evaluation after every step: at step 1 the server still holds the
+    # weights of step 0, and the evaluation must push the learner's (through the producer).
+    trainer = train_two_steps(
+        untaught_model_path(tmp_path_factory, tokenizer),
+        tokenizer,
+        tmp_path,
+        trainer_class=EvaluatedVersions,
+        eval_rows=2,
+        **served_by(server),
+        async_grpo=True,
+        max_staleness=1,
+        weight_sync_steps=2,
+    )
+    assert trainer.evaluated == [(1, 1), (2, 2)]
+    evaluations = [e for e in trainer.state.log_history if "eval_reward" in e]
+    assert [e["step"] for e in evaluations] == [1, 2]
 
 
 def test_a_server_that_hangs_or_dies_mid_run_is_a_clear_error_not_a_hang(
