@@ -11,9 +11,9 @@ sync), and the eval success of each mode over the seeds (mean and range) with th
 
 Both modes of a seed start from the same warm start: the first run's (`output_dir/warm_start`)
 is kept, and the second run trains it with `--warm-start-steps 0`. With `--results DIR`, each
-run's figures (`DIR/<workload>-<mode>-seed<seed>.json`) and each seed's warm start stay there,
-and a run already recorded there (with its eval, under `--eval`) is reported, not run again: a
-set of runs too long for one sitting is finished in several.
+run's figures (`DIR/<workload>-<mode>-seed<seed>.json`, its metrics.jsonl beside them) and each
+seed's warm start stay there, and a run already recorded there (with its eval, under `--eval`)
+is reported, not run again: a set of runs too long for one sitting is finished in several.
 
 By default both modes use the transformers backend: the generator is a thread of the training
 process. With `--server`, both generate with one `agentgrpo vllm-serve` of the run's model,
@@ -46,8 +46,8 @@ from pathlib import Path
 WORKLOADS = {
     "chain": ["env:Chain"],
     "slow-tools": ["bench/slow_chain.py:SlowChain"],
-    # The tiny random Llama (tests/tiny_model.py), which never calls a tool, on Counter with a
-    # reward that takes 1 s: minutes instead of hours on a loaded CPU; no eval.
+    # The tiny random Llama (tests/support/tiny_model.py), which never calls a tool, on Counter with
+    # a reward that takes 1 s: minutes instead of hours on a loaded CPU; no eval.
     "tiny-slow-reward": [
         "env:Counter", "--reward", "bench.slow_chain:slow_reward", "--warm-start-steps", "0",
         "--chat-template", "chatml_tools", "--max-completion-length", "24",
@@ -79,14 +79,14 @@ def _compare(args: argparse.Namespace) -> None:
         for seed in args.seeds:
             order = list(MODES) if seed % 2 == 0 else list(reversed(MODES))
             with _kept(args.results) as kept:
-                warm = kept / f"warm-start-{workload}-seed{seed}"
                 for mode in order:
                     recorded = kept / f"{workload}-{mode}-seed{seed}.json"
                     run = json.loads(recorded.read_text()) if recorded.is_file() else {}
                     if run and ("success" in run or not args.eval):
                         source = f" ({recorded})"
                     else:
-                        run, source = _run(workload, MODES[mode], seed, warm, args), ""
+                        run = _run(workload, mode, seed, kept, args)
+                        source = ""
                         recorded.write_text(json.dumps(run))
                     runs[mode].append(run)
                     print(
@@ -173,13 +173,14 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _run(workload: str, extra: list[str], seed: int, warm: Path, args: argparse.Namespace) -> dict:
-    """One `agentgrpo run` (and its eval) in child processes.
+def _run(workload: str, mode: str, seed: int, kept: Path, args: argparse.Namespace) -> dict:
+    """One `agentgrpo run` (and its eval) in child processes; its metrics.jsonl is kept.
 
-    The run starts from the warm start in `warm` if one is there, and otherwise leaves its own
-    warm start (if it makes one) there.
+    The run starts from the seed's warm start in `kept` if one is there, and otherwise leaves
+    its own warm start (if it makes one) there.
     """
-    env = WORKLOADS[workload]
+    env, extra = WORKLOADS[workload], MODES[mode]
+    warm = kept / f"warm-start-{workload}-seed{seed}"
     with tempfile.TemporaryDirectory(prefix="agentgrpo-async-bench-") as folder:
         command = [sys.executable, "-m", "agentgrpo", "run", *env, "--output-dir", folder]
         if "env:Counter" in env:
@@ -198,6 +199,9 @@ def _run(workload: str, extra: list[str], seed: int, warm: Path, args: argparse.
         printed = _child(command, environment)
         run = {"train_s": _train_seconds(printed), "episodes": _episodes(folder), "load": load}
         run["episodes_per_s"] = run["episodes"] / run["train_s"]
+        shutil.copy(
+            Path(folder) / "metrics.jsonl", kept / f"{workload}-{mode}-seed{seed}.metrics.jsonl"
+        )
         if (Path(folder) / "warm_start").is_dir() and not warm.is_dir():
             shutil.copytree(Path(folder) / "warm_start", warm)
         if args.eval:
@@ -212,11 +216,11 @@ def _run(workload: str, extra: list[str], seed: int, warm: Path, args: argparse.
 def _tiny_model(folder: str) -> str:
     """The tiny Llama with the default model's tokenizer, saved under `folder`."""
     root = Path(__file__).resolve().parents[1]
-    sys.path[:0] = [str(root), str(root / "tests")]
-    from tiny_model import tiny_llama  # the tests' model: a config, no download
+    sys.path.insert(0, str(root))
     from transformers import AutoTokenizer
 
     from agentgrpo.default_model import default_model_path
+    from tests.support.tiny_model import tiny_llama  # the tests' model: a config, no download
 
     path = Path(folder) / "tiny-model"
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
