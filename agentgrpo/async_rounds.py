@@ -3,13 +3,13 @@
 The producer is a thread of its own running an event loop. Its workers each take the next row,
 play its group of `num_generations` episodes with the generator's weights, score it, and put it
 in a `GroupBuffer` (`async_buffer`), tagged with the version (the optimizer step) of the
-weights the group started with. The learner's round takes `prompts_per_process` groups from the buffer in place of playing
-them (`AsyncGeneration.take_round` is a `round.Play`); every other stage of the round is the
-synchronous one. A group whose version lags the steps that will train on it by more than
-`max_staleness` is dropped, whole, and counted; the producer starts no group that could not be
-fresh by then, it waits for newer weights (`AsyncGeneration._hold`). After every
-`weight_sync_steps` optimizer steps the learner pushes its weights to the generator, between two
-of its steps.
+weights the group started with. The learner's round takes `prompts_per_process` groups from the
+buffer in place of playing them (`AsyncGeneration.take_round` is a `round.Play`); every other
+stage of the round is the synchronous one. A group whose version lags the steps that will
+train on it by more than `max_staleness` is dropped, whole, and counted; the producer starts no
+group that could not be fresh by then, it waits for newer weights (`AsyncGeneration._hold`).
+After every `weight_sync_steps` optimizer steps the learner pushes its weights to the
+generator, between two of its steps.
 
 The generator is a copy of the policy on the producer's thread, or a vLLM server in its own
 process (`async_generators`); either takes new weights between two of its steps.
