@@ -10,12 +10,13 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from agentgrpo.scoring import RewardLogs
 from rollout import Episode
 
 
@@ -28,12 +29,15 @@ class PlayedGroup:
         rewards_G_F: One reward column per scorer name.
         version: The optimizer step of the weights its oldest token was drawn with.
         path: Its file in the queue folder (`async_queue`), or None when not written.
+        logs: What its reward functions logged (`log_metric`, `log_extra`), reported at the
+            step that trains it; empty for a group read back from the queue folder.
     """
 
     episodes: list[Episode]
     rewards_G_F: torch.Tensor
     version: int
     path: Path | None = None
+    logs: RewardLogs = field(default_factory=RewardLogs)
 
 
 class ProducerFailed(RuntimeError):

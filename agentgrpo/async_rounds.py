@@ -46,7 +46,7 @@ from agentgrpo.async_generators import GeneratorWeights
 from agentgrpo.async_queue import QueueFolder
 from agentgrpo.learner.batch import TrainingBatch
 from agentgrpo.round_pipeline import RoundParts, RoundPlan
-from agentgrpo.scoring import Scorer, play_round
+from agentgrpo.scoring import RewardLogs, Scorer, play_round
 from rollout import Episode, EpisodeRecord, RolloutEngine
 
 logger = logging.getLogger(__name__)
@@ -200,11 +200,12 @@ class AsyncGeneration:
             await self._hold()
             row, seed = self.rows.next()
             started = self.weights.version
+            scorer = dataclasses.replace(self.scorer, logs=RewardLogs())  # this group's logs
             episodes, rewards_G_F = await play_round(
-                self.engine, [row], self.num_generations, seed, self.scorer
+                self.engine, [row], self.num_generations, seed, scorer
             )
             version = min(episode_version(e, started) for e in episodes)
-            group = PlayedGroup(episodes, rewards_G_F, version)
+            group = PlayedGroup(episodes, rewards_G_F, version, logs=scorer.logs)
             if not await anyio.to_thread.run_sync(self._store_and_put, group):
                 return
 
@@ -270,7 +271,7 @@ class AsyncGeneration:
         self.resumed_dropped = sum(len(g.episodes) for g in dropped)
         if stored:
             logger.warning(
-                "resuming at step %d with %d queued group(s) played before the stop: %d to train "
+                "resuming at step %d with %d queued group(s) left by the earlier run: %d to train "
                 "first, %d episode(s) dropped as stale",
                 step,
                 len(stored),
@@ -312,7 +313,8 @@ class AsyncGeneration:
 
         `rows` give only the count (the producer plays its own rows), `seed` is unused. A group
         is fresh when the round's last optimizer step is at most `max_staleness` steps after
-        its version. Episodes are renumbered into this round's groups.
+        its version. Episodes are renumbered into this round's groups, and what the reward
+        functions logged for each group joins the scorer's logs as that group's.
         """
         self.start(step)
         oldest = step + self.round_steps - 1 - self.max_staleness
@@ -327,6 +329,8 @@ class AsyncGeneration:
         self.last_versions_N = [
             episode_version(e, group.version) for group in groups for e in group.episodes
         ]
+        for g, group in enumerate(groups):
+            self.scorer.logs.add_group(g, group.logs)
         self.consumed += [(step, g.path) for g in groups if g.path is not None]
         self._waits.staleness += [step - version for version in self.last_versions_N]
         return episodes, torch.cat([group.rewards_G_F for group in groups])

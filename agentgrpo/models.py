@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
 from agentgrpo.devices import inference_autocast
+from agentgrpo.weight_sync import fsdp2_unsharded
 from rollout.backends.attention import use_grouped_query_sdpa
 from rollout.images import is_vision_processor, load_processor
 
@@ -216,14 +219,30 @@ def _zero3_partitioned(model: Any) -> bool:
 
 def _whole_copy(model: Any) -> Any:
     """An ordinary copy of a ZeRO-3 model, from its weights gathered from every process."""
-    import deepspeed
-
-    parameters = list(model.parameters())
-    with deepspeed.zero.GatheredParameters(parameters):
+    with whole_parameters(model):
         state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     copy_ = type(model)(model.config)
     copy_.load_state_dict(state)
-    return copy_.to(device=parameters[0].device, dtype=parameters[0].dtype)
+    parameter = next(model.parameters())
+    return copy_.to(device=parameter.device, dtype=parameter.dtype)
+
+
+@contextlib.contextmanager
+def whole_parameters(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, `model.parameters()` are the whole tensors, whatever shards them.
+
+    Under DeepSpeed ZeRO-3 the weights are gathered from every process; under FSDP2
+    (`fully_shard`) they are unsharded (`weight_sync.fsdp2_unsharded`); otherwise nothing
+    changes. With shards this is a collective: every process enters the block together.
+    Changes made to the gathered ZeRO-3 weights inside the block are not kept.
+    """
+    gathered = contextlib.nullcontext()
+    if _zero3_partitioned(model):
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
+    with gathered, fsdp2_unsharded(model):
+        yield
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -334,9 +353,12 @@ def _is_peft(model: Any) -> bool:
 class SyncReference(TrainerCallback):
     """`sync_ref_model`: every `every` steps, ref <- alpha * policy + (1 - alpha) * ref (TR-DPO).
 
+    The reference is whole on every process; a sharded policy (ZeRO-3, FSDP2) is gathered for
+    the mix (`whole_parameters`), by every process at the same step.
+
     Args:
         reference: The reference model (a separate copy; PEFT runs have none to sync).
-        policy: The model being trained.
+        policy: The model being trained (unwrapped).
         alpha: `ref_model_mixup_alpha`.
         every: `ref_model_sync_steps`.
     """
@@ -351,8 +373,10 @@ class SyncReference(TrainerCallback):
         """Mix the policy into the reference on every `every`-th optimizer step."""
         if state.global_step % self.every:
             return
-        for ref, current in zip(self.reference.parameters(), self.policy.parameters(), strict=True):
-            ref.mul_(1.0 - self.alpha).add_(current.detach().to(ref.dtype), alpha=self.alpha)
+        with whole_parameters(self.policy):
+            pairs = zip(self.reference.parameters(), self.policy.parameters(), strict=True)
+            for ref, current in pairs:
+                ref.mul_(1.0 - self.alpha).add_(current.detach().to(ref.dtype), alpha=self.alpha)
 
 
 def reference_sync(reference: torch.nn.Module | None, policy: Any, args: Any) -> SyncReference:

@@ -60,6 +60,18 @@ class RewardLogs:
         self.metrics = {}
         return taken
 
+    def add_group(self, group: int, logs: RewardLogs) -> None:
+        """Add `logs`, kept while one group was scored alone, as group `group` of this round.
+
+        The asynchronous producer scores each group into its own `RewardLogs` (as group 0 of a
+        one-row round) and the learner adds them to its round's logs when it trains the group.
+        """
+        for name, values in logs.metrics.items():
+            self.metrics.setdefault(name, []).extend(values)
+        for column, by_group in logs.extra.items():
+            if 0 in by_group:
+                self.extra.setdefault(column, {})[group] = by_group[0]
+
     def take_extra(self, num_groups: int, num_generations: int) -> dict[str, list[Any]]:
         """Each extra column over a round's episodes in group order (None where not logged)."""
         missing = [None] * num_generations

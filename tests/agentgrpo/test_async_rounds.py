@@ -164,6 +164,25 @@ def test_several_iterations_per_round_train_within_the_staleness_bound(tokenizer
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
+def test_what_reward_functions_log_is_reported_beside_the_episodes_it_was_logged_for(
+    tokenizer, tmp_path
+):
+    def echo(completions, log_extra, log_metric, **kwargs):
+        log_extra("seen", list(completions))
+        log_metric("group_size", float(len(completions)))
+        return [float(i) for i in range(len(completions))]
+
+    args = config(tmp_path, log_completions=True, num_completions_to_print=0)
+    trainer = GRPOTrainer(tiny_llama(tokenizer), echo, args, PROMPTS, processing_class=tokenizer)
+    trainer.train()
+    table = trainer.last_completions
+    assert len(table) >= 2 * args.num_generations  # a round of more than one group
+    # Groups are played one row at a time, ahead of the learner: each group's column comes
+    # back in the row of its own completions.
+    assert table.extra["seen"] == list(table.completions)
+    assert logged(trainer, "group_size") == [4.0, 4.0, 4.0]
+
+
 def test_async_settings_that_could_never_train_are_refused(tmp_path):
     with pytest.raises(ValueError, match="max_staleness=0 is below 1"):
         config(tmp_path, max_staleness=0, weight_sync_steps=2)

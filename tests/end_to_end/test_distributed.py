@@ -262,9 +262,13 @@ def test_deepspeed_zero2_config_trains_on_one_gpu(tiny_model_dir, tmp_path):
 # while the two steps move the weights by up to 1.5e-3.
 SHARDED_ATOL = 5e-6
 SHARDED_ENGINES = ["deepspeed_zero2", "deepspeed_zero3"]
-# With a KL term, so that the reference model (a whole copy under ZeRO-3) takes part too. The
-# one-process run plays each round's rows of both processes itself: twice the micro-batch.
-FIXED_ARGS = ["--fixed-completions", "--scale-rewards", "batch", "--beta", "0.5"]
+# With a KL term, so that the reference model (a whole copy under ZeRO-3) takes part too, and
+# moves toward the policy after each step (`sync_ref_model`). The one-process run plays each
+# round's rows of both processes itself: twice the micro-batch.
+FIXED_ARGS = [
+    *("--fixed-completions", "--scale-rewards", "batch"),
+    *("--beta", "0.5", "--sync-ref-model"),
+]
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 # The ZeRO configs ask for bf16 GPUs; on CPU the runs compare in float32.
 CPU_LAUNCH = ("--mixed_precision", "no")
@@ -317,6 +321,18 @@ def test_a_sharded_run_trains_to_the_weights_of_one_process(sharded_run, one_pro
     before = read_reports(one_process_run)[0]["weights_before"]
     for name, weight in alone.items():
         assert weight.double().sum().item() != before[name]  # two steps moved every tensor
+        torch.testing.assert_close(sharded[name], weight, atol=SHARDED_ATOL, rtol=0)
+
+
+@needs_deepspeed
+def test_a_sharded_run_moves_the_reference_model_as_one_process_does(sharded_run, one_process_run):
+    # Under ZeRO-3 the policy's weights are shards: the mix must gather them.
+    sharded = torch.load(sharded_run / "reference.pt")
+    alone = torch.load(one_process_run / "reference.pt")
+    assert sharded.keys() == alone.keys()
+    before = read_reports(one_process_run)[0]["weights_before"]
+    for name, weight in alone.items():
+        assert weight.double().sum().item() != before[name]  # the syncs moved every tensor
         torch.testing.assert_close(sharded[name], weight, atol=SHARDED_ATOL, rtol=0)
 
 

@@ -20,7 +20,9 @@ MODEL_DIR holds a causal LM and its tokenizer (`save_pretrained`). Each process 
 - `forward_calls`: how many times the model's forward ran (generation and training);
 - `max_rss_mib`: the process's peak resident memory.
 
-The main process also saves the trained weights, whole and in float32, to `OUT_DIR/weights.pt`.
+The main process also saves the trained weights, whole and in float32, to `OUT_DIR/weights.pt`,
+and with `--beta` > 0 the reference model's to `OUT_DIR/reference.pt` (`--sync-ref-model` mixes
+the policy into it after every step, half and half).
 With `--fixed-completions` the episodes come from a `rollout_func` that answers each prompt
 with the same token ids whatever the process, seed or weights, so runs over different numbers
 of processes train on identical episodes and their weights can be compared. `--save-steps`,
@@ -143,6 +145,7 @@ def main() -> None:
     parser.add_argument("--fixed-completions", action="store_true", help="see the docstring")
     parser.add_argument("--uneven-forwards", action="store_true", help="see fixed_completions")
     parser.add_argument("--beta", type=float, default=0.0, help="KL weight (a reference model)")
+    parser.add_argument("--sync-ref-model", action="store_true", help="see the docstring")
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--kill-in-step", type=int, help="SIGKILL the main process in step K")
     parser.add_argument("--resume", action="store_true", help="from the latest checkpoint")
@@ -160,6 +163,9 @@ def main() -> None:
         learning_rate=1e-3,  # large enough that two steps move every weight in float32
         scale_rewards=cli.scale_rewards,
         beta=cli.beta,  # "batch": advantages need every process's rewards
+        sync_ref_model=cli.sync_ref_model,
+        ref_model_sync_steps=1,
+        ref_model_mixup_alpha=0.5,
         logging_steps=1,
         report_to="none",
         save_strategy="steps" if cli.save_steps else "no",
@@ -191,6 +197,9 @@ def main() -> None:
     if trainer.accelerator.is_main_process:
         whole = {name: weights_after[name].float().cpu() for name in names}
         torch.save(whole, out_dir / "weights.pt")
+        if trainer.ref_model is not None:
+            reference = {n: t.float().cpu() for n, t in trainer.ref_model.named_parameters()}
+            torch.save(reference, out_dir / "reference.pt")
     report = {
         "process_index": trainer.accelerator.process_index,
         "world_size": trainer.accelerator.num_processes,

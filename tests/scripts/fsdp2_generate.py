@@ -3,13 +3,16 @@
 `tests/end_to_end/test_distributed.py` runs it: `python tests/scripts/fsdp2_generate.py PORT`.
 Inside `weight_sync.fsdp2_unsharded`, process p runs p + 1 forward passes (as episodes of different
 lengths would) and must get the unsharded model's logits; after the block, a forward and a
-backward must still work, sharded again. Each process prints `process P ok` at the end.
+backward must still work, sharded again. After an optimizer step, `models.SyncReference` mixes
+the sharded policy into a whole reference copy, which must then hold the mean of the starting
+weights and the whole trained ones. Each process prints `process P ok` at the end.
 accelerate does not run FSDP on CPU processes, so the model is sharded with torch's own
 `fully_shard`, per decoder layer and at the root, as accelerate's FSDP2 does.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -17,8 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerState
 
+from agentgrpo.models import SyncReference
 from agentgrpo.weight_sync import fsdp2_unsharded
 from tests.support.tiny_model import tiny_config
 
@@ -33,6 +37,7 @@ def play(rank: int, port: int) -> None:
     ids_1_T = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         whole_1_T_V = model(ids_1_T).logits
+    reference = copy.deepcopy(model)
     for layer in model.model.layers:
         torch.distributed.fsdp.fully_shard(layer)
     torch.distributed.fsdp.fully_shard(model)
@@ -42,8 +47,24 @@ def play(rank: int, port: int) -> None:
     torch.testing.assert_close(logits_1_T_V, whole_1_T_V)
     model(ids_1_T).logits.sum().backward()
     assert isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)  # sharded again
+    check_reference_sync(model, reference)
     print(f"process {rank} ok", flush=True)
     dist.destroy_process_group()
+
+
+def check_reference_sync(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """Step the sharded model, mix it into `reference` with alpha 0.5, check the mix."""
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    started = [p.detach().clone() for p in reference.parameters()]
+    with fsdp2_unsharded(model):
+        trained = [p.detach().clone() for p in model.parameters()]
+    assert not isinstance(trained[0], DTensor)
+    SyncReference(reference, model, alpha=0.5, every=1).on_step_end(
+        None, TrainerState(global_step=1), None
+    )
+    for mixed, before, after in zip(reference.parameters(), started, trained, strict=True):
+        torch.testing.assert_close(mixed, (before + after) / 2)
+    assert any(not torch.equal(b, a) for b, a in zip(started, trained, strict=True))
 
 
 if __name__ == "__main__":

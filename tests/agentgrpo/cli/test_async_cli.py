@@ -29,6 +29,6 @@ def test_an_async_run_trains_logs_staleness_and_resumes(tiny_model_dir, tmp_path
 
     resumed = agentgrpo(*common, "--max-steps", "3", "--resume")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "queued group(s) played before the stop" in resumed.stdout + resumed.stderr
+    assert "queued group(s) left by the earlier run" in resumed.stdout + resumed.stderr
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [entry["step"] for entry in logged if "reward" in entry] == [1, 2, 3]
