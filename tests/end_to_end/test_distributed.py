@@ -315,24 +315,23 @@ def test_a_sharded_run_trains_to_the_weights_of_one_process(sharded_run, one_pro
     reports = read_reports(out_dir)
     assert [r["distributed_type"] for r in reports] == ["DistributedType.DEEPSPEED"] * 2
     assert [r["world_size"] for r in reports] == [2, 2]
-    sharded = torch.load(out_dir / "weights.pt")
-    alone = torch.load(one_process_run / "weights.pt")
-    assert sharded.keys() == alone.keys()
-    before = read_reports(one_process_run)[0]["weights_before"]
-    for name, weight in alone.items():
-        assert weight.double().sum().item() != before[name]  # two steps moved every tensor
-        torch.testing.assert_close(sharded[name], weight, atol=SHARDED_ATOL, rtol=0)
+    assert_moved_alike(out_dir, one_process_run, "weights.pt")
 
 
 @needs_deepspeed
 def test_a_sharded_run_moves_the_reference_model_as_one_process_does(sharded_run, one_process_run):
     # Under ZeRO-3 the policy's weights are shards: the mix must gather them.
-    sharded = torch.load(sharded_run / "reference.pt")
-    alone = torch.load(one_process_run / "reference.pt")
+    assert_moved_alike(sharded_run, one_process_run, "reference.pt")
+
+
+def assert_moved_alike(sharded_run: Path, one_process_run: Path, file: str) -> None:
+    """The saved tensors in `file` moved from the start, to within SHARDED_ATOL of one process."""
+    sharded = torch.load(sharded_run / file)
+    alone = torch.load(one_process_run / file)
     assert sharded.keys() == alone.keys()
     before = read_reports(one_process_run)[0]["weights_before"]
     for name, weight in alone.items():
-        assert weight.double().sum().item() != before[name]  # the syncs moved every tensor
+        assert weight.double().sum().item() != before[name]  # the two steps moved every tensor
         torch.testing.assert_close(sharded[name], weight, atol=SHARDED_ATOL, rtol=0)
 
 
