@@ -439,18 +439,23 @@ def test_zero3_generation_from_shards_over_processes_is_refused_with_the_fix():
 def test_a_sharded_run_killed_mid_step_resumes_to_the_uninterrupted_weights(
     sharded_run, request, tiny_model_dir, tmp_path
 ):
+    # Without `--sync-ref-model`: checkpoints do not hold the reference model, so a resumed run
+    # that syncs it would start again from the first reference.
     engine = request.node.callspec.params["sharded_run"]
-    args = [str(tiny_model_dir), str(tmp_path), *FIXED_ARGS, "--save-steps", "1"]
-    for extra in (["--kill-in-step", "2"], ["--resume"]):
+    fixed = [a for a in FIXED_ARGS if a != "--sync-ref-model"]
+    runs = {"whole": [], "killed": ["--kill-in-step", "2"], "resumed": ["--resume"]}
+    for name, extra in runs.items():
+        out_dir = tmp_path / ("whole" if name == "whole" else "resumed")
+        args = [str(tiny_model_dir), str(out_dir), *fixed, "--save-steps", "1", *extra]
         returncode, output = accelerate_launch(
-            CONFIGS / f"{engine}.yaml", 2, [*args, *extra], CPU_ENV, CPU_LAUNCH
+            CONFIGS / f"{engine}.yaml", 2, args, CPU_ENV, CPU_LAUNCH
         )
-        if extra[0] == "--kill-in-step":
+        if name == "killed":
             assert returncode != 0  # the main process was killed in step 2, after checkpoint-1
-            assert not (tmp_path / "weights.pt").exists()
+            assert not (out_dir / "weights.pt").exists()
         else:
             assert returncode == 0, output[-6000:]
-    resumed = torch.load(tmp_path / "weights.pt")
-    uninterrupted = torch.load(sharded_run / "weights.pt")
+    resumed = torch.load(tmp_path / "resumed" / "weights.pt")
+    uninterrupted = torch.load(tmp_path / "whole" / "weights.pt")
     for name, weight in uninterrupted.items():
         torch.testing.assert_close(resumed[name], weight, atol=0, rtol=0)
