@@ -435,13 +435,12 @@ def test_zero3_generation_from_shards_over_processes_is_refused_with_the_fix():
 
 @needs_deepspeed
 @pytest.mark.slow
-@pytest.mark.parametrize("sharded_run", SHARDED_ENGINES, indirect=True)
+@pytest.mark.parametrize("engine", SHARDED_ENGINES)
 def test_a_sharded_run_killed_mid_step_resumes_to_the_uninterrupted_weights(
-    sharded_run, request, tiny_model_dir, tmp_path
+    engine, tiny_model_dir, tmp_path
 ):
     # Without `--sync-ref-model`: checkpoints do not hold the reference model, so a resumed run
     # that syncs it would start again from the first reference.
-    engine = request.node.callspec.params["sharded_run"]
     fixed = [a for a in FIXED_ARGS if a != "--sync-ref-model"]
     runs = {"whole": [], "killed": ["--kill-in-step", "2"], "resumed": ["--resume"]}
     for name, extra in runs.items():
