@@ -7,7 +7,8 @@ A save that fails because the folder is full, read-only or not writable raises
 removed at once, so a full disk gets back the room it took.
 
 Besides the Trainer's files, a checkpoint holds this process's torch thread count
-(`thread_count`) and the adaptive entropy controller's state (`LossStep.save`).
+(`thread_count`), the adaptive entropy controller's state (`LossStep.save`) and, with
+`sync_ref_model`, the reference model (`SyncReference.save`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from agentgrpo import checkpoints, thread_count
 from agentgrpo.loss_step import LossStep
+from agentgrpo.reference_sync import SyncReference
 from agentgrpo.run_folder import explained_write_errors
 
 
@@ -30,11 +32,13 @@ class AtomicCheckpoints(Trainer):
     The Trainer writes `checkpoint-<step>` inside `checkpoints.temporary_dir` (through
     `_get_output_dir`); once every process has written its files, the main process renames it
     into the output folder, then rotates old checkpoints and pushes to the Hub as the Trainer
-    would have. A checkpoint also keeps the thread count and the loss step's state.
+    would have. A checkpoint also keeps the thread count, the loss step's state and the synced
+    reference model.
     """
 
     _staging_dir: Path | None = None  # set while a checkpoint is being written
     loss_step: LossStep  # set by the trainer
+    reference_sync: SyncReference | None = None  # set by the trainer with sync_ref_model
     model: Any  # a causal LM, possibly PEFT-wrapped
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -120,13 +124,17 @@ class AtomicCheckpoints(Trainer):
         thread_count.save(output_dir, self.args.process_index, self.args.world_size)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Trainer's save, plus the adaptive entropy controller's state (`LossStep.save`)."""
+        """Trainer's save, plus the entropy controller's state and the synced reference."""
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
             self.loss_step.save(output_dir)
+            if self.reference_sync is not None:
+                self.reference_sync.save(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Trainer's load, plus the adaptive entropy controller's state when saved."""
+        """Trainer's load, plus the entropy controller's state and the synced reference."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             self.loss_step.load(checkpoint)
+            if self.reference_sync is not None:
+                self.reference_sync.load(checkpoint)

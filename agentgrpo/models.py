@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from agentgrpo.devices import inference_autocast
 from agentgrpo.weight_sync import fsdp2_unsharded
@@ -348,52 +348,6 @@ def _has_adapter(module: Any) -> bool:
 
 def _is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
-
-
-class SyncReference(TrainerCallback):
-    """`sync_ref_model`: every `every` steps, ref <- alpha * policy + (1 - alpha) * ref (TR-DPO).
-
-    The reference is whole on every process; a sharded policy (ZeRO-3, FSDP2) is gathered for
-    the mix (`whole_parameters`), by every process at the same step.
-
-    Args:
-        reference: The reference model (a separate copy; PEFT runs have none to sync).
-        policy: The model being trained (unwrapped).
-        alpha: `ref_model_mixup_alpha`.
-        every: `ref_model_sync_steps`.
-    """
-
-    def __init__(
-        self, reference: torch.nn.Module, policy: torch.nn.Module, alpha: float, every: int
-    ):
-        self.reference, self.policy, self.alpha, self.every = reference, policy, alpha, every
-
-    @torch.no_grad()
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Mix the policy into the reference on every `every`-th optimizer step."""
-        if state.global_step % self.every:
-            return
-        with whole_parameters(self.policy):
-            pairs = zip(self.reference.parameters(), self.policy.parameters(), strict=True)
-            for ref, current in pairs:
-                ref.mul_(1.0 - self.alpha).add_(current.detach().to(ref.dtype), alpha=self.alpha)
-
-
-def reference_sync(reference: torch.nn.Module | None, policy: Any, args: Any) -> SyncReference:
-    """The `sync_ref_model` callback of a run.
-
-    Raises:
-        NotImplementedError: There is no separate reference model (PEFT: the base model is
-            the reference), as TRL raises.
-    """
-    if reference is None:
-        raise NotImplementedError(
-            "You passed `sync_ref_model=True` while using a PEFT model, which is currently not "
-            "supported: sync_ref_model mixes the policy into a separate reference model, but "
-            "with PEFT the reference is the base model under the adapter. Use "
-            "`sync_ref_model=False`."
-        )
-    return SyncReference(reference, policy, args.ref_model_mixup_alpha, args.ref_model_sync_steps)
 
 
 def load_policy_and_processing(

@@ -41,10 +41,10 @@ from agentgrpo.loss_step import LossStep
 from agentgrpo.models import (
     load_policy_and_processing,
     reference_model,
-    reference_sync,
     reward_model_kwargs,
     router_aux_loss_coef,
 )
+from agentgrpo.reference_sync import reference_sync
 from agentgrpo.reporting.metrics import RewardLayout
 from agentgrpo.reporting.run_log import EpisodeLog
 from agentgrpo.reporting.trackers import check_trackers
@@ -199,7 +199,8 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         self.ref_model = reference_model(self.model, args)
         if args.sync_ref_model:
             policy = accelerator.unwrap_model(self.model)
-            self.add_callback(reference_sync(self.ref_model, policy, args))
+            self.reference_sync = reference_sync(self.ref_model, policy, args)
+            self.add_callback(self.reference_sync)
         self._environment_factory = factory
         self.agent = agent if agent is None or isinstance(agent, Agent) else Agent(agent)
         self._wire(tools, factory, router_coef)

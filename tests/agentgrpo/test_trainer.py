@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
 from datasets import Dataset
 
 from agentgrpo import GRPOConfig, GRPOTrainer
+from agentgrpo.reference_sync import REFERENCE_FILE
 from agentgrpo.rewards.calls import RewardFunctionError
 from environments import Counter
 from rollout import ToolTemplateError
@@ -103,25 +105,51 @@ def step_share(model, tokenizer, step: int, steps=(2, 5, 8)) -> float:
 ROW_5 = {"prompt": [{"role": "user", "content": "Make the counter reach 5."}], "target": 5}
 
 
-def test_resuming_from_a_checkpoint_gives_the_same_weights(tokenizer, tmp_path):
+# With `sync_ref_model` the reference moves too (alpha 0.5, every step): the checkpoint keeps it.
+SYNCED_REFERENCE = {"beta": 0.5, "sync_ref_model": True, "ref_model_sync_steps": 1}
+
+
+@pytest.mark.parametrize("overrides", [{}, SYNCED_REFERENCE], ids=["policy", "synced_reference"])
+def test_resuming_from_a_checkpoint_gives_the_same_weights(overrides, tokenizer, tmp_path):
     def run(output_dir, callbacks=(), resume=None):
         trainer = tiny_trainer(
             tokenizer,
             low_token_share,
-            config(output_dir, max_steps=4),
+            config(output_dir, max_steps=4, **overrides),
             PROMPTS,
             callbacks=list(callbacks),
         )
         trainer.train(resume_from_checkpoint=resume)
-        return trainer.model
+        return trainer
 
     straight = run(tmp_path / "straight")
     run(tmp_path / "interrupted", callbacks=[StopAfter(2, save=True)])
     resumed = run(tmp_path / "interrupted", resume=str(tmp_path / "interrupted/checkpoint-2"))
-    for (name, a), (_, b) in zip(
-        straight.named_parameters(), resumed.named_parameters(), strict=True
-    ):
-        assert torch.allclose(a, b, atol=1e-6), name
+    models = [(straight.model, resumed.model)]
+    if overrides:
+        models.append((straight.ref_model, resumed.ref_model))
+    for a_model, b_model in models:
+        for (name, a), (_, b) in zip(
+            a_model.named_parameters(), b_model.named_parameters(), strict=True
+        ):
+            assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_a_checkpoint_without_the_synced_reference_resumes_from_the_start_and_says_so(
+    tokenizer, tmp_path, caplog
+):
+    args = config(tmp_path, max_steps=2, **SYNCED_REFERENCE)
+    trainer = tiny_trainer(
+        tokenizer, low_token_share, args, PROMPTS, callbacks=[StopAfter(1, save=True)]
+    )
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-1"
+    (checkpoint / REFERENCE_FILE).unlink()
+    resumed = tiny_trainer(tokenizer, low_token_share, args, PROMPTS)
+    with caplog.at_level(logging.WARNING, logger="agentgrpo.reference_sync"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert f"{checkpoint} holds no reference model ({REFERENCE_FILE})" in caplog.text
+    assert resumed.state.global_step == 2
 
 
 def test_peft_lora_trains_the_adapter_and_leaves_the_base_weights(tokenizer, tmp_path):

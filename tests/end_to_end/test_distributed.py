@@ -439,13 +439,11 @@ def test_zero3_generation_from_shards_over_processes_is_refused_with_the_fix():
 def test_a_sharded_run_killed_mid_step_resumes_to_the_uninterrupted_weights(
     engine, tiny_model_dir, tmp_path
 ):
-    # Without `--sync-ref-model`: checkpoints do not hold the reference model, so a resumed run
-    # that syncs it would start again from the first reference.
-    fixed = [a for a in FIXED_ARGS if a != "--sync-ref-model"]
+    # With `--sync-ref-model`, the reference the checkpoint holds must come back too.
     runs = {"whole": [], "killed": ["--kill-in-step", "2"], "resumed": ["--resume"]}
     for name, extra in runs.items():
         out_dir = tmp_path / ("whole" if name == "whole" else "resumed")
-        args = [str(tiny_model_dir), str(out_dir), *fixed, "--save-steps", "1", *extra]
+        args = [str(tiny_model_dir), str(out_dir), *FIXED_ARGS, "--save-steps", "1", *extra]
         returncode, output = accelerate_launch(
             CONFIGS / f"{engine}.yaml", 2, args, CPU_ENV, CPU_LAUNCH
         )
@@ -454,7 +452,8 @@ def test_a_sharded_run_killed_mid_step_resumes_to_the_uninterrupted_weights(
             assert not (out_dir / "weights.pt").exists()
         else:
             assert returncode == 0, output[-6000:]
-    resumed = torch.load(tmp_path / "resumed" / "weights.pt")
-    uninterrupted = torch.load(tmp_path / "whole" / "weights.pt")
-    for name, weight in uninterrupted.items():
-        torch.testing.assert_close(resumed[name], weight, atol=0, rtol=0)
+    for file in ("weights.pt", "reference.pt"):
+        resumed = torch.load(tmp_path / "resumed" / file)
+        uninterrupted = torch.load(tmp_path / "whole" / file)
+        for name, weight in uninterrupted.items():
+            torch.testing.assert_close(resumed[name], weight, atol=0, rtol=0, msg=f"{file}: {name}")

@@ -3,9 +3,10 @@
 `tests/end_to_end/test_distributed.py` runs it: `python tests/scripts/fsdp2_generate.py PORT`.
 Inside `weight_sync.fsdp2_unsharded`, process p runs p + 1 forward passes (as episodes of different
 lengths would) and must get the unsharded model's logits; after the block, a forward and a
-backward must still work, sharded again. After an optimizer step, `models.SyncReference` mixes
-the sharded policy into a whole reference copy, which must then hold the mean of the starting
-weights and the whole trained ones. Each process prints `process P ok` at the end.
+backward must still work, sharded again. After an optimizer step,
+`reference_sync.SyncReference` mixes the sharded policy into a whole reference copy, which must
+then hold the mean of the starting weights and the whole trained ones. Each process prints
+`process P ok` at the end.
 accelerate does not run FSDP on CPU processes, so the model is sharded with torch's own
 `fully_shard`, per decoder layer and at the root, as accelerate's FSDP2 does.
 """
@@ -22,7 +23,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerState
 
-from agentgrpo.models import SyncReference
+from agentgrpo.reference_sync import SyncReference
 from agentgrpo.weight_sync import fsdp2_unsharded
 from tests.support.tiny_model import tiny_config
 
