@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,66 +20,25 @@ from safetensors.torch import load_file
 from agentgrpo.learner.advantages import group_advantages
 from agentgrpo.reporting.run_log import read_episodes, recorded_steps
 from agentgrpo.weight_sync import check_zero3_generation
+from tests.support.launch import (
+    CONFIGS,
+    CPU_ENV,
+    CPU_LAUNCH,
+    SCRIPT,
+    accelerate_launch,
+    run_in_own_group,
+)
 from tests.support.paths import REPO, SCRIPTS
+from tests.support.vllm_support import free_port
 
 ROOT = REPO
-SCRIPT = SCRIPTS / "distributed_train.py"
-CONFIGS = ROOT / "examples" / "accelerate"
 NUM_GENERATIONS = 4  # as in distributed_train.py
-# "Does not hang", not a speed check: two processes each import the training stack and train,
-# which takes minutes on a loaded 2-core machine.
-LAUNCH_TIMEOUT_S = 900
 
 # Logged values that are per process by nature: wall-clock timings.
 TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 # Logged from each process's own micro-batches in compute_loss, without a reduction (see
 # test_loss_metrics_are_reduced_over_processes).
 LOSS_METRICS = {"entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def accelerate_launch(
-    config: Path,
-    num_processes: int,
-    script_args: list[str],
-    env: dict,
-    launch_args: tuple[str, ...] = (),
-):
-    """Run `accelerate launch` in its own process group; kill the whole group on a timeout."""
-    command = [
-        *(sys.executable, "-m", "accelerate.commands.launch"),
-        *("--config_file", str(config)),
-        *("--num_processes", str(num_processes)),
-        *("--main_process_port", str(free_port())),
-        *launch_args,
-        *(str(SCRIPT), *script_args),
-    ]
-    return run_in_own_group(command, env)
-
-
-def run_in_own_group(command: list[str], env: dict):
-    """Run `command` from the repository root; kill its whole process group on a timeout."""
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env={**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"accelerate launch ran past {LAUNCH_TIMEOUT_S} s:\n{output[-4000:]}")
-    return process.returncode, output
 
 
 def read_reports(out_dir: Path) -> list[dict]:
@@ -269,9 +224,6 @@ FIXED_ARGS = [
     *("--fixed-completions", "--scale-rewards", "batch"),
     *("--beta", "0.5", "--sync-ref-model"),
 ]
-CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-# The ZeRO configs ask for bf16 GPUs; on CPU the runs compare in float32.
-CPU_LAUNCH = ("--mixed_precision", "no")
 
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (make install)"

@@ -5,6 +5,7 @@ One server for the module; the last test stops it on purpose.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -30,6 +31,7 @@ from tests.support.episodes import (
     single_row,
     tool_call,
 )
+from tests.support.launch import CONFIGS, CPU_ENV, CPU_LAUNCH, accelerate_launch
 from tests.support.vllm_support import (
     SERVER_START_TIMEOUT_S,
     SINGLE_PROCESS,
@@ -302,6 +304,26 @@ def test_an_async_evaluation_first_brings_the_shared_server_to_the_learners_step
     assert trainer.evaluated == [(1, 1), (2, 2)]
     evaluations = [e for e in trainer.state.log_history if "eval_reward" in e]
     assert [e["step"] for e in evaluations] == [1, 2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_a_zero3_run_over_two_processes_pushes_its_whole_weights_to_the_server(
+    server, backend, tokenizer, tmp_path_factory, tmp_path
+):
+    # Each process holds a shard of every weight; the push must send the gathered whole ones.
+    untaught_path = untaught_model_path(tmp_path_factory, tokenizer)
+    script_args = [str(untaught_path), str(tmp_path), "--vllm-server", server.url]
+    script_args += ["--vllm-group-port", str(free_port())]
+    returncode, output = accelerate_launch(
+        CONFIGS / "deepspeed_zero3.yaml", 2, script_args, CPU_ENV, CPU_LAUNCH
+    )
+    assert returncode == 0, output[-6000:]
+    trained = load_policy(untaught_path)
+    trained.load_state_dict(torch.load(tmp_path / "weights.pt"), strict=False)
+    engine = vllm_counter_engine(backend, tokenizer, temperature=1.0)
+    episodes = anyio.run(engine.run, [COUNTER_ROW], 4)
+    assert logprob_gap(trained, episodes, temperature=1.0) < 1e-3
+    assert logprob_gap(load_policy(untaught_path), episodes, temperature=1.0) > 1e-2
 
 
 def test_a_server_that_hangs_or_dies_mid_run_is_a_clear_error_not_a_hang(

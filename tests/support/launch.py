@@ -1,0 +1,62 @@
+"""`accelerate launch` of `tests/scripts/distributed_train.py`, killed whole on a timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.paths import REPO, SCRIPTS
+from tests.support.vllm_support import free_port
+
+SCRIPT = SCRIPTS / "distributed_train.py"
+CONFIGS = REPO / "examples" / "accelerate"
+# "Does not hang", not a speed check: two processes each import the training stack and train,
+# which takes minutes on a loaded 2-core machine.
+LAUNCH_TIMEOUT_S = 900
+CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+# The ZeRO configs ask for bf16 GPUs; on CPU the runs compare in float32.
+CPU_LAUNCH = ("--mixed_precision", "no")
+
+
+def accelerate_launch(
+    config: Path,
+    num_processes: int,
+    script_args: list[str],
+    env: dict,
+    launch_args: tuple[str, ...] = (),
+):
+    """Run `accelerate launch` of the script in its own process group; (returncode, output)."""
+    command = [
+        *(sys.executable, "-m", "accelerate.commands.launch"),
+        *("--config_file", str(config)),
+        *("--num_processes", str(num_processes)),
+        *("--main_process_port", str(free_port())),
+        *launch_args,
+        *(str(SCRIPT), *script_args),
+    ]
+    return run_in_own_group(command, env)
+
+
+def run_in_own_group(command: list[str], env: dict):
+    """Run `command` from the repository root; kill its whole process group on a timeout."""
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"accelerate launch ran past {LAUNCH_TIMEOUT_S} s:\n{output[-4000:]}")
+    return process.returncode, output
