@@ -30,9 +30,15 @@ class AsyncMode:
         """The producer, its weight pushes, and the round parts that read from its queue.
 
         Raises:
-            ValueError: A `rollout_func` or an agent plays the episodes (not asynchronous yet).
+            ValueError: A `rollout_func` or an agent plays the episodes (not asynchronous yet),
+                or the policy's weights are sharded (`check_async_weights`).
         """
         trainer: Any = self
+        accelerator = trainer.accelerator
+        check_async_weights(
+            getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0),
+            str(accelerator.distributed_type),
+        )
         if trainer.rollout_func is not None or trainer.agent is not None:
             raise ValueError(
                 "async_grpo plays episodes with the engine's own loop; a rollout_func or an "
@@ -85,3 +91,26 @@ class AsyncMode:
         """Stop the producer, if there is one (the end of `train`, however it ends)."""
         if self._async is not None:
             self._async.stop()
+
+
+def check_async_weights(zero_stage: int, distributed_type: str) -> None:
+    """Refuse async_grpo over sharded weights (DeepSpeed ZeRO-3, FSDP).
+
+    The producer copies the policy's tensors and pushes them from its own thread, while the
+    learner runs; sharded weights are empty until every process gathers them together.
+
+    Raises:
+        ValueError: ZeRO-3 or FSDP.
+
+    Example:
+        >>> check_async_weights(zero_stage=2, distributed_type="DistributedType.DEEPSPEED")
+    """
+    engine = "FSDP" if distributed_type.rsplit(".", 1)[-1] == "FSDP" else None
+    engine = "DeepSpeed ZeRO-3" if zero_stage == 3 else engine
+    if engine is not None:
+        raise ValueError(
+            f"async_grpo cannot generate from {engine}'s sharded weights: its producer copies "
+            "and pushes the policy's whole weights from its own thread while the learner "
+            "trains. Launch its one process without sharded weights (DeepSpeed ZeRO-2, "
+            "examples/accelerate/deepspeed_zero2.yaml, works), or set async_grpo=False."
+        )

@@ -12,6 +12,7 @@ from transformers import TrainerCallback
 
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.async_buffer import GroupBuffer, PlayedGroup, ProducerFailed
+from agentgrpo.async_mode import check_async_weights
 from agentgrpo.rewards.calls import RewardFunctionError
 from tests.support.tiny_model import tiny_llama
 from tests.support.trainer import logged, rank_in_call, short_run_config
@@ -191,6 +192,15 @@ def test_async_settings_that_could_never_train_are_refused(tmp_path):
     with pytest.raises(ValueError, match="not a colocated vLLM"):
         config(tmp_path, use_vllm=True, vllm_mode="colocate")
     config(tmp_path, use_vllm=True, vllm_mode="server")  # a vLLM server generates
+
+
+def test_async_over_sharded_weights_is_refused_naming_the_engine():
+    with pytest.raises(ValueError, match="from DeepSpeed ZeRO-3's sharded weights"):
+        check_async_weights(zero_stage=3, distributed_type="DistributedType.DEEPSPEED")
+    with pytest.raises(ValueError, match="from FSDP's sharded weights"):
+        check_async_weights(zero_stage=0, distributed_type="DistributedType.FSDP")
+    check_async_weights(zero_stage=2, distributed_type="DistributedType.DEEPSPEED")
+    check_async_weights(zero_stage=0, distributed_type="DistributedType.NO")
 
 
 def test_trls_async_names_train_asynchronously(tokenizer, tmp_path):

@@ -370,6 +370,29 @@ def test_agentgrpo_run_trains_under_zero3_and_saves_the_whole_model(tiny_model_d
     assert {t.dtype for t in saved.values()} == {torch.float32}
 
 
+@needs_deepspeed
+def test_agentgrpo_run_async_under_zero3_stops_before_training_naming_what_works(
+    tiny_model_dir, tmp_path
+):
+    # Without the check the producer generated from empty shards: "Padding_idx must be within
+    # num_embeddings", from inside the episode loop.
+    out_dir = tmp_path / "run"
+    command = [
+        *(sys.executable, "-m", "accelerate.commands.launch"),
+        *("--config_file", str(CONFIGS / "deepspeed_zero3.yaml"), "--num_processes", "1"),
+        *("--main_process_port", str(free_port()), *CPU_LAUNCH),
+        *("-m", "agentgrpo", "run", "env:Counter", "--model", str(tiny_model_dir), "--async"),
+        *("--chat-template", "chatml_tools", "--device", "cpu", "--max-steps", "2"),
+        *("--output-dir", str(out_dir), "--per-device-train-batch-size", "4"),
+        *("--num-generations", "4", "--report-to", "none", "--save-strategy", "no"),
+    ]
+    returncode, output = run_in_own_group(command, CPU_ENV)
+    assert returncode != 0
+    assert "async_grpo cannot generate from DeepSpeed ZeRO-3's sharded weights" in output
+    assert "deepspeed_zero2.yaml, works" in output
+    assert recorded_steps(out_dir) == []
+
+
 def test_fsdp2_generation_needs_no_lock_step_between_processes():
     # Without fsdp2_unsharded the process running more forwards waits forever for the other.
     command = [sys.executable, str(SCRIPTS / "fsdp2_generate.py"), str(free_port())]
