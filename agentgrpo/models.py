@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from agentgrpo.devices import inference_autocast
-from agentgrpo.weight_sync import fsdp2_unsharded
+from agentgrpo.weight_sync import whole_parameters, zero3_partitioned
 from rollout.backends.attention import use_grouped_query_sdpa
 from rollout.images import is_vision_processor, load_processor
 
@@ -207,14 +205,9 @@ def reference_model(model: Any, args: Any) -> Any | None:
     """
     if args.beta == 0.0 or _is_peft(model):
         return None
-    reference = _whole_copy(model) if _zero3_partitioned(model) else copy.deepcopy(model)
+    reference = _whole_copy(model) if zero3_partitioned(model) else copy.deepcopy(model)
     reference.eval().requires_grad_(False)
     return reference
-
-
-def _zero3_partitioned(model: Any) -> bool:
-    """Whether DeepSpeed ZeRO-3 holds `model`'s parameters as shards."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 def _whole_copy(model: Any) -> Any:
@@ -225,24 +218,6 @@ def _whole_copy(model: Any) -> Any:
     copy_.load_state_dict(state)
     parameter = next(model.parameters())
     return copy_.to(device=parameter.device, dtype=parameter.dtype)
-
-
-@contextlib.contextmanager
-def whole_parameters(model: torch.nn.Module) -> Iterator[None]:
-    """Inside the block, `model.parameters()` are the whole tensors, whatever shards them.
-
-    Under DeepSpeed ZeRO-3 the weights are gathered from every process; under FSDP2
-    (`fully_shard`) they are unsharded (`weight_sync.fsdp2_unsharded`); otherwise nothing
-    changes. With shards this is a collective: every process enters the block together.
-    Changes made to the gathered ZeRO-3 weights inside the block are not kept.
-    """
-    gathered = contextlib.nullcontext()
-    if _zero3_partitioned(model):
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
-    with gathered, fsdp2_unsharded(model):
-        yield
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

@@ -368,7 +368,10 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         """Play the rows (the engine, or `rollout_func`) and score them: `round_pipeline.Play`."""
         with (
             generation_weights(
-                self.accelerator, self.model_wrapped, self.args.ds3_gather_for_generation
+                self.accelerator,
+                self.model_wrapped,
+                self.args.ds3_gather_for_generation,
+                policy_generates=not self.args.use_vllm,
             ) as model,
             self.weight_sync.generating(model, self.state.global_step),
         ):

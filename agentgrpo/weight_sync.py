@@ -15,6 +15,8 @@ a warm start or a resume), and lets a colocated vLLM sleep between rounds.
   gloo on CPU; `rollout.backends.weight_transport`), which load them through agentgrpo's worker
   extension (`agentgrpo vllm-serve` installs it); then the server's prefix cache is reset.
 
+Sharded weights (DeepSpeed ZeRO-3, FSDP2) are gathered for a vLLM push and let go right after
+it: the policy does not generate, so nothing holds them whole while vLLM does.
 PEFT models are pushed merged (base weights + adapter), under the base model's names.
 """
 
@@ -187,7 +189,7 @@ class ColocatedPush:
             self.backend.wake_up(["weights"])
             self.pushed_step = None
         if step != self.pushed_step:
-            with policy_weights(model) as weights:
+            with whole_parameters(model), policy_weights(model) as weights:
                 self.backend.load_weights(weights)
             self.pushed_step = step
         if self.backend.sleeping:
@@ -202,8 +204,8 @@ class ColocatedPush:
 class ServerPush:
     """Broadcast the policy's weights to an `agentgrpo vllm-serve` server when the step changed.
 
-    Only the main process pushes (every process holds the same weights); the others wait for
-    it, so no process generates from stale weights.
+    Only the main process pushes (every process holds the same weights, whole or gathered for
+    the push); the others wait for it, so no process generates from stale weights.
 
     Args:
         connection: The server.
@@ -221,11 +223,16 @@ class ServerPush:
 
     @contextlib.contextmanager
     def generating(self, model: torch.nn.Module, step: int) -> Iterator[None]:
-        """Push if `step` is new, then generate."""
+        """Push if `step` is new, then generate.
+
+        Every process takes part in gathering sharded weights (`whole_parameters`); only the
+        main process sends them.
+        """
         if step != self.pushed_step:
-            if self.accelerator.is_main_process:
-                with policy_weights(model) as weights:
-                    self.push(weights, next(model.parameters()).device)
+            with whole_parameters(model):
+                if self.accelerator.is_main_process:
+                    with policy_weights(model) as weights:
+                        self.push(weights, next(model.parameters()).device)
             self.accelerator.wait_for_everyone()
             self.pushed_step = step
         yield
@@ -387,19 +394,24 @@ def check_zero3_generation(zero_stage: int, num_processes: int, ds3_gather: bool
 
 
 @contextlib.contextmanager
-def generation_weights(accelerator: Any, model: Any, ds3_gather: bool) -> Iterator[Any]:
-    """Generate in eval mode (no dropout, KV cache on), with ZeRO-3 weights gathered.
+def generation_weights(
+    accelerator: Any, model: Any, ds3_gather: bool, policy_generates: bool = True
+) -> Iterator[Any]:
+    """Generate in eval mode (no dropout, KV cache on), with sharded weights held whole.
 
-    Under ZeRO-3 with `ds3_gather`, every process gathers the whole weights once, and
-    DeepSpeed's hooks are taken off while generating: with them each forward pass is a
-    collective, and episodes of different lengths on different processes (different numbers
-    of forward passes) would wait for each other forever.
+    When the policy generates itself: under ZeRO-3 with `ds3_gather`, every process gathers
+    the whole weights once, and DeepSpeed's hooks are taken off while generating: with them
+    each forward pass is a collective, and episodes of different lengths on different
+    processes (different numbers of forward passes) would wait for each other forever. Under
+    FSDP2 every module is unsharded once (`fsdp2_unsharded`). When vLLM generates, nothing is
+    gathered here: the weight push gathers for itself (`ServerPush`, `ColocatedPush`).
 
     Args:
         accelerator: The trainer's `Accelerator`.
         model: The policy as the trainer wrapped it (`Trainer.model_wrapped`: under DeepSpeed
             its engine), or unwrapped.
         ds3_gather: Gather ZeRO-3 partitioned weights for generation (`ds3_gather_for_generation`).
+        policy_generates: Whether the policy generates (transformers), not vLLM.
 
     Yields the unwrapped policy; its train/eval mode is restored afterwards.
     """
@@ -407,10 +419,36 @@ def generation_weights(accelerator: Any, model: Any, ds3_gather: bool) -> Iterat
     was_training = policy.training
     policy.eval()
     try:
-        with _zero3_gathered(accelerator, model, policy, ds3_gather), fsdp2_unsharded(policy):
+        with contextlib.ExitStack() as whole:
+            if policy_generates:
+                whole.enter_context(_zero3_gathered(accelerator, model, policy, ds3_gather))
+                whole.enter_context(fsdp2_unsharded(policy))
             yield policy
     finally:
         policy.train(was_training)
+
+
+@contextlib.contextmanager
+def whole_parameters(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, `model.parameters()` are the whole tensors, whatever shards them.
+
+    Under DeepSpeed ZeRO-3 the weights are gathered from every process; under FSDP2
+    (`fully_shard`) they are unsharded (`fsdp2_unsharded`); otherwise nothing changes. With
+    shards this is a collective: every process enters the block together.
+    Changes made to the gathered ZeRO-3 weights inside the block are not kept.
+    """
+    gathered = contextlib.nullcontext()
+    if zero3_partitioned(model):
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
+    with gathered, fsdp2_unsharded(model):
+        yield
+
+
+def zero3_partitioned(model: Any) -> bool:
+    """Whether DeepSpeed ZeRO-3 holds `model`'s parameters as shards."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 @contextlib.contextmanager

@@ -276,6 +276,14 @@ def test_a_sharded_run_moves_the_reference_model_as_one_process_does(sharded_run
     assert_moved_alike(sharded_run, one_process_run, "reference.pt")
 
 
+@needs_deepspeed
+def test_a_sharded_run_holds_the_whole_weights_through_its_round_when_the_policy_generates(
+    sharded_run,
+):
+    for report in read_reports(sharded_run):
+        assert report["whole_while_scoring"] and all(report["whole_while_scoring"])
+
+
 def assert_moved_alike(sharded_run: Path, one_process_run: Path, file: str) -> None:
     """The saved tensors in `file` moved from the start, to within SHARDED_ATOL of one process."""
     sharded = torch.load(sharded_run / file)

@@ -18,6 +18,8 @@ MODEL_DIR holds a causal LM and its tokenizer (`save_pretrained`). Each process 
   whole parameter, gathered from its shards under ZeRO-3 or FSDP2; on the main process only
   when the engine gathers to it alone);
 - `forward_calls`: how many times the model's forward ran (generation and training);
+- `whole_while_scoring`: per reward call (inside the round, after generation), whether the
+  policy's weights were whole then (not ZeRO-3 shards);
 - `max_rss_mib`: the process's peak resident memory.
 
 The main process also saves the trained weights, whole and in float32, to `OUT_DIR/weights.pt`,
@@ -50,13 +52,22 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.weight_sync import generation_weights
 
 NUM_ROWS = 16
 
 
+# The policy, and per reward call whether its weights were whole (gathered) at that time.
+POLICY: list[torch.nn.Module] = []
+WHOLE_WHILE_SCORING: list[bool] = []
+
+
 def length_reward(completions: list[str]) -> list[float]:
     """Characters written, in tens: random tokens give every group a spread of rewards."""
+    if POLICY:
+        parameters = list(POLICY[0].parameters())
+        WHOLE_WHILE_SCORING.append(
+            all(p.numel() == getattr(p, "ds_numel", p.numel()) for p in parameters)
+        )
     return [len(completion) / 10 for completion in completions]
 
 
@@ -119,11 +130,8 @@ def fixed_completions(
 
 def push_final_weights(trainer: GRPOTrainer) -> None:
     """Bring the server to the last step's weights, as the next round would (every process)."""
-    step = trainer.state.global_step
-    with (
-        generation_weights(trainer.accelerator, trainer.model_wrapped, True) as policy,
-        trainer.weight_sync.generating(policy, step),
-    ):
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    with trainer.weight_sync.generating(policy, trainer.state.global_step):
         pass
 
 
@@ -206,6 +214,7 @@ def main() -> None:
             else None
         ),
     )
+    POLICY.append(trainer.model)
     names = [name for name, _ in trainer.model.named_parameters()]
     forward_calls = count_forward_calls(trainer.model)
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
@@ -232,6 +241,7 @@ def main() -> None:
         "weights_before": parameter_sums(saved_weights(cli.model_dir), names),
         "weights_after": parameter_sums(weights_after or {}, names),
         "forward_calls": forward_calls[0],
+        "whole_while_scoring": WHOLE_WHILE_SCORING,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
     }
     path = out_dir / f"process_{report['process_index']}.json"
