@@ -135,7 +135,7 @@ def test_resuming_from_a_checkpoint_gives_the_same_weights(overrides, tokenizer,
             assert torch.allclose(a, b, atol=1e-6), name
 
 
-def test_a_checkpoint_without_the_synced_reference_resumes_from_the_start_and_says_so(
+def test_a_checkpoint_without_the_synced_reference_resumes_with_a_warning_naming_it(
     tokenizer, tmp_path, caplog
 ):
     args = config(tmp_path, max_steps=2, **SYNCED_REFERENCE)
