@@ -319,7 +319,9 @@ def test_a_zero3_run_over_two_processes_pushes_its_whole_weights_to_the_server(
     )
     assert returncode == 0, output[-6000:]
     # vLLM generates: the shards are gathered for each push only, not held whole for the round.
-    for report in (json.loads(p.read_text()) for p in tmp_path.glob("process_*.json")):
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("process_*.json"))]
+    assert len(reports) == 2
+    for report in reports:
         assert report["whole_while_scoring"] and not any(report["whole_while_scoring"])
     trained = load_policy(untaught_path)
     trained.load_state_dict(torch.load(tmp_path / "weights.pt"), strict=False)
