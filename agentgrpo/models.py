@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from agentgrpo.devices import inference_autocast
-from agentgrpo.weight_sync import whole_parameters, zero3_partitioned
+from agentgrpo.sharded_weights import whole_parameters, zero3_partitioned
 from rollout.backends.attention import use_grouped_query_sdpa
 from rollout.images import is_vision_processor, load_processor
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_model, save_model
 from transformers import TrainerCallback
 
-from agentgrpo.weight_sync import whole_parameters
+from agentgrpo.sharded_weights import whole_parameters
 
 logger = logging.getLogger(__name__)
 

@@ -60,9 +60,10 @@ from agentgrpo.round_pipeline import (
 )
 from agentgrpo.sampler import eval_loader, round_rows_loader
 from agentgrpo.scoring import play_round, score_played
+from agentgrpo.sharded_weights import check_zero3_generation, generation_weights
 from agentgrpo.trl_attributes import TRLAttributes
 from agentgrpo.warm_start import warm_start_from_environment
-from agentgrpo.weight_sync import build_generator, check_zero3_generation, generation_weights
+from agentgrpo.weight_sync import build_generator
 from agentgrpo.wiring import build_parts
 from rollout import Episode
 from rollout.agents import Agent

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from agentgrpo.learner.advantages import group_advantages
 from agentgrpo.reporting.run_log import read_episodes, recorded_steps
-from agentgrpo.weight_sync import check_zero3_generation
+from agentgrpo.sharded_weights import check_zero3_generation
 from tests.support.launch import (
     CONFIGS,
     CPU_ENV,

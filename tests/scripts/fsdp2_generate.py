@@ -1,9 +1,9 @@
 """Generation forwards of an FSDP2 (`fully_shard`) model on 2 CPU processes, then a train step.
 
 `tests/end_to_end/test_distributed.py` runs it: `python tests/scripts/fsdp2_generate.py PORT`.
-Inside `weight_sync.fsdp2_unsharded`, process p runs p + 1 forward passes (as episodes of different
-lengths would) and must get the unsharded model's logits; after the block, a forward and a
-backward must still work, sharded again. After an optimizer step,
+Inside `sharded_weights.fsdp2_unsharded`, process p runs p + 1 forward passes (as episodes of
+different lengths would) and must get the unsharded model's logits; after the block, a forward
+and a backward must still work, sharded again. After an optimizer step,
 `reference_sync.SyncReference` mixes the sharded policy into a whole reference copy, which must
 then hold the mean of the starting weights and the whole trained ones. Each process prints
 `process P ok` at the end.
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerState
 
 from agentgrpo.reference_sync import SyncReference
-from agentgrpo.weight_sync import fsdp2_unsharded
+from agentgrpo.sharded_weights import fsdp2_unsharded
 from tests.support.tiny_model import tiny_config
 
 

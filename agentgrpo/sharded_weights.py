@@ -1,0 +1,165 @@
+"""Sharded policy weights (DeepSpeed ZeRO-3, FSDP2) held whole while they are needed whole.
+
+A policy that generates itself needs its whole weights for the round (`generation_weights`); a
+vLLM push, a reference-model sync and a checkpoint of the reference need them for one block
+(`whole_parameters`). Every function here is a collective under shards: all processes enter it
+together. Outside these blocks the weights stay sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def check_zero3_generation(zero_stage: int, num_processes: int, ds3_gather: bool) -> None:
+    """Refuse ZeRO-3 generation from shards (`ds3_gather_for_generation=False`) over processes.
+
+    Generating from shards keeps DeepSpeed's hooks on: every forward pass is a collective, and
+    episodes of different lengths would leave one process waiting forever for another.
+
+    Raises:
+        ValueError: ZeRO-3, more than one process, and `ds3_gather` off.
+
+    Example:
+        >>> check_zero3_generation(zero_stage=3, num_processes=1, ds3_gather=False)
+        >>> check_zero3_generation(zero_stage=2, num_processes=8, ds3_gather=False)
+    """
+    if zero_stage == 3 and num_processes > 1 and not ds3_gather:
+        raise ValueError(
+            "ds3_gather_for_generation=False generates from ZeRO-3 shards, where every forward "
+            "pass waits for every process, and episodes of different lengths would never "
+            "finish; leave ds3_gather_for_generation=True (the model must fit on one device "
+            "to generate), or use ZeRO-2"
+        )
+
+
+@contextlib.contextmanager
+def generation_weights(
+    accelerator: Any, model: Any, ds3_gather: bool, policy_generates: bool = True
+) -> Iterator[Any]:
+    """Generate in eval mode (no dropout, KV cache on), with sharded weights held whole.
+
+    When the policy generates itself: under ZeRO-3 with `ds3_gather`, every process gathers
+    the whole weights once, and DeepSpeed's hooks are taken off while generating: with them
+    each forward pass is a collective, and episodes of different lengths on different
+    processes (different numbers of forward passes) would wait for each other forever. Under
+    FSDP2 every module is unsharded once (`fsdp2_unsharded`). When vLLM generates, nothing is
+    gathered here: the weight push gathers for itself (`ServerPush`, `ColocatedPush`).
+
+    Args:
+        accelerator: The trainer's `Accelerator`.
+        model: The policy as the trainer wrapped it (`Trainer.model_wrapped`: under DeepSpeed
+            its engine), or unwrapped.
+        ds3_gather: Gather ZeRO-3 partitioned weights for generation (`ds3_gather_for_generation`).
+        policy_generates: Whether the policy generates (transformers), not vLLM.
+
+    Yields the unwrapped policy; its train/eval mode is restored afterwards.
+    """
+    policy = accelerator.unwrap_model(model)
+    was_training = policy.training
+    policy.eval()
+    try:
+        with contextlib.ExitStack() as whole:
+            if policy_generates:
+                whole.enter_context(_zero3_gathered(accelerator, model, policy, ds3_gather))
+                whole.enter_context(fsdp2_unsharded(policy))
+            yield policy
+    finally:
+        policy.train(was_training)
+
+
+@contextlib.contextmanager
+def whole_parameters(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, `model.parameters()` are the whole tensors, whatever shards them.
+
+    Under DeepSpeed ZeRO-3 the weights are gathered from every process; under FSDP2
+    (`fully_shard`) they are unsharded (`fsdp2_unsharded`); otherwise nothing changes. With
+    shards this is a collective: every process enters the block together.
+    Changes made to the gathered ZeRO-3 weights inside the block are not kept.
+    """
+    gathered = contextlib.nullcontext()
+    if zero3_partitioned(model):
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
+    with gathered, fsdp2_unsharded(model):
+        yield
+
+
+def zero3_partitioned(model: Any) -> bool:
+    """Whether DeepSpeed ZeRO-3 holds `model`'s parameters as shards."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+@contextlib.contextmanager
+def fsdp2_unsharded(policy: torch.nn.Module) -> Iterator[None]:
+    """Hold an FSDP2 (`fully_shard`) policy's weights whole until the block ends.
+
+    Every FSDP module is unsharded once (a collective all processes make together) and kept
+    unsharded after each forward, so generating needs no collective: processes may run
+    different numbers of forward passes. Afterwards each module is resharded and gets back its
+    own reshard-after-forward setting. A policy without FSDP modules is left alone.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+    # FSDP2 has no public getter for the setting; its param group keeps it as this property.
+    reshards = [_reshards_after_forward(m) for m in modules]
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module, reshard in zip(modules, reshards, strict=True):
+            module.set_reshard_after_forward(reshard, recurse=False)
+            module.reshard()
+
+
+def _reshards_after_forward(module: Any) -> bool:
+    group = module._get_fsdp_state()._fsdp_param_group
+    return bool(group is not None and group._reshard_after_forward)
+
+
+def _zero3_gathered(accelerator: Any, model: Any, policy: Any, ds3_gather: bool) -> Any:
+    """The context that holds ZeRO-3 weights whole while generating (nothing otherwise)."""
+    zero_stage = getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0)
+    if not ds3_gather or zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    whole = deepspeed.zero.GatheredParameters(list(policy.parameters()))
+    if getattr(model, "optimizer", None) is None:  # not yet an engine: no hooks to take off
+        return whole
+    return _without_zero3_hooks(model, whole)
+
+
+@contextlib.contextmanager
+def _without_zero3_hooks(engine: Any, whole: Any) -> Iterator[None]:
+    """Inside `whole` (the gathered weights), run forwards with no ZeRO-3 hook at all.
+
+    DeepSpeed hooks every module (fetch and release its shards) and the root once more (start
+    of a forward: a broadcast that checks every process runs the same step). Both are
+    collectives; the hooks are put back, in their order, afterwards. DeepSpeed's own
+    `unwrap_model_for_generation` leaves the root's hook on, and so still hangs.
+    """
+    optimizer = engine.optimizer
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    root_hooks = offload.module._forward_pre_hooks
+    start_id = offload.fwd_pre_hook.id
+    with whole:
+        start_hook = root_hooks.pop(start_id)
+        for handle in offload.forward_hooks + offload.backward_hooks:
+            handle.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)
+            later = list(root_hooks.items())
+            root_hooks.clear()
+            root_hooks.update([(start_id, start_hook), *later])
