@@ -10,7 +10,8 @@ again in the backward, which recomputes them.
 
 This is exact only where the logits are the output embedding of the last hidden state.
 `output_head` returns None for the models whose forward does more (a soft cap, a scale, masked or
-trimmed vocabulary entries); the learner then reads their logits as the model returns them.
+trimmed vocabulary entries), and for a model FSDP2 shards (`fsdp_sharded`); the learner then
+reads their logits as the model returns them.
 """
 
 from __future__ import annotations
@@ -76,13 +77,14 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module whose output on the final hidden states is the model's logits, or None.
 
     None when the model has no output embedding, or its forward transforms the logits after it
-    (`_LOGIT_TRANSFORMS`, `_LOGIT_REWRITING_TYPES`). `model` may be wrapped (DDP, DeepSpeed,
-    PEFT); the module returned is the one the forward calls, adapters and hooks included.
+    (`_LOGIT_TRANSFORMS`, `_LOGIT_REWRITING_TYPES`), or FSDP2 shards the model (`fsdp_sharded`).
+    `model` may be wrapped (DDP, DeepSpeed, PEFT); the module returned is the one the forward
+    calls, adapters and hooks included.
     """
     inner: Any = getattr(model, "module", model)
     config = getattr(inner, "config", None)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if config is None or head is None:
+    if config is None or head is None or fsdp_sharded(inner):
         return None
     text_config = config.get_text_config(decoder=True)
     if config.model_type in _LOGIT_REWRITING_TYPES or any(
@@ -90,6 +92,22 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     ):
         return None
     return head
+
+
+def fsdp_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 (`fully_shard`) shards any of `model`'s modules.
+
+    FSDP2 gathers a module's weights for its forward and frees them in its backward, hooked on
+    the forward's inputs and outputs. A tensor that leaves the module another way (the final
+    hidden states fed to the output embedding outside the forward, a layer's cached keys and
+    values read by a later forward) takes a backward path those hooks never see, which writes
+    gradients into freed storage: measured as a segmentation fault on gloo, under accelerate's
+    FSDP2 wrapping (decoder layers and the root, which holds the output embedding). The
+    learner therefore reads such a model's logits from its forward, in one pass.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def head_logprobs(

@@ -244,3 +244,32 @@ def test_a_model_that_transforms_its_logits_is_scored_on_its_own_logits(tokenize
 def test_the_same_model_without_the_transform_uses_the_chunked_output_layer(tokenizer):
     plain = tiny(Gemma2Config, Gemma2ForCausalLM, tokenizer, final_logit_softcapping=None)
     assert output_head.output_head(plain) is plain.lm_head
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo process group of one process, destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_an_fsdp2_sharded_model_reads_its_logits_whole_in_one_pass(one_process_group, tokenizer):
+    # Its head called outside the forward, or gradients through cached prompt keys, would pass
+    # FSDP2's hooks by: a segmentation fault in backward under accelerate's FSDP2 on gloo.
+    from torch.distributed.fsdp import fully_shard
+
+    from agentgrpo.learner.shared_prompt import can_share_prompts
+
+    model = tiny_llama(tokenizer)
+    assert output_head.output_head(model) is model.lm_head and can_share_prompts(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    assert output_head.fsdp_sharded(model)
+    assert output_head.output_head(model) is None
+    assert not can_share_prompts(model)

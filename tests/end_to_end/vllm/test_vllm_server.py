@@ -31,7 +31,7 @@ from tests.support.episodes import (
     single_row,
     tool_call,
 )
-from tests.support.launch import CONFIGS, CPU_ENV, CPU_LAUNCH, accelerate_launch
+from tests.support.launch import CONFIGS, CPU_ENV, FLOAT32_LAUNCH, accelerate_launch
 from tests.support.vllm_support import (
     SERVER_START_TIMEOUT_S,
     SINGLE_PROCESS,
@@ -315,7 +315,7 @@ def test_a_zero3_run_over_two_processes_pushes_its_whole_weights_to_the_server(
     script_args = [str(untaught_path), str(tmp_path), "--vllm-server", server.url]
     script_args += ["--vllm-group-port", str(free_port())]
     returncode, output = accelerate_launch(
-        CONFIGS / "deepspeed_zero3.yaml", 2, script_args, CPU_ENV, CPU_LAUNCH
+        CONFIGS / "deepspeed_zero3.yaml", 2, script_args, CPU_ENV, FLOAT32_LAUNCH
     )
     assert returncode == 0, output[-6000:]
     # vLLM generates: the shards are gathered for each push only, not held whole for the round.
