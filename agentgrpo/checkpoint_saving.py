@@ -68,13 +68,34 @@ class AtomicCheckpoints(Trainer):
         """Trainer's `save_model`; a folder that refuses writes is one clear error.
 
         A vision-language policy's processor is saved beside it, so the folder loads as a VLM.
+        Under FSDP with sharded state dicts (`examples/accelerate/fsdp2.yaml`), where the
+        Trainer saves no model at all, the whole weights are gathered and saved: the folder
+        loads with `from_pretrained` whatever the engine. Checkpoints (`_internal_call`) stay
+        sharded, as the Trainer writes them.
         """
         folder = output_dir or str(self.args.output_dir)
         with explained_write_errors(folder):
-            super().save_model(output_dir, _internal_call)
+            if self._fsdp_saves_shards() and not _internal_call:
+                self._save_gathered(folder, push=self.args.push_to_hub)
+            else:
+                super().save_model(output_dir, _internal_call)
             processor = getattr(self, "processor", None)
             if processor is not None and self.args.should_save:
                 processor.save_pretrained(folder)
+
+    def _fsdp_saves_shards(self) -> bool:
+        """Whether FSDP runs with a sharded state dict, for which the Trainer saves no model."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        full = plugin is not None and "FULL_STATE_DICT" in str(plugin.state_dict_type)
+        return self.is_fsdp_enabled and not full
+
+    def _save_gathered(self, folder: str, push: bool) -> None:
+        """Save the whole weights, gathered from every process's shards; push them if asked."""
+        state_dict = self.accelerator.get_state_dict(self.model)  # a collective
+        if self.args.should_save:
+            self._save(folder, state_dict=state_dict)
+        if push:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _get_output_dir(self, trial: Any) -> str:
         """The temporary folder while a checkpoint is being written, else the Trainer's."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from agentgrpo.learner.advantages import group_advantages
 from agentgrpo.reporting.run_log import read_episodes, recorded_steps
@@ -249,6 +249,7 @@ def sharded_run(request, tiny_model_dir, tmp_path_factory) -> Path:
     engine = request.param
     out_dir = tmp_path_factory.mktemp(engine)
     script_args = [str(tiny_model_dir), str(out_dir), *FIXED_ARGS, "--uneven-forwards"]
+    script_args.append("--save-model")
     returncode, output = accelerate_launch(
         CONFIGS / f"{engine}.yaml",
         num_processes=2,
@@ -280,6 +281,16 @@ def test_a_sharded_run_holds_the_whole_weights_through_its_round_when_the_policy
     _, out_dir = sharded_run
     for report in read_reports(out_dir):
         assert report["whole_while_scoring"] and all(report["whole_while_scoring"])
+
+
+def test_a_sharded_run_saves_the_whole_trained_model(sharded_run):
+    # The Trainer saves no model under FSDP's sharded state dicts: the folder must still load.
+    _, out_dir = sharded_run
+    saved = dict(AutoModelForCausalLM.from_pretrained(out_dir / "model").named_parameters())
+    trained = torch.load(out_dir / "weights.pt")
+    assert saved.keys() == trained.keys()
+    for name, weight in saved.items():
+        torch.testing.assert_close(weight.detach(), trained[name], atol=0, rtol=0, msg=name)
 
 
 def assert_moved_alike(
@@ -351,15 +362,24 @@ def test_fsdp_on_cpu_processes_is_refused_with_what_to_launch_instead(tiny_model
     assert not list(tmp_path.glob("process_*.json"))  # nobody trained
 
 
-@needs_deepspeed
-def test_agentgrpo_run_trains_under_zero3_and_saves_the_whole_model(tiny_model_dir, tmp_path):
+# How `accelerate launch` runs `agentgrpo` on CPU processes under each engine.
+AGENTGRPO_MODULE = {
+    "deepspeed_zero3": ("-m", "agentgrpo"),
+    "fsdp2": (str(SCRIPTS / "fsdp_over_gloo.py"), "-m", "agentgrpo"),
+}
+
+
+@pytest.mark.parametrize(
+    "engine", [pytest.param("deepspeed_zero3", marks=needs_deepspeed), "fsdp2"]
+)
+def test_agentgrpo_run_trains_sharded_and_saves_the_whole_model(engine, tiny_model_dir, tmp_path):
     """`agentgrpo run` as the launched module: Counter episodes, a KL term, the final save."""
     out_dir = tmp_path / "run"
     command = [
         *(sys.executable, "-m", "accelerate.commands.launch"),
-        *("--config_file", str(CONFIGS / "deepspeed_zero3.yaml"), "--num_processes", "2"),
+        *("--config_file", str(CONFIGS / f"{engine}.yaml"), "--num_processes", "2"),
         *("--main_process_port", str(free_port()), *FLOAT32_LAUNCH),
-        *("-m", "agentgrpo", "run", "env:Counter", "--model", str(tiny_model_dir)),
+        *(*AGENTGRPO_MODULE[engine], "run", "env:Counter", "--model", str(tiny_model_dir)),
         *("--chat-template", "chatml_tools", "--device", "cpu", "--max-steps", "2"),
         *("--output-dir", str(out_dir), "--per-device-train-batch-size", "4"),
         *("--num-generations", "4", "--max-completion-length", "16", "--beta", "0.1"),
@@ -369,12 +389,12 @@ def test_agentgrpo_run_trains_under_zero3_and_saves_the_whole_model(tiny_model_d
     assert returncode == 0, output[-6000:]
     assert recorded_steps(out_dir) == [1, 2]
     assert {r.process for r in read_episodes(out_dir, 2)} == {0, 1}
-    saved = load_file(out_dir / "model" / "model.safetensors")
-    started = load_file(tiny_model_dir / "model.safetensors")
-    assert {name: t.shape for name, t in saved.items()} == {
-        name: t.shape for name, t in started.items()
+    saved = AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype="auto")
+    started = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="auto")
+    assert {name: t.shape for name, t in saved.named_parameters()} == {
+        name: t.shape for name, t in started.named_parameters()
     }
-    assert {t.dtype for t in saved.values()} == {torch.float32}
+    assert {t.dtype for t in saved.parameters()} == {torch.float32}
 
 
 @needs_deepspeed
