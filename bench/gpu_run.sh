@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks on a CUDA machine, from the repository root, after bench/gpu_prepare.sh:
-#   OUT=<folder> bash bench/gpu_run.sh [tests] [generation] [step]    (all three by default)
+#   OUT=<folder> bash bench/gpu_run.sh [tests] [generation] [step] [sharded]
 # tests: the `gpu` tests and the slot decoder's tests; generation: bench/gpu_generation.py
 # (the options worth timing: transformers' continuous batching and the CPU path measured 4x and
-# 2x slower on an H100); step: bench/gpu_step.py (agentgrpo against TRL 1.16). Each part has a
-# time box, so one that hangs leaves time for the others. Logs and JSON land in $OUT.
-# About 8 minutes in all on an H100 (a lease also spends minutes starting the machine).
+# 2x slower on an H100); step: bench/gpu_step.py (agentgrpo against TRL 1.16); sharded: the
+# `gpu` tests of tests/end_to_end/test_distributed.py (DeepSpeed ZeRO-2/3 and FSDP2 through
+# accelerate, one process each, against a plain process) and bench/sharded_memory.py --gpu
+# (SmolLM2-135M-shaped, random weights). The first three run by default (about 8 minutes in all
+# on an H100; a lease also spends minutes starting the machine); `sharded` about 4 more. Each
+# part has a time box, so one that hangs leaves time for the others. Logs and JSON land in $OUT.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 parts=" ${*:-tests generation step} "
@@ -32,5 +35,12 @@ fi
 if [[ $parts == *" step "* ]]; then
   timeout 420 python3 bench/gpu_step.py --tokenizer .gpu-bench/tokenizer ${GPU_STEP_ARGS:-} --json "$OUT/step.json" \
     2>&1 | tee "$OUT/step.txt" | grep -v -i warn | tail -30 || status=1
+fi
+if [[ $parts == *" sharded "* ]]; then
+  timeout 240 python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts="" -m gpu \
+    tests/end_to_end/test_distributed.py 2>&1 | tee "$OUT/sharded-tests.txt" | tail -10 || status=1
+  timeout 200 python3 bench/sharded_memory.py --gpu --config .gpu-bench/tokenizer/config.json \
+    --tokenizer .gpu-bench/tokenizer --json "$OUT/sharded.json" 2>&1 | tee "$OUT/sharded.txt" \
+    | tail -10 || status=1
 fi
 exit $status
