@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from agentgrpo.learner.output_head import fsdp_sharded
 from agentgrpo.precision import autocast_kwargs, mixed_precision_dtype
 from agentgrpo.sharded_weights import whole_parameters
 from rollout import GenerationBackend, TransformersBackend
@@ -123,17 +124,35 @@ def policy_weights(model: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
     are the merged base weights under the base model's names, without the adapter's own.
     """
     if not hasattr(model, "merge_adapter"):
-        yield list(model.state_dict().items())
+        yield _named_tensors(model)
         return
     model.merge_adapter()
     try:
         yield [
             (_base_name(name), tensor)
-            for name, tensor in model.state_dict().items()
+            for name, tensor in _named_tensors(model)
             if "lora_" not in name and "original_module" not in name
         ]
     finally:
         model.unmerge_adapter()
+
+
+def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """`model.state_dict()`'s names and tensors, as the modules hold them now.
+
+    Under FSDP2 `state_dict()` gives each process's shards (its hook reshards the modules
+    first), also inside `fsdp2_unsharded`, where the modules hold the whole tensors: those are
+    read from the modules instead (parameters, tied ones under each name, and persistent
+    buffers).
+    """
+    if not fsdp_sharded(model):
+        return list(model.state_dict().items())
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                tensors[f"{prefix}.{name}" if prefix else name] = buffer
+    return [(name, tensor.detach()) for name, tensor in tensors.items()]
 
 
 def _base_name(peft_name: str) -> str:

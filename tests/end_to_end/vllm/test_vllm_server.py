@@ -306,16 +306,28 @@ def test_an_async_evaluation_first_brings_the_shared_server_to_the_learners_step
     assert [e["step"] for e in evaluations] == [1, 2]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
-def test_a_zero3_run_over_two_processes_pushes_its_whole_weights_to_the_server(
-    server, backend, tokenizer, tmp_path_factory, tmp_path
+@pytest.mark.parametrize(
+    ("engine", "engine_args"),
+    [
+        pytest.param(
+            "deepspeed_zero3",
+            [],
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed"
+            ),
+        ),
+        ("fsdp2", ["--fsdp-over-gloo"]),  # accelerate's FSDP2 on CPU: see distributed_train.py
+    ],
+)
+def test_a_sharded_run_over_two_processes_pushes_its_whole_weights_to_the_server(
+    engine, engine_args, server, backend, tokenizer, tmp_path_factory, tmp_path
 ):
     # Each process holds a shard of every weight; the push must send the gathered whole ones.
     untaught_path = untaught_model_path(tmp_path_factory, tokenizer)
     script_args = [str(untaught_path), str(tmp_path), "--vllm-server", server.url]
-    script_args += ["--vllm-group-port", str(free_port())]
+    script_args += ["--vllm-group-port", str(free_port()), *engine_args]
     returncode, output = accelerate_launch(
-        CONFIGS / "deepspeed_zero3.yaml", 2, script_args, CPU_ENV, FLOAT32_LAUNCH
+        CONFIGS / f"{engine}.yaml", 2, script_args, CPU_ENV, FLOAT32_LAUNCH
     )
     assert returncode == 0, output[-6000:]
     # vLLM generates: the shards are gathered for each push only, not held whole for the round.
