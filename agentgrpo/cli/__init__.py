@@ -99,7 +99,7 @@ class CommandParser(argparse.ArgumentParser):
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and each subcommand's parser by name."""
     from agentgrpo.cli import commands as run_commands
-    from agentgrpo.cli import doctor, view
+    from agentgrpo.cli import doctor, eval_command, view
 
     parser = CommandParser(
         prog="agentgrpo", description="Train LLM agents with GRPO on tool-calling episodes."
@@ -108,7 +108,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sub.add_parser("vllm-serve", help="start a vLLM server for training (see its --help)")
     commands = {
         "run": _run_parser(sub, run_commands.run),
-        "eval": _eval_parser(sub, run_commands.evaluate),
+        "eval": _eval_parser(sub, eval_command.evaluate),
         "envs": _command(
             sub, "envs", run_commands.envs, "list the built-ins and the environment sources"
         ),

@@ -1,4 +1,4 @@
-"""The subcommands: `run` trains, `eval` plays held-out rows, `envs` lists the environments.
+"""The subcommands `run` (trains) and `envs` (lists the environments); `eval` is `eval_command`.
 
 Each takes the parsed namespace and returns an exit code. Set-up (options, environment, model,
 rows, trainer) happens before anything slow, so user mistakes surface in seconds.
@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anyio
-
 from agentgrpo import checkpoints, run_folder
 from agentgrpo.cli import resume_check, sources
 from agentgrpo.cli.options import (
+    BUILTIN_TEMPLATE,
     CHECKPOINT_ABOVE_TOKENS,
     RUN_DEFAULTS,
     UsageError,
@@ -28,11 +27,12 @@ from agentgrpo.cli.options import (
     config_fields,
     config_file_values,
     config_overrides,
+    grpo_config,
     read_config_file,
     template_source,
 )
 from agentgrpo.cli.values import FieldType
-from environments.contract import EPISODE_LIMITS, episode_limits, run_defaults
+from environments.contract import run_defaults
 
 # Keys a --config file may hold besides GRPOConfig's fields: the command's own options.
 RUN_KEYS = (
@@ -52,7 +52,6 @@ _RUN_KEY_TYPES = {key: FieldType.of(str | None) for key in RUN_KEYS} | {
     "env_args": FieldType.of(dict | str | None),
 }
 INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
-BUILTIN_TEMPLATE = "chatml_tools"  # the default model's own template cannot show tools
 DEFAULT_WARM_START_STEPS = 24  # MODELS.md: enough for SmolLM2 to learn the call format
 
 
@@ -68,7 +67,7 @@ def run(namespace: argparse.Namespace) -> int:
     source = sources.task_source(namespace.env, env_args)
     settings = _run_settings(namespace, source)
     settings["config"] |= _device_fields(settings["device"], settings["config"])
-    config = _grpo_config(settings["config"])
+    config = grpo_config(settings["config"])
     sources.check_output_dir(config.output_dir)
     with run_folder.hold(config.output_dir) if config.should_save else contextlib.nullcontext():
         return _run_in_folder(namespace, source, settings | {"env_args": env_args}, config)
@@ -101,7 +100,7 @@ def _run_in_folder(
         args=config,
         train_dataset=train_rows,
         eval_dataset=eval_rows,
-        **_played_by(source),
+        **sources.played_by(source),
     )
     if config.chat_template:  # the saved model then plays with the template it learned on
         from rollout import load_template
@@ -136,35 +135,6 @@ def _print_eval_commands(env: str, env_args: Any, config: Any, warm_started: boo
     if config.save_warm_start and warm_started:
         warm = Path(config.output_dir) / WARM_START_DIR
         print(f"and the warm start alone: agentgrpo eval {env}{again} --model {warm}")
-
-
-def evaluate(namespace: argparse.Namespace) -> int:
-    """Play one episode per held-out row without training and print the figures."""
-    from agentgrpo.reporting.evaluate import evaluate as play_and_report
-
-    device = _eval_device(namespace)
-    source = sources.task_source(namespace.env, sources.env_args(namespace.env_args))
-    rows = sources.rows(source, namespace.dataset, namespace.split, namespace.dataset_size)
-    if namespace.num_episodes is not None:
-        rows = rows.select(range(min(namespace.num_episodes, len(rows))))
-    engine, scorer, weights, where = _eval_engine(namespace, source, device)
-    print(
-        f"evaluating {namespace.model or sources.DEFAULT_MODEL} on {namespace.env} "
-        f"({len(rows)} rows, split {namespace.split!r}, temperature {namespace.temperature}) "
-        f"on {where}",
-        flush=True,
-    )
-    started = time.monotonic()
-    report, episodes, rewards = anyio.run(
-        lambda: play_and_report(
-            engine, scorer, list(rows), weights, namespace.success_threshold, namespace.seed
-        )
-    )
-    print(report.table())
-    print(f"({time.monotonic() - started:.0f} s)")
-    if namespace.episodes_file:
-        _write_episodes(Path(namespace.episodes_file), episodes, rewards)
-    return 0
 
 
 # The forms of spec `run` and `eval` take, for `agentgrpo envs` to list after the built-ins.
@@ -219,16 +189,6 @@ def _env_args(namespace: argparse.Namespace) -> dict[str, Any] | None:
         raise UsageError(f"config file {namespace.config}: env_args: {error}") from None
 
 
-def _played_by(source: Any) -> dict[str, Any]:
-    """The trainer's argument for what plays the episodes: an environment class or an agent."""
-    return {"environment_factory": source} if isinstance(source, type) else {"agent": source}
-
-
-def _episode_limits(source: Any) -> dict[str, int]:
-    """What an episode needs, as the environment class or the agent's module says."""
-    return episode_limits(source) if isinstance(source, type) else dict(source.episode_limits)
-
-
 def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:
     """The run's options, merged: command line over config file over the run defaults."""
     from_file = read_config_file(namespace.config) if namespace.config else {}
@@ -244,7 +204,7 @@ def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:
         config["chat_template"] = BUILTIN_TEMPLATE
         if hasattr(source, "demonstrations"):
             config["warm_start_steps"] = DEFAULT_WARM_START_STEPS
-    limits, recipe = _episode_limits(source), _recipe(source, "warm_start_steps" in config)
+    limits, recipe = sources.source_limits(source), _recipe(source, "warm_start_steps" in config)
     config.update(limits | recipe)
     user = {k: v for k, v in from_file.items() if k in config_fields()}
     user.update(config_overrides(namespace))
@@ -431,22 +391,6 @@ def _command_line(namespace: argparse.Namespace) -> list[str]:
 _RESUME_OPTIONS = {"--output-dir": True, "--resume-from-checkpoint": True, "--resume": False}
 
 
-def _grpo_config(fields: dict[str, Any]) -> Any:
-    """GRPOConfig(**fields); its errors, and a `report_to` tracker not installed: usage errors."""
-    from agentgrpo import GRPOConfig
-    from agentgrpo.reporting.trackers import check_trackers
-
-    try:
-        config = GRPOConfig(**fields)
-    except (TypeError, ValueError) as error:
-        raise UsageError(f"invalid options: {error}") from None
-    try:
-        check_trackers(config.report_to)  # before the model loads
-    except ImportError as error:
-        raise UsageError(str(error)) from None
-    return config
-
-
 def _print_start(
     env: str, settings: dict[str, Any], trainer: Any, rows: int, checkpoint: str | None
 ) -> None:
@@ -501,131 +445,3 @@ def _episode_line(tokens: int, turns: int | None, settings: dict[str, Any]) -> s
     chosen = settings.get("from_environment")
     whose = settings.get("limits_of", "environment")
     return f"{line} (the {whose}'s {', '.join(chosen)})" if chosen else line
-
-
-# ---------------------------------------------------------------------- eval
-
-
-def _eval_device(namespace: argparse.Namespace) -> Any:
-    """The device `--device` names (checked), None with `--server-url` (the server generates)."""
-    from agentgrpo.devices import resolve_device
-
-    if namespace.server_url is None:
-        return resolve_device(namespace.device)
-    if namespace.device is not None:
-        raise UsageError(
-            f"--device places the model loaded here, and with --server-url "
-            f"{namespace.server_url} the server generates: leave one of them out"
-        )
-    return None
-
-
-def _eval_engine(
-    namespace: argparse.Namespace, source: Any, device: Any
-) -> tuple[Any, Any, list[float], str]:
-    """The engine, scorer and reward weights `wiring.build_parts` builds, from eval's options.
-
-    Also where generation runs, for the start-up line.
-    """
-    from transformers import AutoTokenizer
-
-    from agentgrpo.doctor import startup_checks
-    from agentgrpo.models import is_vision_folder, load_tokenizer
-    from agentgrpo.rewards.calls import reward_functions
-    from agentgrpo.scoring import environment_reward_name
-    from agentgrpo.wiring import build_parts
-    from rollout.images import load_processor
-
-    rewards = reward_functions(sources.reward_functions(namespace.reward), None)
-    played_by = _played_by(source)
-    if not rewards and "agent" not in played_by and environment_reward_name(source) is None:
-        raise UsageError(f"{source.__name__} has no reward(); pass --reward module:function")
-    path = sources.model_path(namespace.model)
-    # a VLM folder: its processor renders the pictures, its tokenizer the rest
-    processor = load_processor(path) if is_vision_folder(path) else None
-    text = AutoTokenizer.from_pretrained(path) if processor is None else processor.tokenizer
-    tokenizer = load_tokenizer(None, text)
-    backend, where = _eval_backend(namespace, path, tokenizer, device, processor)
-    config = eval_config(namespace, source)
-    parts = build_parts(
-        config,
-        backend,
-        tokenizer if processor is None else processor,
-        played_by.get("environment_factory"),
-        (),
-        rewards,
-        agent=played_by.get("agent"),
-    )
-    startup_checks(parts.engine)
-    return parts.engine, parts.scorer, parts.reward_weights, where
-
-
-def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
-    """The `GRPOConfig` of a run whose episodes are played as `agentgrpo eval` plays them.
-
-    The token and turn limits are the command line's, else the environment's
-    `episode_limits`, else `agentgrpo run`'s defaults: as the run that trained the model.
-    """
-    template: str | None
-    if namespace.chat_template:
-        template = template_source(namespace.chat_template)
-    else:
-        template = BUILTIN_TEMPLATE if namespace.model is None else None
-    limits = {**RUN_DEFAULTS, **_episode_limits(source)}
-    for name in EPISODE_LIMITS:
-        if getattr(namespace, name) is not None:
-            limits[name] = getattr(namespace, name)
-    return _grpo_config(
-        {
-            "max_completion_length": limits["max_completion_length"],
-            "max_turns": limits["max_turns"],
-            "temperature": namespace.temperature,
-            "top_p": namespace.top_p,
-            "top_k": namespace.top_k,
-            "tool_timeout_s": namespace.tool_timeout_s,
-            "environment_timeout_s": namespace.environment_timeout_s,
-            "chat_template": template,
-            "tool_call_parser": namespace.tool_call_parser,
-            "seed": namespace.seed,
-            "report_to": "none",
-        }
-    )
-
-
-def _eval_backend(
-    namespace: argparse.Namespace, path: str, tokenizer: Any, device: Any, processor: Any = None
-) -> tuple[Any, str]:
-    """The model on `device` in this process, or the server at `--server-url`; and which.
-
-    The model plays as a training run on that device holds it (`models.load_for_generation`).
-    `processor`: a VLM folder's; the server is then sent the rows' pictures.
-    """
-    if namespace.server_url:
-        from rollout.backends.vllm_colocate import default_stop_token_ids
-        from rollout.backends.vllm_server import ServerConnection, VLLMServerBackend
-
-        connection = ServerConnection(namespace.server_url, namespace.server_timeout)
-        server = VLLMServerBackend.connect(
-            connection, stop_token_ids=default_stop_token_ids(tokenizer), processor=processor
-        )
-        return server, f"the server at {namespace.server_url}"
-    from agentgrpo.devices import describe_run_device
-    from agentgrpo.models import load_for_generation
-    from agentgrpo.precision import autocast_kwargs
-    from rollout import TransformersBackend
-
-    model, autocast = load_for_generation(path, device)
-    backend = TransformersBackend.from_tokenizer(
-        model, tokenizer, seed=namespace.seed, **autocast_kwargs(autocast)
-    )
-    return backend, describe_run_device(device, autocast)
-
-
-def _write_episodes(path: Path, episodes: list, rewards: list[float]) -> None:
-    from agentgrpo.reporting.run_log import format_episode
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        "\n\n".join(format_episode(e, r) for e, r in zip(episodes, rewards, strict=True))
-    )
-    print(f"episodes written to {path}")

@@ -119,7 +119,7 @@ def _setup(
 
 def _template_option(namespace: argparse.Namespace) -> str | None:
     """`--chat-template` as `load_template` takes it: a file is read; none is the run default."""
-    from agentgrpo.cli.commands import BUILTIN_TEMPLATE
+    from agentgrpo.cli.options import BUILTIN_TEMPLATE
 
     value = namespace.chat_template
     if value is None:

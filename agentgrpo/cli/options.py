@@ -263,6 +263,9 @@ def read_config_file(path: str) -> dict[str, Any]:
     return {str(key).replace("-", "_"): value for key, value in content.items()}
 
 
+BUILTIN_TEMPLATE = "chatml_tools"  # the default model's own template cannot show tools
+
+
 def template_source(value: str) -> str:
     """`--chat-template` (or the config key) as `rollout.load_template` takes it: a file is read.
 
@@ -328,3 +331,18 @@ def _default_of(field: dataclasses.Field) -> Any:
     if field.default_factory is not dataclasses.MISSING:
         return field.default_factory()
     return None
+
+
+def grpo_config(fields: dict[str, Any]) -> Any:
+    """GRPOConfig(**fields); its errors, and a `report_to` tracker not installed: usage errors."""
+    from agentgrpo.reporting.trackers import check_trackers
+
+    try:
+        config = GRPOConfig(**fields)
+    except (TypeError, ValueError) as error:
+        raise UsageError(f"invalid options: {error}") from None
+    try:
+        check_trackers(config.report_to)  # before the model loads
+    except ImportError as error:
+        raise UsageError(str(error)) from None
+    return config

@@ -305,3 +305,13 @@ def _load_dataset(source: str, split: str) -> Any:
             f".json/.jsonl/.csv/.parquet file, a folder saved with save_to_disk, or a name "
             f"datasets.load_dataset can read"
         ) from None
+
+
+def played_by(source: Any) -> dict[str, Any]:
+    """The trainer's argument for what plays the episodes: an environment class or an agent."""
+    return {"environment_factory": source} if isinstance(source, type) else {"agent": source}
+
+
+def source_limits(source: Any) -> dict[str, int]:
+    """What an episode needs, as the environment class or the agent's module says."""
+    return episode_limits(source) if isinstance(source, type) else dict(source.episode_limits)

@@ -24,9 +24,8 @@ with the loggers switched off, until one raises), returns something other than a
 the wrong number of rewards, or returns a value that is not a finite number for some sample.
 A reward that fails is never scored 0.0: that would train on a wrong signal.
 
-Reward models. A ``transformers`` sequence-classification model (or a path or hub id to load one
-with ``num_labels=1``) is wrapped into a reward function that scores prompt + completion with its
-tokenizer and returns ``logits[:, 0]``.
+Reward models (`reward_models`): a ``transformers`` sequence-classification model, or a path or
+hub id to load one, is wrapped into a reward function.
 """
 
 from __future__ import annotations
@@ -37,12 +36,13 @@ import inspect
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import PurePath
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import torch
+
+from agentgrpo.rewards import reward_models
 
 _SHOWN_CHARS = 60  # per row value, in error messages
 _SHOWN_COMPLETION_CHARS = 200
@@ -442,20 +442,15 @@ def _show_row(row: Mapping[str, Any]) -> str:
     return "{" + ", ".join(f"{k!r}: {_short(v, _SHOWN_CHARS)}" for k, v in row.items()) + "}"
 
 
-# --- naming and reward models -------------------------------------------------------------
+# --- naming -----------------------------------------------------------------------------
 
 
 def _named(func: Any, processing_class: Any, model_kwargs: dict[str, Any]) -> RewardFunction:
     if isinstance(func, RewardFunction):
         return func
-    if isinstance(func, str) or _is_model(func):
-        model = _load_model(func, model_kwargs) if isinstance(func, str) else func
-        tokenizer_kwargs = {"trust_remote_code": model_kwargs.get("trust_remote_code", False)}
-        if isinstance(func, str) and "revision" in model_kwargs:
-            tokenizer_kwargs["revision"] = model_kwargs["revision"]
-        tokenizer = processing_class or _load_tokenizer(model, tokenizer_kwargs)
-        scorer = _SequenceClassifierReward(model, tokenizer)
-        return RewardFunction(_model_name(model), scorer, tokenizer, source=model)
+    if isinstance(func, str) or reward_models.is_reward_model(func):
+        scorer = reward_models.SequenceClassifierReward.of(func, processing_class, model_kwargs)
+        return RewardFunction(scorer.name, scorer, scorer.tokenizer, source=scorer.model)
     if not callable(func):
         raise TypeError(
             f"a reward function must be a callable, a sequence-classification model or a model "
@@ -464,84 +459,6 @@ def _named(func: Any, processing_class: Any, model_kwargs: dict[str, Any]) -> Re
     inner = func.func if isinstance(func, functools.partial) else func
     name = getattr(inner, "__name__", None) or type(inner).__name__
     return RewardFunction(name, func)
-
-
-def _is_model(func: Any) -> bool:
-    if not isinstance(func, torch.nn.Module):
-        return False
-    from transformers import PreTrainedModel
-
-    return isinstance(func, PreTrainedModel)
-
-
-def _load_model(path: str, model_kwargs: dict[str, Any]) -> Any:
-    from transformers import AutoModelForSequenceClassification
-
-    return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **model_kwargs)
-
-
-def _load_tokenizer(model: Any, tokenizer_kwargs: dict[str, Any]) -> Any:
-    from transformers import AutoTokenizer
-
-    source = model.config._name_or_path
-    if not source:
-        raise ValueError(
-            f"the reward model {type(model).__name__} has no config._name_or_path to load its "
-            "tokenizer from; pass it in processing_classes"
-        )
-    return AutoTokenizer.from_pretrained(source, **tokenizer_kwargs)
-
-
-def _model_name(model: Any) -> str:
-    source = str(model.config._name_or_path or "").rstrip("/")
-    return PurePath(source).name if source else type(model).__name__
-
-
-class _SequenceClassifierReward:
-    """A sequence-classification model as a reward function: ``logits[:, 0]`` of prompt+completion.
-
-    Text prompts and completions are concatenated; conversational ones (message lists) are
-    rendered with the tokenizer's chat template as one conversation. The batch is right-padded;
-    sequence-classification heads read the last non-pad token, so the model's config needs
-    ``pad_token_id``: a tokenizer without a pad token gets its eos token as pad, and a model
-    without ``pad_token_id`` gets the tokenizer's. The model is put in eval mode.
-    """
-
-    def __init__(self, model: Any, tokenizer: Any) -> None:
-        if tokenizer.pad_token is None:
-            if tokenizer.eos_token is None:
-                raise ValueError(
-                    f"the tokenizer of reward model {_model_name(model)!r} has no pad or eos "
-                    "token; set tokenizer.pad_token"
-                )
-            tokenizer.pad_token = tokenizer.eos_token
-        if model.config.pad_token_id is None:
-            model.config.pad_token_id = tokenizer.pad_token_id
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-
-    def __call__(self, prompts: list[Any], completions: list[Any]) -> list[float]:
-        texts = [self._text(p, c) for p, c in zip(prompts, completions, strict=True)]
-        inputs = self.tokenizer(
-            texts,
-            return_tensors="pt",
-            padding=True,
-            padding_side="right",
-            add_special_tokens=False,
-        ).to(self.model.device)
-        with torch.inference_mode():
-            logits_N_L = self.model(**inputs).logits
-        return logits_N_L[:, 0].float().tolist()
-
-    def _text(self, prompt: Any, completion: Any) -> str:
-        if isinstance(prompt, str) and isinstance(completion, str):
-            return prompt + completion
-        messages = _as_messages(prompt, "user") + _as_messages(completion, "assistant")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False)
-
-
-def _as_messages(value: Any, role: str) -> list[dict[str, Any]]:
-    return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
 
 
 def check_trainer_arguments(

@@ -12,7 +12,7 @@ from transformers import set_seed
 
 from agentgrpo import GRPOConfig
 from agentgrpo.cli import build_parser
-from agentgrpo.cli.commands import eval_config
+from agentgrpo.cli.eval_command import eval_config
 from agentgrpo.learner.batch import collate_episodes
 from agentgrpo.learner.logprobs import batched_logprobs
 from agentgrpo.rewards.calls import reward_functions

@@ -9,7 +9,8 @@ import anyio
 import pytest
 
 from agentgrpo.cli import build_parser
-from agentgrpo.cli.commands import _run_settings, eval_config
+from agentgrpo.cli.commands import _run_settings
+from agentgrpo.cli.eval_command import eval_config
 from agentgrpo.cli.options import RUN_DEFAULTS
 from environments import BUILTIN_ENVIRONMENTS, Arithmetic, Chain, Counter, GuessNumber
 from environments.contract import check_environment, episode_limits, run_defaults

@@ -1,0 +1,178 @@
+"""`agentgrpo eval`: play one episode per held-out row without training, and print the figures.
+
+The episodes are played as the run that trained the model played them (`eval_config`): its
+template, token and turn limits, on the device `--device` names or on a vLLM server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from agentgrpo.cli import sources
+from agentgrpo.cli.options import (
+    BUILTIN_TEMPLATE,
+    RUN_DEFAULTS,
+    UsageError,
+    grpo_config,
+    template_source,
+)
+from environments.contract import EPISODE_LIMITS
+
+
+def evaluate(namespace: argparse.Namespace) -> int:
+    """Play one episode per held-out row without training and print the figures."""
+    from agentgrpo.reporting.evaluate import evaluate as play_and_report
+
+    device = _eval_device(namespace)
+    source = sources.task_source(namespace.env, sources.env_args(namespace.env_args))
+    rows = sources.rows(source, namespace.dataset, namespace.split, namespace.dataset_size)
+    if namespace.num_episodes is not None:
+        rows = rows.select(range(min(namespace.num_episodes, len(rows))))
+    engine, scorer, weights, where = _eval_engine(namespace, source, device)
+    print(
+        f"evaluating {namespace.model or sources.DEFAULT_MODEL} on {namespace.env} "
+        f"({len(rows)} rows, split {namespace.split!r}, temperature {namespace.temperature}) "
+        f"on {where}",
+        flush=True,
+    )
+    started = time.monotonic()
+    report, episodes, rewards = anyio.run(
+        lambda: play_and_report(
+            engine, scorer, list(rows), weights, namespace.success_threshold, namespace.seed
+        )
+    )
+    print(report.table())
+    print(f"({time.monotonic() - started:.0f} s)")
+    if namespace.episodes_file:
+        _write_episodes(Path(namespace.episodes_file), episodes, rewards)
+    return 0
+
+
+def _eval_device(namespace: argparse.Namespace) -> Any:
+    """The device `--device` names (checked), None with `--server-url` (the server generates)."""
+    from agentgrpo.devices import resolve_device
+
+    if namespace.server_url is None:
+        return resolve_device(namespace.device)
+    if namespace.device is not None:
+        raise UsageError(
+            f"--device places the model loaded here, and with --server-url "
+            f"{namespace.server_url} the server generates: leave one of them out"
+        )
+    return None
+
+
+def _eval_engine(
+    namespace: argparse.Namespace, source: Any, device: Any
+) -> tuple[Any, Any, list[float], str]:
+    """The engine, scorer and reward weights `wiring.build_parts` builds, from eval's options.
+
+    Also where generation runs, for the start-up line.
+    """
+    from transformers import AutoTokenizer
+
+    from agentgrpo.doctor import startup_checks
+    from agentgrpo.models import is_vision_folder, load_tokenizer
+    from agentgrpo.rewards.calls import reward_functions
+    from agentgrpo.scoring import environment_reward_name
+    from agentgrpo.wiring import build_parts
+    from rollout.images import load_processor
+
+    rewards = reward_functions(sources.reward_functions(namespace.reward), None)
+    played_by = sources.played_by(source)
+    if not rewards and "agent" not in played_by and environment_reward_name(source) is None:
+        raise UsageError(f"{source.__name__} has no reward(); pass --reward module:function")
+    path = sources.model_path(namespace.model)
+    # a VLM folder: its processor renders the pictures, its tokenizer the rest
+    processor = load_processor(path) if is_vision_folder(path) else None
+    text = AutoTokenizer.from_pretrained(path) if processor is None else processor.tokenizer
+    tokenizer = load_tokenizer(None, text)
+    backend, where = _eval_backend(namespace, path, tokenizer, device, processor)
+    config = eval_config(namespace, source)
+    parts = build_parts(
+        config,
+        backend,
+        tokenizer if processor is None else processor,
+        played_by.get("environment_factory"),
+        (),
+        rewards,
+        agent=played_by.get("agent"),
+    )
+    startup_checks(parts.engine)
+    return parts.engine, parts.scorer, parts.reward_weights, where
+
+
+def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
+    """The `GRPOConfig` of a run whose episodes are played as `agentgrpo eval` plays them.
+
+    The token and turn limits are the command line's, else the environment's
+    `episode_limits`, else `agentgrpo run`'s defaults: as the run that trained the model.
+    """
+    template: str | None
+    if namespace.chat_template:
+        template = template_source(namespace.chat_template)
+    else:
+        template = BUILTIN_TEMPLATE if namespace.model is None else None
+    limits = {**RUN_DEFAULTS, **sources.source_limits(source)}
+    for name in EPISODE_LIMITS:
+        if getattr(namespace, name) is not None:
+            limits[name] = getattr(namespace, name)
+    return grpo_config(
+        {
+            "max_completion_length": limits["max_completion_length"],
+            "max_turns": limits["max_turns"],
+            "temperature": namespace.temperature,
+            "top_p": namespace.top_p,
+            "top_k": namespace.top_k,
+            "tool_timeout_s": namespace.tool_timeout_s,
+            "environment_timeout_s": namespace.environment_timeout_s,
+            "chat_template": template,
+            "tool_call_parser": namespace.tool_call_parser,
+            "seed": namespace.seed,
+            "report_to": "none",
+        }
+    )
+
+
+def _eval_backend(
+    namespace: argparse.Namespace, path: str, tokenizer: Any, device: Any, processor: Any = None
+) -> tuple[Any, str]:
+    """The model on `device` in this process, or the server at `--server-url`; and which.
+
+    The model plays as a training run on that device holds it (`models.load_for_generation`).
+    `processor`: a VLM folder's; the server is then sent the rows' pictures.
+    """
+    if namespace.server_url:
+        from rollout.backends.vllm_colocate import default_stop_token_ids
+        from rollout.backends.vllm_server import ServerConnection, VLLMServerBackend
+
+        connection = ServerConnection(namespace.server_url, namespace.server_timeout)
+        server = VLLMServerBackend.connect(
+            connection, stop_token_ids=default_stop_token_ids(tokenizer), processor=processor
+        )
+        return server, f"the server at {namespace.server_url}"
+    from agentgrpo.devices import describe_run_device
+    from agentgrpo.models import load_for_generation
+    from agentgrpo.precision import autocast_kwargs
+    from rollout import TransformersBackend
+
+    model, autocast = load_for_generation(path, device)
+    backend = TransformersBackend.from_tokenizer(
+        model, tokenizer, seed=namespace.seed, **autocast_kwargs(autocast)
+    )
+    return backend, describe_run_device(device, autocast)
+
+
+def _write_episodes(path: Path, episodes: list, rewards: list[float]) -> None:
+    from agentgrpo.reporting.run_log import format_episode
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "\n\n".join(format_episode(e, r) for e, r in zip(episodes, rewards, strict=True))
+    )
+    print(f"episodes written to {path}")
