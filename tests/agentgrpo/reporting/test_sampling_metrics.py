@@ -231,10 +231,17 @@ def test_a_rollout_func_logs_how_far_its_logprobs_are_from_the_trainers(tokenize
         difference_N_2.max().item(), rel=1e-4
     )
     # No correction on a CPU: the raw ratio per episode (the default mode's sequence level).
+    # (rel=1e-4 as above: the trainer's batched forward and this one-row forward round the
+    # logprobs apart by about float32's precision, 2e-6 relative on an AMD EPYC)
     ratios_N = (logprobs_N_2 + 1.0).mean(1).exp()
-    assert log["sampling/importance_sampling_ratio/min"] == pytest.approx(ratios_N.min().item())
-    assert log["sampling/importance_sampling_ratio/mean"] == pytest.approx(ratios_N.mean().item())
-    assert log["sampling/importance_sampling_ratio/max"] == pytest.approx(ratios_N.max().item())
+    for name, value in (
+        ("min", ratios_N.min()),
+        ("mean", ratios_N.mean()),
+        ("max", ratios_N.max()),
+    ):
+        assert log[f"sampling/importance_sampling_ratio/{name}"] == pytest.approx(
+            value.item(), rel=1e-4
+        )
 
 
 @torch.no_grad()

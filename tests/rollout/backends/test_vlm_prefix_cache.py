@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import pytest
 import torch
 from PIL import Image
 
@@ -74,7 +75,11 @@ def test_a_prompt_with_the_same_picture_prefills_only_its_last_token_again():
     again = lengths.index(len(ids)), len(lengths)
     second = generate(backend, ids, vision, RED)
     assert lengths[again[0]] == len(ids) and lengths[again[1]] == 1
-    assert second == first  # same seed, same cached prompt
+    # Same seed, same cached prompt: the same tokens. Their logprobs come from a cache built by
+    # another pass (one position, not the whole prompt), which CPU kernels may round otherwise
+    # (measured: 5e-7 at one token on an AMD EPYC; other CPUs gave equal logprobs).
+    assert second.token_ids == first.token_ids
+    assert second.logprobs == pytest.approx(first.logprobs, abs=1e-5)
 
 
 def test_the_same_ids_with_another_picture_never_reuse_the_cache():
