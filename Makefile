@@ -48,5 +48,9 @@ lint:
 docs:
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --quiet --site-dir site
 
+# Two pytest workers (pytest-xdist), a test file each at a time, one torch thread each: on the
+# 2-core CI machine most tests leave a core idle, and two workers of two threads oversubscribe it.
+PYTEST_WORKERS ?= 2
+
 test: install lint docs
-	$(PYTHON) -m pytest
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadfile

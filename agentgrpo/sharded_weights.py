@@ -1,15 +1,16 @@
 """Sharded policy weights (DeepSpeed ZeRO-3, FSDP2) held whole while they are needed whole.
 
 A policy that generates itself needs its whole weights for the round (`generation_weights`); a
-vLLM push, a reference-model sync and a checkpoint of the reference need them for one block
-(`whole_parameters`). Every function here is a collective under shards: all processes enter it
-together. Outside these blocks the weights stay sharded.
+reference-model sync and a checkpoint of the reference need them for one block
+(`whole_parameters`); a vLLM server push needs each tensor whole only while it is sent
+(`whole_one_at_a_time`). Every function here is a collective under shards: all processes enter
+it together. Outside these blocks the weights stay sharded.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -88,6 +89,60 @@ def whole_parameters(model: torch.nn.Module) -> Iterator[None]:
         gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
     with gathered, fsdp2_unsharded(model):
         yield
+
+
+def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """`model.state_dict()`'s names and tensors, as the modules hold them now (shards or whole).
+
+    Each parameter (a tied one under each of its names, as the `Parameter` itself, so that
+    ZeRO-3 can gather it) and each persistent buffer: what `state_dict()` holds, read from the
+    modules, because under FSDP2 `state_dict()` always gives each process's shards (its hook
+    reshards the modules first).
+    """
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                tensors[f"{prefix}.{name}" if prefix else name] = buffer
+    return list(tensors.items())
+
+
+def whole_specs(named: Sequence[tuple[str, torch.Tensor]]) -> list[list]:
+    """`[name, dtype, shape]` of each tensor as it is whole (a ZeRO-3 or FSDP2 shard included).
+
+    The shape of a ZeRO-3 parameter is its `ds_shape` (the module holds an empty tensor); an
+    FSDP2 `DTensor` gives its global shape. What a vLLM server allocates before a push.
+    """
+    return [
+        [name, str(t.dtype).removeprefix("torch."), list(getattr(t, "ds_shape", t.shape))]
+        for name, t in named
+    ]
+
+
+def whole_one_at_a_time(
+    named: Sequence[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each of `named`'s tensors whole, one at a time, so no process ever holds the whole model.
+
+    A ZeRO-3 parameter is gathered from every process and let go when the next tensor is asked
+    for; an FSDP2 `DTensor` is all-gathered into a new tensor; any other tensor comes as it is.
+    A collective under shards: every process iterates to the end, in the same order (a process
+    that does not use the tensors still takes part in each gather).
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in named:
+        if hasattr(tensor, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([tensor]):
+                yield name, tensor.detach()
+        elif isinstance(tensor, DTensor):
+            with torch.no_grad():
+                whole = tensor.full_tensor()
+            yield name, whole
+        else:
+            yield name, tensor.detach()
 
 
 def zero3_partitioned(model: Any) -> bool:

@@ -16,16 +16,18 @@ a warm start or a resume), and lets a colocated vLLM sleep between rounds.
   extension (`agentgrpo vllm-serve` installs it); then the server's prefix cache is reset.
 
 Sharded weights (DeepSpeed ZeRO-3, FSDP2) are gathered for a vLLM push and let go right after
-it: the policy does not generate, so nothing holds them whole while vLLM does.
+it: the policy does not generate, so nothing holds them whole while vLLM does. A server push
+gathers one tensor at a time, as it sends them.
 PEFT models are pushed merged (base weights + adapter), under the base model's names.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
@@ -34,7 +36,12 @@ import torch
 
 from agentgrpo.learner.output_head import fsdp_sharded
 from agentgrpo.precision import autocast_kwargs, mixed_precision_dtype
-from agentgrpo.sharded_weights import whole_parameters
+from agentgrpo.sharded_weights import (
+    named_tensors,
+    whole_one_at_a_time,
+    whole_parameters,
+    whole_specs,
+)
 from rollout import GenerationBackend, TransformersBackend
 from rollout.backends.vllm_colocate import (
     VLLMColocateBackend,
@@ -140,19 +147,12 @@ def policy_weights(model: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
 def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """`model.state_dict()`'s names and tensors, as the modules hold them now.
 
-    Under FSDP2 `state_dict()` gives each process's shards (its hook reshards the modules
-    first), also inside `fsdp2_unsharded`, where the modules hold the whole tensors: those are
-    read from the modules instead (parameters, tied ones under each name, and persistent
-    buffers).
+    Under FSDP2 `state_dict()` gives each process's shards, also inside `fsdp2_unsharded`,
+    where the modules hold the whole tensors: those are read from the modules instead.
     """
     if not fsdp_sharded(model):
         return list(model.state_dict().items())
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for name, buffer in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                tensors[f"{prefix}.{name}" if prefix else name] = buffer
-    return [(name, tensor.detach()) for name, tensor in tensors.items()]
+    return [(name, tensor.detach()) for name, tensor in named_tensors(model)]
 
 
 def _base_name(peft_name: str) -> str:
@@ -245,28 +245,48 @@ class ServerPush:
     def generating(self, model: torch.nn.Module, step: int) -> Iterator[None]:
         """Push if `step` is new, then generate.
 
-        Every process takes part in gathering sharded weights (`whole_parameters`); only the
-        main process sends them.
+        Only the main process sends; every process takes part in gathering sharded weights,
+        one tensor at a time (`whole_one_at_a_time`), so no process holds the whole model for
+        the push. A PEFT model is gathered whole (`whole_parameters`): merging its adapter
+        needs every weight at once.
         """
         if step != self.pushed_step:
-            with whole_parameters(model):
-                if self.accelerator.is_main_process:
-                    with policy_weights(model) as weights:
-                        self.push(weights, next(model.parameters()).device)
+            device, sends = next(model.parameters()).device, self.accelerator.is_main_process
+            if hasattr(model, "merge_adapter"):
+                with whole_parameters(model):
+                    if sends:
+                        with policy_weights(model) as weights:
+                            self.push(weights, device)
+            else:
+                named = named_tensors(model)
+                streamed = whole_one_at_a_time(named)
+                if sends:
+                    self.push(streamed, device, whole_specs(named))
+                else:
+                    collections.deque(streamed, maxlen=0)  # each gather is a collective
             self.accelerator.wait_for_everyone()
             self.pushed_step = step
         yield
 
-    def push(self, weights: list[tuple[str, torch.Tensor]], device: torch.device) -> None:
+    def push(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        device: torch.device,
+        specs: list[list] | None = None,
+    ) -> None:
         """Send `weights` to every server worker, then reset the server's caches.
 
+        `specs` (`tensor_specs`: what the workers allocate) are read from `weights` when not
+        given; give them when `weights` is an iterator that makes each tensor as it is sent.
         Its prefix cache holds KV and its encoder cache image features, both computed with the
         old weights (and without the encoder cache reset, vLLM 0.32's engine died with "Encoder
         cache miss" on the next request with a picture it had seen before the push).
         """
+        if specs is None:
+            weights = list(weights)
+            specs = tensor_specs(weights)
         group = self._group or self._join(device)
-        specs = json.dumps(tensor_specs(weights))
-        self._while_server_runs("agentgrpo_receive", specs, lambda: group.send(weights))
+        self._while_server_runs("agentgrpo_receive", json.dumps(specs), lambda: group.send(weights))
         self.connection.post("/reset_prefix_cache")
         self.connection.post("/reset_encoder_cache")
 

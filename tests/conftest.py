@@ -29,6 +29,18 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo process group of one process, destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     """The real SmolLM2-135M-Instruct as a safetensors folder (converted once, then cached)."""

@@ -19,7 +19,10 @@ MODEL_DIR holds a causal LM and its tokenizer (`save_pretrained`). Each process 
   when the engine gathers to it alone);
 - `forward_calls`: how many times the model's forward ran (generation and training);
 - `whole_while_scoring`: per reward call (inside the round, after generation), whether the
-  policy's weights were whole then (not ZeRO-3 shards);
+  policy's weights were whole then (not ZeRO-3 shards); `whole_count_while_scoring`: how many
+  of its parameters were whole then (ZeRO-3 keeps small ones whole at rest);
+- `whole_count_while_pushing`: per tensor the process broadcast to a vLLM server (the main
+  process only), how many of the policy's parameters were whole then;
 - `max_rss_mib`: the process's peak resident memory; `max_gpu_mib`: its peak allocated GPU
   memory (None on CPU); `train_s`: seconds in `trainer.train()`.
 
@@ -61,16 +64,34 @@ from agentgrpo import GRPOConfig, GRPOTrainer
 NUM_ROWS = 16
 
 
-# The policy, and per reward call whether its weights were whole (gathered) at that time.
+# The policy; per reward call whether its weights were whole (gathered) at that time, and how
+# many of them were; per tensor broadcast to a vLLM server, how many were whole.
 POLICY: list[torch.nn.Module] = []
 WHOLE_WHILE_SCORING: list[bool] = []
+WHOLE_COUNT_WHILE_SCORING: list[int] = []
+WHOLE_COUNT_WHILE_PUSHING: list[int] = []
 
 
 def length_reward(completions: list[str]) -> list[float]:
     """Characters written, in tens: random tokens give every group a spread of rewards."""
     if POLICY:
-        WHOLE_WHILE_SCORING.append(all(is_whole(p) for p in POLICY[0].parameters()))
+        whole = [is_whole(p) for p in POLICY[0].parameters()]
+        WHOLE_WHILE_SCORING.append(all(whole))
+        WHOLE_COUNT_WHILE_SCORING.append(sum(whole))
     return [len(completion) / 10 for completion in completions]
+
+
+def count_whole_while_pushing() -> None:
+    """Note, at each tensor this process broadcasts to a vLLM server, how many are whole."""
+    from rollout.backends.weight_transport import WeightGroup
+
+    broadcast = WeightGroup._broadcast
+
+    def counting(group: WeightGroup, tensor: torch.Tensor) -> None:
+        WHOLE_COUNT_WHILE_PUSHING.append(sum(is_whole(p) for p in POLICY[0].parameters()))
+        broadcast(group, tensor)
+
+    WeightGroup._broadcast = counting  # type: ignore[method-assign]
 
 
 def is_whole(parameter: torch.Tensor) -> bool:
@@ -231,6 +252,8 @@ def main() -> None:
         ),
     )
     POLICY.append(trainer.model)
+    if cli.vllm_server:
+        count_whole_while_pushing()
     names = [name for name, _ in trainer.model.named_parameters()]
     forward_calls = count_forward_calls(trainer.model)
     started = time.perf_counter()
@@ -262,6 +285,8 @@ def main() -> None:
         "weights_after": parameter_sums(weights_after or {}, names),
         "forward_calls": forward_calls[0],
         "whole_while_scoring": WHOLE_WHILE_SCORING,
+        "whole_count_while_scoring": WHOLE_COUNT_WHILE_SCORING,
+        "whole_count_while_pushing": WHOLE_COUNT_WHILE_PUSHING,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
         "max_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if cli.gpu else None,
         "train_s": train_s,

@@ -246,18 +246,6 @@ def test_the_same_model_without_the_transform_uses_the_chunked_output_layer(toke
     assert output_head.output_head(plain) is plain.lm_head
 
 
-@pytest.fixture
-def one_process_group(tmp_path):
-    """A gloo process group of one process, destroyed after the test."""
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
-
-
 def test_an_fsdp2_sharded_model_reads_its_logits_whole_in_one_pass(one_process_group, tokenizer):
     # Its head called outside the forward, or gradients through cached prompt keys, would pass
     # FSDP2's hooks by: a segmentation fault in backward under accelerate's FSDP2 on gloo.

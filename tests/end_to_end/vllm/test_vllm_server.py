@@ -6,6 +6,7 @@ One server for the module; the last test stops it on purpose.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -336,6 +337,17 @@ def test_a_sharded_run_over_two_processes_pushes_its_whole_weights_to_the_server
     for report in reports:
         assert report["whole_while_scoring"] and not any(report["whole_while_scoring"])
     trained = load_policy(untaught_path)
+    # Three pushes (steps 0, 1, 2), each gathering one tensor at a time and letting it go before
+    # the next. The first starts from shards: never more than one parameter whole beyond those
+    # whole at rest (ZeRO-3 keeps small ones whole; FSDP2 all-gathers each into a new tensor,
+    # its parameters stay shards). The later ones start from the weights as the step left them
+    # (under ZeRO-3 every parameter was still whole, measured) and never add to them.
+    counts = reports[0]["whole_count_while_pushing"]
+    per_push = len(trained.state_dict())
+    pushes = [counts[start : start + per_push] for start in range(0, len(counts), per_push)]
+    assert len(pushes) == 3 and len(pushes[-1]) == per_push
+    assert max(pushes[0]) <= min(reports[0]["whole_count_while_scoring"]) + 1
+    assert all(later <= earlier for push in pushes for earlier, later in itertools.pairwise(push))
     trained.load_state_dict(torch.load(tmp_path / "weights.pt"), strict=False)
     engine = vllm_counter_engine(backend, tokenizer, temperature=1.0)
     episodes = anyio.run(engine.run, [COUNTER_ROW], 4)
