@@ -122,7 +122,7 @@ def whole_specs(named: Sequence[tuple[str, torch.Tensor]]) -> list[list]:
 def whole_one_at_a_time(
     named: Sequence[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each of `named`'s tensors whole, one at a time, so no process ever holds the whole model.
+    """Each of `named`'s tensors whole, one at a time: never more than one gathered for this.
 
     A ZeRO-3 parameter is gathered from every process and let go when the next tensor is asked
     for; an FSDP2 `DTensor` is all-gathered into a new tensor; any other tensor comes as it is.

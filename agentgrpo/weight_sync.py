@@ -246,9 +246,9 @@ class ServerPush:
         """Push if `step` is new, then generate.
 
         Only the main process sends; every process takes part in gathering sharded weights,
-        one tensor at a time (`whole_one_at_a_time`), so no process holds the whole model for
-        the push. A PEFT model is gathered whole (`whole_parameters`): merging its adapter
-        needs every weight at once.
+        one tensor at a time (`whole_one_at_a_time`), so the push adds at most one whole tensor
+        to what each process holds. A PEFT model is gathered whole (`whole_parameters`):
+        merging its adapter needs every weight at once.
         """
         if step != self.pushed_step:
             device, sends = next(model.parameters()).device, self.accelerator.is_main_process
