@@ -197,8 +197,10 @@ def load_tokenizer(
 def reference_model(model: Any, args: Any) -> Any | None:
     """A frozen copy of the starting policy, needed only when `beta > 0`.
 
-    The copy is where the policy is and in its dtype (the Trainer has already placed the
-    policy on its device); its logprobs run under the same autocast as the policy's.
+    The copy is in the policy's dtype, on the run's device (`args.device`): under DeepSpeed and
+    FSDP the Trainer leaves the policy on the CPU until `accelerator.prepare` moves it, and the
+    copy is never prepared. A policy spread over devices (`device_map`) is copied as it is
+    spread. The copy's logprobs run under the same autocast as the policy's.
     With PEFT there is no copy: the reference is the base model with the adapter disabled.
     Under DeepSpeed ZeRO-3 the policy's weights are shards; the copy is built from the whole
     weights, gathered once, and every process holds it whole.
@@ -206,6 +208,8 @@ def reference_model(model: Any, args: Any) -> Any | None:
     if args.beta == 0.0 or _is_peft(model):
         return None
     reference = _whole_copy(model) if zero3_partitioned(model) else copy.deepcopy(model)
+    if not getattr(model, "hf_device_map", None):
+        reference.to(args.device)
     reference.eval().requires_grad_(False)
     return reference
 
@@ -216,8 +220,7 @@ def _whole_copy(model: Any) -> Any:
         state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     copy_ = type(model)(model.config)
     copy_.load_state_dict(state)
-    parameter = next(model.parameters())
-    return copy_.to(device=parameter.device, dtype=parameter.dtype)
+    return copy_.to(dtype=next(model.parameters()).dtype)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

@@ -20,7 +20,8 @@ order reversed on every other repeat; the first step of each run is a warm-up an
   cached per config. Targets: the same.
 
 Per runner it prints the median seconds per optimizer step, the part with a generation call in
-flight, peak GPU memory (`torch.cuda.max_memory_allocated` from the built trainer on), tool
+flight, peak GPU memory (`torch.cuda.max_memory_allocated` from the built trainer on) and its
+peak in each phase (`PhasePeaks`: generation and scoring, loss and backward, the rest), tool
 calls and completion tokens per episode (both sides did the same work), and the ratios.
 
 Run on a CUDA machine: `python bench/gpu_step.py --tokenizer DIR` (bench/README.md says how to
@@ -177,6 +178,9 @@ def _child(args: argparse.Namespace) -> None:
     if work["no_stop"]:
         trainer.engine.context.backend.stop_token_ids = frozenset()  # run to the full length
     timer.attach(trainer, args.child)
+    phases = PhasePeaks(torch) if cuda else None
+    if phases:
+        phases.attach(trainer)
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -185,7 +189,8 @@ def _child(args: argparse.Namespace) -> None:
     result = {
         "step_s": timer.step_s,
         "generate_s": timer.generate_s,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "peak_gib": phases.peak() if phases else 0.0,
+        "phase_peaks_gib": phases.peaks if phases else {},
         "built_gib": built_gib,
         "logs": timer.logs,
         "device": torch.cuda.get_device_name() if cuda else args.device,
@@ -193,6 +198,45 @@ def _child(args: argparse.Namespace) -> None:
     if args.child == "agentgrpo":
         result["decoding"] = trainer.engine.context.backend.decoding
     Path(args.result).write_text(json.dumps(result))
+
+
+class PhasePeaks:
+    """Peak GPU memory (GiB) in each phase of the run, read where one phase gives way to another.
+
+    `prepare`: `_prepare_inputs` (each round's generation and scoring, in both trainers);
+    `loss`: `training_step` (a micro-batch's forward and backward); `other`: the rest (the
+    optimizer step, logging). The run's peak is the largest of the three.
+    """
+
+    def __init__(self, torch: Any):
+        self.cuda = torch.cuda
+        self.peaks = {"prepare": 0.0, "loss": 0.0, "other": 0.0}
+
+    def attach(self, trainer: Any) -> None:
+        """Wrap the trainer's `_prepare_inputs` and `training_step`."""
+        trainer._prepare_inputs = self._phase("prepare", trainer._prepare_inputs)
+        trainer.training_step = self._phase("loss", trainer.training_step)
+
+    def peak(self) -> float:
+        """The run's peak so far (closing the phase in progress as `other`)."""
+        self._close("other")
+        return max(self.peaks.values())
+
+    def _phase(self, name: str, method: Any) -> Any:
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            self._close("other")
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._close(name)
+
+        return measured
+
+    def _close(self, name: str) -> None:
+        self.cuda.synchronize()
+        peak = self.cuda.max_memory_allocated() / 2**30
+        self.peaks[name] = round(max(self.peaks[name], peak), 2)
+        self.cuda.reset_peak_memory_stats()
 
 
 # ---------------------------------------------------------------------- models
@@ -289,6 +333,7 @@ def _summary(runs: list[dict]) -> dict:
         "median_step_s": round(statistics.median(steps), 3) if steps else None,
         "median_generate_s": round(statistics.median(gens), 3) if gens else None,
         "peak_gib": round(max(r["peak_gib"] for r in good), 2) if good else None,
+        "phase_peaks_gib": good[0].get("phase_peaks_gib", {}) if good else {},
         "calls_per_episode": mean("calls_per_episode"),
         "completion_length": mean("completions/mean_length"),
         "steps_s": [round(s, 3) for s in steps],
@@ -358,6 +403,7 @@ def _print(workload: str, summary: dict, load: tuple[float, ...]) -> None:
             f"completion tokens {s['completion_length']}, steps {s['steps_s']} "
             f"{s['decoding']} {s['errors']}"
         )
+        print(f"{'':10} peak GiB by phase {s['phase_peaks_gib']}")
     ours, trl = summary.get("agentgrpo", {}), summary.get("trl", {})
     if ours.get("median_step_s") and trl.get("median_step_s") and trl.get("peak_gib"):
         time_ratio = ours["median_step_s"] / trl["median_step_s"]

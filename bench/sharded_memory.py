@@ -119,7 +119,8 @@ def _run(engine: str, model_dir: str, out_dir: Path, cli: argparse.Namespace) ->
             *("--num_processes", str(processes), "--mixed_precision", "no", str(SCRIPT)),
             *script_args,
         ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     if not cli.gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     print(f"{engine}: {processes} process(es)", flush=True)
@@ -127,7 +128,8 @@ def _run(engine: str, model_dir: str, out_dir: Path, cli: argparse.Namespace) ->
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
     )
     if done.returncode != 0:
-        raise SystemExit(f"{engine} failed (exit {done.returncode}):\n{done.stdout[-4000:]}")
+        output = done.stdout[-2000:] + done.stderr[-4000:]
+        raise SystemExit(f"{engine} failed (exit {done.returncode}):\n{output}")
     reports = [json.loads(p.read_text()) for p in sorted(out_dir.glob("process_*.json"))]
     memory = "max_gpu_mib" if cli.gpu else "max_rss_mib"
     return {

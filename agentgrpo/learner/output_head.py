@@ -139,7 +139,7 @@ def head_logprobs(
     """
     if entropy not in _ENTROPY_MODES:
         raise ValueError(f"entropy={entropy!r} is not one of {_ENTROPY_MODES}")
-    hidden_N_H, targets_N = hidden_B_C_H[real_B_C], targets_B_C[real_B_C]
+    hidden_N_H, targets_N = _as_head_input(head, hidden_B_C_H[real_B_C]), targets_B_C[real_B_C]
     size = chunk_tokens(_vocabulary_size(head, hidden_N_H))
     several = hidden_N_H.shape[0] > size and torch.is_grad_enabled()
     score = _checkpointed_chunk if several else chunk_logprobs
@@ -184,6 +184,19 @@ def chunk_logprobs(
 def _checkpointed_chunk(*args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`chunk_logprobs` whose logits the backward recomputes instead of keeping them."""
     return checkpoint(chunk_logprobs, *args, use_reentrant=False)
+
+
+def _as_head_input(head: torch.nn.Module, hidden_N_H: torch.Tensor) -> torch.Tensor:
+    """`hidden_N_H` in the dtype of the head's weight, which the head needs outside a forward.
+
+    accelerate's mixed precision runs the forward under autocast and returns its outputs in
+    float32, the final hidden states too: a bfloat16 head (bf16 weights with `bf16=True`) would
+    then meet float32 inputs. The states were bfloat16 inside the forward, so the cast is exact.
+    """
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return hidden_N_H.to(weight.dtype)
+    return hidden_N_H
 
 
 def _vocabulary_size(head: torch.nn.Module, hidden_N_H: torch.Tensor) -> int:

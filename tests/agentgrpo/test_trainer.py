@@ -10,13 +10,14 @@ import torch
 from datasets import Dataset
 
 from agentgrpo import GRPOConfig, GRPOTrainer
+from agentgrpo.models import reference_model
 from agentgrpo.reference_sync import REFERENCE_FILE
 from agentgrpo.rewards.calls import RewardFunctionError
 from environments import Counter
 from rollout import ToolTemplateError
 from tests.support.episodes import scripted_episode, tool_call
 from tests.support.teach import teach
-from tests.support.tiny_model import tiny_llama
+from tests.support.tiny_model import tiny_llama, tiny_tokenizer
 from tests.support.trainer import StopAfter, logged, rank_in_call, short_run_config, tiny_trainer
 
 PROMPTS = Dataset.from_dict({"prompt": ["The sky is", "Hello", "One two", "A B C"] * 40})
@@ -180,6 +181,34 @@ def test_a_positive_beta_uses_a_reference_model_and_logs_kl(tokenizer, tmp_path)
     kls = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
     assert kls[0] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
     assert kls[-1] > 0.0  # the policy moved away
+
+
+def test_bfloat16_weights_train_under_bf16_mixed_precision_with_a_reference(tokenizer, tmp_path):
+    # accelerate returns the forward's outputs in float32, the final hidden states too, which
+    # then met the bfloat16 output layer (first seen on an H200 with a bf16 Qwen2.5 model).
+    args = config(tmp_path, bf16=True, beta=0.1, max_steps=1)
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer).to(torch.bfloat16), rank_in_call, args, PROMPTS,
+        processing_class=tokenizer,
+    )  # fmt: skip
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.accelerator.mixed_precision == "bf16"
+    assert next(trainer.ref_model.parameters()).dtype == torch.bfloat16
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert logged(trainer, "kl") == [pytest.approx(0.0, abs=1e-6)]  # step 1: policy == reference
+
+
+def test_the_reference_model_is_made_on_the_runs_device_wherever_the_policy_waits(tmp_path):
+    # Under DeepSpeed and FSDP the Trainer leaves the policy on the CPU until it is prepared;
+    # the reference, never prepared, must be on the run's device (measured on an H200: ZeRO-2
+    # and FSDP2 runs stopped at the reference's first forward, its weights on the CPU).
+    class OnMeta:
+        beta, device = 0.1, torch.device("meta")
+
+    reference = reference_model(tiny_llama(tiny_tokenizer()), OnMeta())
+    assert {p.device.type for p in reference.parameters()} == {"meta"}
+    assert not any(p.requires_grad for p in reference.parameters())
 
 
 def test_several_updates_per_round_use_the_generating_policys_logprobs(tokenizer, tmp_path):

@@ -497,3 +497,32 @@ def test_each_engine_on_one_gpu_trains_to_the_weights_of_a_plain_gpu_process(
     assert report["whole_while_scoring"] and all(report["whole_while_scoring"])
     for file in ("weights.pt", "reference.pt"):
         assert_moved_alike(tmp_path, one_gpu_run, file, atol=GPU_ATOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("engine", SHARDED_ENGINES)
+def test_agentgrpo_run_under_each_engine_on_one_gpu_trains_in_its_configs_precision(
+    engine, tiny_model_dir, tmp_path
+):
+    """A user's launch, as the config ships (ZeRO: bf16): Counter episodes, a KL term, the save."""
+    out_dir = tmp_path / "run"
+    command = [
+        *(sys.executable, "-m", "accelerate.commands.launch"),
+        *("--config_file", str(CONFIGS / f"{engine}.yaml"), "--num_processes", "1"),
+        *("--main_process_port", str(free_port())),
+        *("-m", "agentgrpo", "run", "env:Counter", "--model", str(tiny_model_dir)),
+        *("--chat-template", "chatml_tools", "--max-steps", "2"),
+        *("--output-dir", str(out_dir), "--per-device-train-batch-size", "4"),
+        *("--num-generations", "4", "--max-completion-length", "16", "--beta", "0.1"),
+        *("--report-to", "none", "--save-strategy", "no"),
+    ]
+    returncode, output = run_in_own_group(command, {})
+    assert returncode == 0, output[-6000:]
+    assert "  device       cuda:0 (" in output  # the start-up summary names the GPU
+    assert recorded_steps(out_dir) == [1, 2]
+    saved = AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype="auto")
+    started = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="auto")
+    assert {name: t.shape for name, t in saved.named_parameters()} == {
+        name: t.shape for name, t in started.named_parameters()
+    }

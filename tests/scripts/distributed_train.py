@@ -215,6 +215,7 @@ def main() -> None:
     config = GRPOConfig(
         output_dir=str(out_dir / "run"),
         use_cpu=not cli.gpu,
+        bf16=False,  # float32 on a GPU too (bf16=None turns bf16 on there): runs compare weights
         per_device_train_batch_size=cli.per_device_batch,
         gradient_accumulation_steps=2,  # two micro-batches per round: two groups per process
         num_generations=4,

@@ -164,6 +164,17 @@ def test_an_output_layer_cast_to_float32_scores_as_its_whole_logits(model, chunk
     torch.testing.assert_close(got[1], want[1], atol=LOGPROB_TOLERANCE, rtol=ENTROPY_TOLERANCE)
 
 
+def test_float32_states_meet_a_bfloat16_output_layer_as_the_bfloat16_states_they_were():
+    # accelerate's mixed precision hands the forward's outputs back in float32.
+    head, hidden_B_C_H, targets_B_C, real_B_C = head_and_states()
+    head.to(torch.bfloat16)
+    states_B_C_H = hidden_B_C_H.detach().to(torch.bfloat16)
+    want = head_logprobs(head, states_B_C_H, targets_B_C, real_B_C, 0.7, "detached")
+    got = head_logprobs(head, states_B_C_H.float(), targets_B_C, real_B_C, 0.7, "detached")
+    assert got[0].dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 class LargestTensor(TorchDispatchMode):
     """Records the most elements of any tensor an operator returns while active."""
 
