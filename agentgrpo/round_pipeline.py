@@ -50,6 +50,9 @@ class RoundPlan:
         max_steps: Optimizer steps of the run, or 0 when the epochs decide.
         train: A training round (shuffled, several micro-batches); False for evaluation
             (one micro-batch holding the whole round, never old logprobs).
+        whole_groups: Shuffle groups, not episodes, keeping each group's episodes together
+            (`micro_batches_commute`): micro-batches then hold few prompts, which the learner
+            runs once each (`learner.shared_prompt`).
     """
 
     prompts_per_process: int
@@ -61,6 +64,7 @@ class RoundPlan:
     num_iterations: int = 1
     max_steps: int = 0
     train: bool = True
+    whole_groups: bool = False
 
     @classmethod
     def from_config(cls, args: Any, num_processes: int) -> RoundPlan:
@@ -80,6 +84,7 @@ class RoundPlan:
             accumulation_steps=args.gradient_accumulation_steps,
             num_iterations=args.num_iterations,
             max_steps=args.max_steps,
+            whole_groups=micro_batches_commute(args),
         )
 
     @classmethod
@@ -146,6 +151,26 @@ class RoundPlan:
     def position(self, micro_index: int) -> int:
         """Which of its round's micro-batches micro-batch `micro_index` is."""
         return micro_index % self.repeats % self.micro_batches
+
+
+def micro_batches_commute(args: Any) -> bool:
+    """Whether a round's update is the same whichever episodes share a micro-batch.
+
+    So when the round lies inside one optimizer step, each micro-batch trained once
+    (`num_iterations=1`, `gradient_accumulation_steps` a multiple of `steps_per_generation`),
+    and the loss averages nothing over a micro-batch's tokens: not `bnpo`, no entropy bonus (it
+    is a token mean), `top_entropy_quantile=1` (the quantile is a micro-batch's). The grpo and
+    dr_grpo means are over a micro-batch's episodes, which every micro-batch has as many of.
+    TRL shuffles episodes whatever the loss; where this holds, whole groups are shuffled.
+    """
+    return (
+        args.num_iterations == 1
+        and args.gradient_accumulation_steps % args.steps_per_generation == 0
+        and args.loss_type != "bnpo"
+        and args.entropy_coef == 0.0
+        and not args.use_adaptive_entropy
+        and args.top_entropy_quantile == 1.0
+    )
 
 
 def prompts_per_process(completions: int, num_generations: int, processes: int) -> int:
@@ -303,6 +328,7 @@ def split_micro_batches(
 
     A micro-batch holds `plan.micro_batch_size` episodes with all their rows (so a forked
     episode makes it longer), which keeps the per-episode normalisations of the loss whole.
+    With `plan.whole_groups` the groups are shuffled and each group's episodes stay together.
     Every micro-batch carries `plan.num_items(round_tokens)`. The shuffle draws from torch's
     global generator (seeded by the Trainer, restored on resume).
     """
@@ -310,7 +336,14 @@ def split_micro_batches(
     if not plan.train:
         return [replace(batch, num_items=num_items)]
     episodes = batch.episodes
-    order = [episodes[i] for i in torch.randperm(len(episodes)).tolist()]
+    if plan.whole_groups:
+        groups: dict[int, list[int]] = {}
+        for n in episodes:  # episode n of the round is in group n // num_generations
+            groups.setdefault(n // plan.num_generations, []).append(n)
+        chosen = list(groups.values())
+        order = [n for g in torch.randperm(len(chosen)).tolist() for n in chosen[g]]
+    else:
+        order = [episodes[i] for i in torch.randperm(len(episodes)).tolist()]
     size = plan.micro_batch_size
     return [
         replace(batch.select_episodes(order[i : i + size]), num_items=num_items)

@@ -16,12 +16,20 @@ from agentgrpo.cli.eval_command import eval_config
 from agentgrpo.learner.batch import collate_episodes
 from agentgrpo.learner.logprobs import batched_logprobs
 from agentgrpo.rewards.calls import reward_functions
-from agentgrpo.round_pipeline import RewardShaping, RoundParts, RoundPlan, play_and_batch
+from agentgrpo.round_pipeline import (
+    RewardShaping,
+    RoundParts,
+    RoundPlan,
+    micro_batches_commute,
+    play_and_batch,
+    split_micro_batches,
+)
 from agentgrpo.scoring import play_round
 from agentgrpo.wiring import build_parts, episode_config_of
 from environments import Counter
 from rollout import EpisodeConfig, TransformersBackend
-from tests.support.episodes import scripted_backend, single_row
+from tests.support.episodes import scripted_backend, scripted_episode, single_row
+from tests.support.trainer import rank_in_call, short_run_config, tiny_trainer
 
 
 def grpo_config(tmp_path, **fields) -> GRPOConfig:
@@ -92,6 +100,73 @@ def test_a_round_that_would_split_a_group_across_processes_is_refused(tmp_path):
     args = grpo_config(tmp_path, per_device_train_batch_size=4, num_generations=4)
     with pytest.raises(ValueError, match="whole groups"):
         RoundPlan.from_config(args, num_processes=3)  # 4 completions over 3 processes
+
+
+@pytest.mark.parametrize(
+    "fields, commute",
+    [
+        ({}, True),
+        ({"gradient_accumulation_steps": 4, "steps_per_generation": 2}, True),  # a step spans 2
+        ({"loss_type": "grpo"}, True),  # a mean over a micro-batch's (equally many) episodes
+        ({"loss_type": "dr_grpo"}, True),
+        ({"num_iterations": 2}, False),
+        ({"gradient_accumulation_steps": 2, "steps_per_generation": 4}, False),  # 2 steps a round
+        ({"loss_type": "bnpo"}, False),  # a token mean over the micro-batch
+        ({"entropy_coef": 0.01}, False),
+        ({"use_adaptive_entropy": True}, False),
+        ({"top_entropy_quantile": 0.2}, False),
+    ],
+)
+def test_groups_stay_together_only_where_micro_batch_membership_cannot_change_the_update(
+    tmp_path, fields, commute
+):
+    args = grpo_config(tmp_path, per_device_train_batch_size=4, num_generations=4, **fields)
+    assert micro_batches_commute(args) is commute
+    assert RoundPlan.from_config(args, num_processes=1).whole_groups is commute
+
+
+def test_whole_groups_are_shuffled_as_groups_and_each_episode_trains_once(tokenizer):
+    # 4 groups of 3 episodes, micro-batches of 6: each holds 2 whole groups.
+    episodes = [scripted_episode(tokenizer, [f"Answer {n}."]) for n in range(12)]
+    batch = collate_episodes(episodes, torch.arange(12.0), pad_token_id=tokenizer.pad_token_id)
+    plan = RoundPlan(4, num_generations=3, micro_batch_size=6, micro_batches=2, whole_groups=True)
+    orders = []
+    for seed in range(6):
+        torch.manual_seed(seed)
+        micro_batches = split_micro_batches(batch, plan, round_tokens=10)
+        assert [len(b) for b in micro_batches] == [6, 6]
+        order = [int(a) for b in micro_batches for a in b.advantages_B]
+        assert sorted(order) == list(range(12))
+        groups = [order[i : i + 3] for i in range(0, 12, 3)]
+        assert all(g == list(range(g[0], g[0] + 3)) and g[0] % 3 == 0 for g in groups)
+        orders.append(tuple(g[0] // 3 for g in groups))
+    assert len(set(orders)) > 1  # the groups' order is drawn
+
+
+def test_a_round_trains_to_the_same_weights_whether_groups_or_episodes_are_shuffled(
+    tmp_path, tokenizer
+):
+    # One optimizer step (SGD, so the update is the summed gradient itself) from one round of
+    # 4 groups of 4, in micro-batches of 4: whole groups, then episodes shuffled across them.
+    # (With top_entropy_quantile=0.5, a quantile per micro-batch, the two differ.)
+    weights = {}
+    for whole_groups in (True, False):
+        args = short_run_config(
+            tmp_path / str(whole_groups), optim="sgd", per_device_train_batch_size=4,
+            gradient_accumulation_steps=4, max_steps=1, beta=0.1, loss_type="dapo",
+        )  # fmt: skip
+        rows = [{"prompt": p} for p in ("The sky is", "Hello", "One two", "A B C")]
+        trainer = tiny_trainer(tokenizer, rank_in_call, args, rows)
+        assert trainer.plan.whole_groups
+        trainer.plan = replace(trainer.plan, whole_groups=whole_groups)
+        trainer.train()
+        groups = [len({n // 4 for n in b.episodes}) for b in trainer._round.micro_batches]
+        trained = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        weights[whole_groups] = trained, groups
+    (grouped, grouped_groups), (shuffled, shuffled_groups) = weights[True], weights[False]
+    assert grouped_groups == [1, 1, 1, 1] and max(shuffled_groups) > 1  # groups per batch
+    for name, weight in shuffled.items():
+        torch.testing.assert_close(grouped[name], weight, atol=1e-6, rtol=0, msg=name)
 
 
 def completion_tokens(completion_ids: list[list[int]]) -> list[float]:
