@@ -35,8 +35,7 @@ from agentgrpo.data import (
 from agentgrpo.devices import check_sharded_launch
 from agentgrpo.learner.batch import TrainingBatch, collate_episodes
 from agentgrpo.learner.logprobs import batched_logprobs
-from agentgrpo.learner.losses import LossConfig, normalises_by_num_items
-from agentgrpo.learner.token_weights import TokenWeighting
+from agentgrpo.learner.losses import normalises_by_num_items
 from agentgrpo.loss_step import LossStep
 from agentgrpo.models import (
     load_policy_and_processing,
@@ -260,16 +259,14 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after the warm start when `warm_start_steps` > 0.
 
-        With `save_warm_start`, the warm-started model is saved to `output_dir/warm_start`
-        before GRPO's first step. `resume_from_checkpoint` is a checkpoint folder, or True for
-        the latest intact one in `output_dir` (see `_resume_point`). A resumed run skips the
-        warm start: its checkpoint already holds warm-started weights. Temporary folders
-        that a killed checkpoint save left are removed first. The output folder is locked
-        while training (`run_folder.hold`): a second run into it fails at once with
-        `run_folder.OutputDirBusy`. A Ctrl-C stops training at once (the KeyboardInterrupt
-        propagates); the checkpoints already saved stay intact. With several environments, a
-        row naming none or an unknown one is an error here, before any work (TRL's message;
-        TRL raises it at the first batch).
+        With `save_warm_start`, the warm-started model is saved to `output_dir/warm_start` first.
+        `resume_from_checkpoint` is a checkpoint folder, or True for the latest intact one in
+        `output_dir` (`_resume_point`); a resumed run skips the warm start (its checkpoint holds
+        warm-started weights). Folders a killed checkpoint save left are removed first. The
+        output folder is locked while training: a second run into it fails at once with
+        `run_folder.OutputDirBusy`. A Ctrl-C stops training at once; saved checkpoints stay
+        intact. With several environments, a row naming none or an unknown one is an error
+        here, before any work (TRL's message; TRL raises it at the first batch).
         """
         check_environment_column(self.train_dataset, self.engine)
         output_dir = str(self.args.output_dir)  # TrainingArguments always sets one
@@ -302,13 +299,8 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """Rows round by round (see `RoundSampler`); each process gets whole groups."""
         args = self.args
-        loader = round_rows_loader(
-            self.train_dataset,
-            self.plan,
-            bool(args.shuffle_dataset),
-            args.seed,
-            args.dataloader_num_workers,
-        )
+        shuffle, workers = bool(args.shuffle_dataset), args.dataloader_num_workers
+        loader = round_rows_loader(self.train_dataset, self.plan, shuffle, args.seed, workers)
         return self.accelerator.prepare(loader)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
@@ -420,16 +412,6 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
             self._metrics["train"]["entropy_coef"].append(step.loss_config.entropy_coef)
         self._trainer_log.add_reduced(self._mode, metrics)
         return loss
-
-    @property
-    def loss_config(self) -> LossConfig:
-        """The loss and its hyperparameters (`wiring.loss_config_of`)."""
-        return self.loss_step.loss_config
-
-    @property
-    def token_weighting(self) -> TokenWeighting:
-        """The sampler-mismatch correction and token masks the loss applies."""
-        return self.loss_step.token_weighting
 
     def _loss_scale(self) -> float:
         """Undo the Trainer's division by accumulation steps and DDP's mean for token losses."""

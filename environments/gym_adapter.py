@@ -234,32 +234,28 @@ def gym_environment(
         ('Correct! (episode over)', True, 1.0)
 
     """
-    _check_names(action_tool, argument)
-    if max_episode_steps is not None and max_episode_steps < 1:
-        raise ValueError(f"max_episode_steps={max_episode_steps} must be at least 1, or None")
+    _check_arguments(action_tool, argument, max_episode_steps)
     if isinstance(make_env, str):
         make_env = functools.partial(gymnasium.make, make_env)
     env_name, action_space, observe = _probe(make_env, observe)
-    spec = GymSpec(
-        make_env=make_env,
-        observe=observe,
-        action_space=action_space,
-        argument=argument,
-        max_episode_steps=max_episode_steps,
-        options=tuple(options),
-    )
+    spec = GymSpec(make_env, observe, action_space, argument, max_episode_steps, tuple(options))
     class_name = name or f"{env_name}Environment"
     doc = argument_doc or _describe_space(action_space)
-    namespace: dict[str, Any] = {
-        "__doc__": description
-        or f"The gymnasium env {env_name} as an environment: the model acts with {action_tool}.",
-        "__module__": _caller_module(),
-        "_gym": spec,
-        action_tool: _tool_method(class_name, action_tool, argument, action_space, action_doc, doc),
-    }
+    tool = _tool_method(class_name, action_tool, argument, action_space, action_doc, doc)
+    description = description or (
+        f"The gymnasium env {env_name} as an environment: the model acts with {action_tool}."
+    )
+    namespace = {"__doc__": description, "__module__": _caller_module(), "_gym": spec}
+    return _environment_class(class_name, {**namespace, action_tool: tool}, prompt)
+
+
+def _environment_class(
+    name: str, namespace: dict[str, Any], prompt: str | None
+) -> type[GymEnvironment]:
+    """A `GymEnvironment` subclass holding `namespace`; with a `prompt`, `PromptRows` too."""
     if prompt is None:
-        return type(class_name, (GymEnvironment,), namespace)
-    return type(class_name, (GymEnvironment, PromptRows), {**namespace, "prompt": prompt})
+        return type(name, (GymEnvironment,), namespace)
+    return type(name, (GymEnvironment, PromptRows), {**namespace, "prompt": prompt})
 
 
 def _probe(
@@ -293,7 +289,10 @@ def _probe(
     return env_name, action_space, observe or str
 
 
-def _check_names(action_tool: str, argument: str) -> None:
+def _check_arguments(action_tool: str, argument: str, max_episode_steps: int | None) -> None:
+    """Raise ValueError, saying what to pick instead, for an unusable name or step limit."""
+    if max_episode_steps is not None and max_episode_steps < 1:
+        raise ValueError(f"max_episode_steps={max_episode_steps} must be at least 1, or None")
     for what, value in (("action_tool", action_tool), ("argument", argument)):
         if not value.isidentifier() or keyword.iskeyword(value) or value.startswith("_"):
             raise ValueError(f"{what}={value!r} must be a public Python identifier")

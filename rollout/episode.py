@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter as Tally
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import jinja2
 
 from environments import (
@@ -35,14 +34,13 @@ from environments import (
 from rollout.backend import GenerationBackend
 from rollout.images import (
     images_of,
-    text_of,
-    tool_content,
     with_observation_parts,
     with_row_images,
 )
 from rollout.parsers import Parser
-from rollout.template import ChatRenderer, ToolTurn, valid_unicode
+from rollout.template import ChatRenderer, ToolTurn
 from rollout.tokens import TokenRow
+from rollout.tool_calls import assistant_message, call_records, run_calls, tool_message
 from rollout.types import (
     Completion,
     Episode,
@@ -51,10 +49,9 @@ from rollout.types import (
     Finish,
     ParsedTurn,
     SamplingParams,
-    ToolCall,
     ToolCallRecord,
 )
-from tools import Tool, ToolResult, call_tool
+from tools import Tool, ToolResult
 from tools.threads import shield_unless_interrupted
 
 
@@ -363,20 +360,18 @@ async def _turn(
         return Finish.LENGTH
     text = decode(completion.token_ids[:-1])
     parsed = ctx.parser(text)
-    state.messages.append(_assistant_message(text, parsed))
+    state.messages.append(assistant_message(text, parsed))
     if not parsed.tool_calls and not parsed.errors:
         return Finish.STOP
-    results = await _run_calls(
-        parsed.tool_calls, tools, ctx.tools.keys(), ctx.config.tool_timeout_s
-    )
+    results = await run_calls(parsed.tool_calls, tools, ctx.tools.keys(), ctx.config.tool_timeout_s)
     _count(state, parsed, results)
-    tool_messages = [_tool_message(r.name, r.content, r.images) for r in results]
-    tool_messages += [_tool_message("error", e) for e in parsed.errors]
+    tool_messages = [tool_message(r.name, r.content, r.images) for r in results]
+    tool_messages += [tool_message("error", e) for e in parsed.errors]
     env_done = env is not None and await read_done(env, ctx.config.environment_timeout_s)
     stop_text = decode(completion.token_ids[-1:])
     finish = _add_tool_turn(ctx, state, tool_messages, stop_text, env_done)
     shown = state.messages[len(state.messages) - len(tool_messages) :]
-    state.calls.extend(_call_records(parsed, results, shown))
+    state.calls.extend(call_records(parsed, results, shown))
     return finish
 
 
@@ -450,86 +445,12 @@ def _ending(ctx: EpisodeContext, state: _State, env_done: bool) -> Finish | None
     return None
 
 
-async def _run_calls(
-    calls: list[ToolCall],
-    tools: Mapping[str, Tool],
-    concurrent: Collection[str],
-    timeout_s: float | None,
-) -> list[ToolResult]:
-    """Run a turn's tool calls; results keep the calls' order.
-
-    Calls on the environment (every call not to one of the plain tools named in `concurrent`)
-    share the instance's state, so they run one at a time, in the order the model wrote them.
-    Each call to a plain tool runs concurrently with the rest.
-    """
-    results: list[ToolResult | None] = [None] * len(calls)
-
-    async def run_in_order(indices: list[int]) -> None:
-        for i in indices:
-            results[i] = await call_tool(tools, calls[i].name, calls[i].arguments, timeout_s)
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(run_in_order, [i for i, c in enumerate(calls) if c.name not in concurrent])
-        for i, call in enumerate(calls):
-            if call.name in concurrent:
-                group.start_soon(run_in_order, [i])
-    return results  # type: ignore[return-value]
-
-
 def _count(state: _State, parsed: ParsedTurn, results: list[ToolResult]) -> None:
     """Count a turn's calls and their errors."""
     state.tool_calls += len(parsed.tool_calls) + len(parsed.errors)
     state.tool_errors.update(str(r.error) for r in results if r.error is not None)
     if parsed.errors:
         state.tool_errors["parse"] += len(parsed.errors)
-
-
-def _call_records(
-    parsed: ParsedTurn, results: list[ToolResult], shown: list[dict]
-) -> list[ToolCallRecord]:
-    """The turn's calls with their results, then its unparseable calls, in message order.
-
-    Each result is the text of its tool message in `shown` (cut where the model was shown a
-    cut text), with the whole text's length where it was cut.
-    """
-    ran: list[tuple[str | None, Mapping[str, Any], str, str | None]] = [
-        (c.name, c.arguments, r.content, None if r.error is None else str(r.error))
-        for c, r in zip(parsed.tool_calls, results, strict=True)
-    ]
-    calls = ran + [(None, {}, message, "parse") for message in parsed.errors]
-    return [
-        ToolCallRecord(
-            name,
-            arguments,
-            text_of(shown_message["content"]),
-            error,
-            _cut_from(whole, text_of(shown_message["content"])),
-        )
-        for (name, arguments, whole, error), shown_message in zip(calls, shown, strict=True)
-    ]
-
-
-def _cut_from(whole: str, shown: str) -> int | None:
-    """The length of `whole` when `shown` is a cut of it, else None."""
-    return len(whole) if len(shown) < len(whole) else None
-
-
-def _assistant_message(text: str, parsed: ParsedTurn) -> dict[str, Any]:
-    if not parsed.tool_calls:
-        return {"role": "assistant", "content": text}
-    calls = [
-        {"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}}
-        for c in parsed.tool_calls
-    ]
-    return {"role": "assistant", "content": parsed.content, "tool_calls": calls}
-
-
-def _tool_message(name: str, content: str, images: tuple[Any, ...] = ()) -> dict[str, Any]:
-    """A tool message; lone surrogates a tool returned become U+FFFD, so it can be encoded.
-
-    With images, the content is parts: the images, then the text (`rollout.images.tool_content`).
-    """
-    return {"role": "tool", "name": name, "content": tool_content(valid_unicode(content), images)}
 
 
 def _show(row: Mapping[str, Any], width: int = 200) -> str:

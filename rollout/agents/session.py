@@ -25,7 +25,8 @@ import anyio
 from rollout.backend import GenerationBackend
 from rollout.episode import EpisodeConfig
 from rollout.parsers import Parser
-from rollout.template import ChatRenderer, ToolTurn, valid_unicode
+from rollout.template import ChatRenderer, ToolTurn
+from rollout.text_encoding import valid_unicode
 from rollout.tokens import TokenRow
 from rollout.types import EpisodeRow, Finish, ParsedTurn, ToolCallRecord
 

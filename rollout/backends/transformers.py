@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -40,6 +40,13 @@ from rollout.backends.generation_rows import Request, Row, draw_rows
 from rollout.backends.generation_settings import generation_settings, row_processors
 from rollout.backends.image_prefixes import prefix_key, reusable_length
 from rollout.backends.kv_cache import KV, PrefixCache
+from rollout.backends.prefill_plans import (
+    PrefillPlan,
+    cache_of_prefixes,
+    left_padded,
+    plan_wave,
+    similar_lengths,
+)
 from rollout.backends.slot_batch import SlotBatch
 from rollout.images import feature_token_ids, vision_forward_kwargs
 from rollout.types import Completion, SamplingParams
@@ -52,24 +59,6 @@ _SAMPLING_DEFAULTS = {
     "min_p": 0.0,
     "repetition_penalty": 1.0,
 }
-
-
-@dataclass
-class _Plan:
-    """How a request prefills: the first `reused` positions of `cached` serve its prompt."""
-
-    request: Request
-    reused: int
-    cached: KV | None
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.request.prompt_ids
-
-    @property
-    def reads(self) -> int:
-        """Tokens the request must read."""
-        return len(self.prompt) - self.reused
 
 
 class TransformersBackend:
@@ -295,33 +284,17 @@ class TransformersBackend:
         A request that shares more of its prompt with an earlier admitted one than the prefix
         cache holds (a group's members arriving together) waits for the next wave, and then
         reads that prompt from the cache. Within a wave, requests of similar lengths read in one
-        pass (`_similar_lengths`).
+        pass (`similar_lengths`).
         """
         prefilled: list[tuple[Row, KV]] = []
         waiting = admitted
         while waiting:
-            wave, waiting = self._wave(waiting)
-            for plans in _similar_lengths(wave, batched=self.batches_prefills):
+            wave, waiting = plan_wave(waiting, self.prefixes)
+            for plans in similar_lengths(wave, batched=self.batches_prefills):
                 prefilled.extend(self._prefill(plans))
         return prefilled
 
-    def _wave(self, requests: list[Request]) -> tuple[list[_Plan], list[Request]]:
-        """Plan the requests that prefill now; return their plans and the requests that wait."""
-        wave: list[_Plan] = []
-        waiting: list[Request] = []
-        for request in requests:
-            prompt = request.prompt_ids
-            reused, cached = self.prefixes.longest_prefix(prompt)
-            shared = max(
-                (kv_cache.shared_prefix_length(plan.prompt, prompt) for plan in wave), default=0
-            )
-            if shared > reused and self.prefixes.max_tokens > 0:
-                waiting.append(request)
-            else:  # read at least one token: its logits are needed
-                wave.append(_Plan(request, min(reused, len(prompt) - 1), cached))
-        return wave, waiting
-
-    def _prefill(self, plans: list[_Plan]) -> list[tuple[Row, KV]]:
+    def _prefill(self, plans: list[PrefillPlan]) -> list[tuple[Row, KV]]:
         """Read the plans' prompts in one pass and draw their first tokens.
 
         Every row reads the same number of tokens, the most any plan needs: a row that needs
@@ -334,15 +307,15 @@ class TransformersBackend:
         width = max(kept) + reads
         token_ids, positions = [], []
         for plan, n in zip(plans, kept, strict=True):
-            token_ids.append(_left_padded(plan.prompt[n:], reads, self.pad_token_id))
-            positions.append(_left_padded(list(range(n, len(plan.prompt))), reads, 0))
+            token_ids.append(left_padded(plan.prompt[n:], reads, self.pad_token_id))
+            positions.append(left_padded(list(range(n, len(plan.prompt))), reads, 0))
         mask_B_T = torch.cat([left_padded_ones(len(plan.prompt), width) for plan in plans])
         device = self._device()
         out = self.model(
             input_ids=torch.tensor(token_ids, device=device),
             attention_mask=mask_B_T.to(device),
             position_ids=torch.tensor(positions, device=device),
-            past_key_values=_cache_of_prefixes(plans, kept),
+            past_key_values=cache_of_prefixes(plans, kept),
             use_cache=True,
             logits_to_keep=1,
         )
@@ -481,36 +454,3 @@ def _layer_types(model: Any) -> set[str]:
 
 def _text_config(model: Any) -> Any:
     return model.config.get_text_config(decoder=True)
-
-
-def _cache_of_prefixes(plans: list[_Plan], kept: list[int]) -> DynamicCache:
-    """The first `kept[b]` cached positions of each plan's prompt as row b, left-padded."""
-    if max(kept) == 0:
-        return DynamicCache()
-    any_cached = next(plan.cached for plan, n in zip(plans, kept, strict=True) if n > 0)
-    rows = []
-    for plan, n in zip(plans, kept, strict=True):
-        prefix = kv_cache.first_positions(plan.cached if n > 0 else any_cached, n)  # type: ignore[arg-type]
-        rows.append(kv_cache.left_pad(prefix, max(kept)))
-    return kv_cache.cache_of(kv_cache.stack_rows(rows))
-
-
-def _similar_lengths(plans: list[_Plan], batched: bool) -> list[list[_Plan]]:
-    """The plans in batches that read together, longest first (one each unless `batched`).
-
-    Every row of a batch reads as many tokens as its longest, so a plan joins a batch only
-    while it needs at least half of that, or no more than 16 tokens less: one more pass costs
-    about as much as reading a few dozen more tokens in a pass (docs/measurements.md).
-    """
-    batches: list[list[_Plan]] = []
-    for plan in sorted(plans, key=lambda plan: plan.reads, reverse=True):
-        longest = batches[-1][0].reads if batches else 0
-        if batched and batches and (2 * plan.reads >= longest or longest - plan.reads <= 16):
-            batches[-1].append(plan)
-        else:
-            batches.append([plan])
-    return batches
-
-
-def _left_padded(values: list[int], width: int, pad: int) -> list[int]:
-    return [pad] * (width - len(values)) + values

@@ -13,7 +13,7 @@ from environments import Counter
 from rollout import EpisodeConfig, EpisodeRecord, Finish, RolloutEngine, record_line
 from rollout.parsers import MAX_JSON_DEPTH, parse_hermes, parse_llama3_json
 from rollout.record import record_from_dict
-from rollout.template import EncodeCache, max_token_chars
+from rollout.text_encoding import EncodeCache, max_token_chars
 from tests.support.episodes import COUNTER_ROW, scripted_backend, single_row
 
 DEEP = "[" * 1000 + "]" * 1000

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from environments import Counter
 from rollout import EpisodeConfig, Finish, RolloutEngine
 from rollout.parsers import get_parser, parse_hermes, parse_llama3_json, tokenizer_parser
-from rollout.template import max_token_chars
+from rollout.text_encoding import max_token_chars
 from tests.support.episodes import COUNTER_ROW, scripted_backend, single_row
 from tests.support.fuzz import FUZZ, assert_is_data, json_values, odd_text, raw_json
 from tests.support.parsing import HERMES_RESPONSE_TEMPLATE, offline_tokenizer

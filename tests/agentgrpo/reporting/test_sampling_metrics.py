@@ -183,7 +183,7 @@ def test_the_transformers_backend_logs_the_five_metrics_every_step(tokenizer, tm
     reuse = {"num_iterations": 2} if updates == "old logprobs kept" else {}
     trainer = tiny_trainer(tokenizer, rank_in_call, config(tmp_path, **reuse), PROMPTS)
     trainer.train()
-    assert not trainer.token_weighting.sampler_correction_mode  # float32 on a CPU
+    assert not trainer.loss_step.token_weighting.sampler_correction_mode  # float32 on a CPU
     logs = step_logs(trainer)
     assert len(logs) == 2
     for log in logs:
