@@ -16,9 +16,15 @@ from typing import Any
 
 import torch
 
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def mixed_precision_dtype(args: Any) -> torch.dtype | None:
-    """The autocast dtype of a `GRPOConfig` (bf16 resolved): bfloat16, float16, or None.
+    """The autocast dtype a `GRPOConfig` trains under: bfloat16, float16, or None.
+
+    transformers' `mixed_precision` where the config has one (the `bf16`/`fp16` flags, else
+    the mixed precision `accelerate launch` set, which its `Accelerator` trains under), else
+    the flags.
 
     Examples:
         >>> from types import SimpleNamespace
@@ -26,11 +32,14 @@ def mixed_precision_dtype(args: Any) -> torch.dtype | None:
         torch.bfloat16
         >>> mixed_precision_dtype(SimpleNamespace(bf16=False, fp16=False)) is None
         True
+        >>> mixed_precision_dtype(SimpleNamespace(bf16=False, fp16=False, mixed_precision="fp16"))
+        torch.float16
 
     """
-    if args.bf16:
-        return torch.bfloat16
-    return torch.float16 if args.fp16 else None
+    mode = getattr(args, "mixed_precision", None)
+    if mode is None:
+        mode = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+    return _AUTOCAST.get(mode)
 
 
 def corrects_sampler_mismatch(args: Any) -> bool:

@@ -10,7 +10,8 @@ the module named for its concern, in TRL's order: `model`, `batching`, `generati
 
 Decisions that differ from TRL, each for a reason given where it is made:
 
-- `bf16=None` means bf16 only on a CUDA GPU that supports it; on CPU, float32.
+- `bf16=None` follows a mixed precision `accelerate launch` asked for (bf16 or fp16); otherwise
+  it means bf16 only on a CUDA GPU that supports it; on CPU, float32.
 - `sync_ref_model=True` with `beta=0.0` is rejected here rather than by the trainer.
 - Features agentgrpo lacks (transformers continuous batching, vLLM colocated
   over several processes or tensor-parallel) are refused, never silently ignored.
@@ -19,6 +20,7 @@ Decisions that differ from TRL, each for a reason given where it is made:
 
 import difflib
 import functools
+import os
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -117,16 +119,19 @@ class GRPOConfig(
     bf16: bool | None = field(  # type: ignore[assignment]
         default=None,
         metadata={
-            "help": "Train in bf16 mixed precision. None: True on a CUDA GPU that supports bf16 "
-            "(and fp16 is off), else False; on CPU agentgrpo trains in float32, which is exact "
-            "and, on the machines it is tested on, faster."
+            "help": "Train in bf16 mixed precision. None: what `accelerate launch` asked for "
+            "(--mixed_precision or the config's mixed_precision) when that is bf16 or fp16; "
+            "otherwise True on a CUDA GPU that supports bf16 (and fp16 is off), else False: on "
+            "CPU agentgrpo trains in float32, which is exact and, on the machines it is tested "
+            "on, faster."
         },
     )
 
     def __post_init__(self) -> None:
         # bf16 must be a bool before TrainingArguments sees it: it rejects bf16 without a GPU.
         if self.bf16 is None:
-            self.bf16 = default_bf16(self.fp16, self.use_cpu)
+            launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+            self.bf16 = default_bf16(self.fp16, self.use_cpu, launched)
         check_numbers(self)  # before TrainingArguments computes anything from them
         super().__post_init__()
         normalize(self)
@@ -151,12 +156,27 @@ class GRPOConfig(
         return self.max_completion_length or 2**31 - 1
 
 
-def default_bf16(fp16: bool, use_cpu: bool) -> bool:
-    """What `bf16=None` means: on when a CUDA GPU that supports it trains, off on CPU.
+def default_bf16(fp16: bool, use_cpu: bool, launched: str | None = None) -> bool:
+    """What `bf16=None` means: the launch's mixed precision, else bf16 on a CUDA GPU that has it.
 
-    On CPU training stays float32, which on these machines is both faster and exact.
+    `launched` is the mixed precision `accelerate launch` set for the process
+    (`ACCELERATE_MIXED_PRECISION`: "bf16", "fp16", "no", or None without a launch). A launch
+    that asked for bf16 gets it, on CPU processes too: transformers would train under the
+    launch's autocast all the same, while generation, the sampler correction and a DeepSpeed
+    config (which refuses `bf16=False` against its own `bf16.enabled`) read this flag. An fp16
+    launch gets False. Otherwise, on CPU training stays float32, which on these machines is
+    both faster and exact.
+
+    Examples:
+        >>> default_bf16(fp16=False, use_cpu=True, launched="bf16")
+        True
+        >>> default_bf16(fp16=False, use_cpu=True, launched="no")
+        False
+
     """
-    return not fp16 and not use_cpu and _cuda_bf16_available()
+    if fp16 or launched == "fp16":
+        return False
+    return launched == "bf16" or (not use_cpu and _cuda_bf16_available())
 
 
 def _cuda_bf16_available() -> bool:

@@ -188,6 +188,17 @@ def test_bf16_defaults_on_where_cuda_supports_it_and_off_on_cpu(monkeypatch):
     assert config_module.default_bf16(fp16=False, use_cpu=True) is False
 
 
+@pytest.mark.parametrize(("launched", "bf16"), [("bf16", True), ("fp16", False), ("no", False)])
+def test_bf16_follows_the_mixed_precision_an_accelerate_launch_asked_for(
+    make, monkeypatch, launched, bf16
+):
+    # Under a DeepSpeed config with bf16 enabled, bf16=False stopped the run before training.
+    monkeypatch.setattr(config_module, "_cuda_bf16_available", lambda: False)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
+    assert make(use_cpu=True).bf16 is bf16
+    assert make(use_cpu=True, bf16=not bf16).bf16 is not bf16  # an explicit value is kept
+
+
 def test_use_cpu_keeps_float32_even_on_a_machine_with_a_bf16_gpu(make, monkeypatch):
     monkeypatch.setattr(config_module, "_cuda_bf16_available", lambda: True)
     assert make(use_cpu=True).bf16 is False

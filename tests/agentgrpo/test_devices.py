@@ -5,6 +5,7 @@ What needs a GPU to be observed (a step on CUDA, eval on CUDA) is in test_gpu.py
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -192,6 +193,15 @@ def test_bf16_mixed_precision_corrects_the_transformers_samplers_numerics(tmp_pa
     assert weighting(vllm_importance_sampling_mode="token_truncate").sampler_ratio_level == "token"
 
 
+def test_generation_autocasts_in_the_precision_an_fp16_launch_trains_in(tmp_path, monkeypatch):
+    # transformers trains under the launch's fp16 though the flags are off; generation must too.
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    assert (args.bf16, args.fp16, args.mixed_precision) == (False, False, "fp16")
+    assert mixed_precision_dtype(args) == torch.float16
+    assert corrects_sampler_mismatch(args)
+
+
 def test_vespo_refuses_a_sequence_correction_of_bf16_generation(tmp_path):
     with pytest.raises(
         ValueError, match="VESPO loss requires `vllm_importance_sampling_mode` to be either"
@@ -200,11 +210,11 @@ def test_vespo_refuses_a_sequence_correction_of_bf16_generation(tmp_path):
 
 
 def test_colocated_vllm_gets_trls_engine_settings_and_generates_in_the_compute_dtype(tmp_path):
-    args = GRPOConfig(
+    config = functools.partial(
+        GRPOConfig,
         output_dir=str(tmp_path),
         report_to="none",
         use_cpu=True,
-        bf16=True,
         use_vllm=True,
         per_device_train_batch_size=4,
         steps_per_generation=3,
@@ -215,7 +225,9 @@ def test_colocated_vllm_gets_trls_engine_settings_and_generates_in_the_compute_d
         trust_remote_code=True,
         seed=7,
     )
-    on_gpu = colocate_engine_args(args, torch.float32, torch.device("cuda", 0), sleeps=True)
+    on_gpu = colocate_engine_args(
+        config(bf16=True), torch.float32, torch.device("cuda", 0), sleeps=True
+    )
     assert on_gpu == {
         "dtype": "bfloat16",  # the dtype training computes in, not the float32 master weights
         "max_model_len": 2048,
@@ -229,8 +241,9 @@ def test_colocated_vllm_gets_trls_engine_settings_and_generates_in_the_compute_d
         "seed": 7,
         "trust_remote_code": True,
     }
-    args.bf16 = False
-    on_cpu = colocate_engine_args(args, torch.float32, torch.device("cpu"), sleeps=False)
+    on_cpu = colocate_engine_args(
+        config(bf16=False), torch.float32, torch.device("cpu"), sleeps=False
+    )
     assert on_cpu["dtype"] == "float32" and on_cpu["enforce_eager"] is True
 
 

@@ -363,6 +363,12 @@ def test_fsdp_on_cpu_processes_is_refused_with_what_to_launch_instead(tiny_model
 
 
 # How `accelerate launch` runs `agentgrpo` on CPU processes under each engine.
+# How each engine's `agentgrpo run` test launches, what its start-up summary says of the
+# precision, and the dtype of the model it saves.
+LAUNCH_PRECISION = {
+    "deepspeed_zero3": {"launch": (), "summary": "bfloat16", "saved": torch.bfloat16},
+    "fsdp2": {"launch": FLOAT32_LAUNCH, "summary": "float32", "saved": torch.float32},
+}
 AGENTGRPO_MODULE = {
     "deepspeed_zero3": ("-m", "agentgrpo"),
     "fsdp2": (str(SCRIPTS / "fsdp_over_gloo.py"), "-m", "agentgrpo"),
@@ -373,12 +379,18 @@ AGENTGRPO_MODULE = {
     "engine", [pytest.param("deepspeed_zero3", marks=needs_deepspeed), "fsdp2"]
 )
 def test_agentgrpo_run_trains_sharded_and_saves_the_whole_model(engine, tiny_model_dir, tmp_path):
-    """`agentgrpo run` as the launched module: Counter episodes, a KL term, the final save."""
+    """`agentgrpo run` as the launched module: Counter episodes, a KL term, the final save.
+
+    ZeRO-3 launches as its config ships, in bf16 (`bf16=None` follows the launch; it was False
+    on CPU, which DeepSpeed refused against its config's bf16), so it saves DeepSpeed's bf16
+    weights; FSDP2 over gloo launches in float32.
+    """
     out_dir = tmp_path / "run"
+    precision = LAUNCH_PRECISION[engine]
     command = [
         *(sys.executable, "-m", "accelerate.commands.launch"),
         *("--config_file", str(CONFIGS / f"{engine}.yaml"), "--num_processes", "2"),
-        *("--main_process_port", str(free_port()), *FLOAT32_LAUNCH),
+        *("--main_process_port", str(free_port()), *precision["launch"]),
         *(*AGENTGRPO_MODULE[engine], "run", "env:Counter", "--model", str(tiny_model_dir)),
         *("--chat-template", "chatml_tools", "--device", "cpu", "--max-steps", "2"),
         *("--output-dir", str(out_dir), "--per-device-train-batch-size", "4"),
@@ -387,6 +399,7 @@ def test_agentgrpo_run_trains_sharded_and_saves_the_whole_model(engine, tiny_mod
     ]
     returncode, output = run_in_own_group(command, CPU_ENV)
     assert returncode == 0, output[-6000:]
+    assert f"  precision    {precision['summary']}\n" in output
     assert recorded_steps(out_dir) == [1, 2]
     assert {r.process for r in read_episodes(out_dir, 2)} == {0, 1}
     saved = AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype="auto")
@@ -394,7 +407,7 @@ def test_agentgrpo_run_trains_sharded_and_saves_the_whole_model(engine, tiny_mod
     assert {name: t.shape for name, t in saved.named_parameters()} == {
         name: t.shape for name, t in started.named_parameters()
     }
-    assert {t.dtype for t in saved.parameters()} == {torch.float32}
+    assert {t.dtype for t in saved.parameters()} == {precision["saved"]}
 
 
 @needs_deepspeed
