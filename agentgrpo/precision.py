@@ -2,12 +2,14 @@
 
 Weights stay in the dtype they were loaded in (float32 from `agentgrpo run`, eval and doctor:
 the optimizer's master copy; pure-bf16 AdamW at lr 1e-5 loses most updates to rounding, since a
-bf16 weight near 1 cannot move by less than 2^-8). With mixed precision (`bf16`, which a GPU
-that supports it turns on by default, or `fp16`) every forward pass runs under autocast in that
-dtype: the trainer's through accelerate, generation through the backend's `autocast_dtype`, so
-generation and training read the same weights in the same dtype. They still differ by kernel
-and batch shape (about 0.0015 nats a token in bf16 on a GPU), the gap that
-`vllm_importance_sampling_correction` corrects, as it does for vLLM.
+bf16 weight near 1 cannot move by less than 2^-8); DeepSpeed in bf16 is the exception: its
+module computes in bf16 and its optimizer keeps the float32 master copy. With mixed precision
+(`bf16` or `fp16`, as set, as an `accelerate launch` asked, or bf16 by default on a GPU that
+supports it) every forward pass runs under autocast in that dtype: the trainer's through
+accelerate, generation through the backend's `autocast_dtype`, so generation and training read
+the same weights in the same dtype. They still differ by kernel and batch shape (about 0.0015
+nats a token in bf16 on a GPU), the gap that `vllm_importance_sampling_correction` corrects, as
+it does for vLLM.
 """
 
 from __future__ import annotations
