@@ -362,13 +362,13 @@ def test_fsdp_on_cpu_processes_is_refused_with_what_to_launch_instead(tiny_model
     assert not list(tmp_path.glob("process_*.json"))  # nobody trained
 
 
-# How `accelerate launch` runs `agentgrpo` on CPU processes under each engine.
 # How each engine's `agentgrpo run` test launches, what its start-up summary says of the
 # precision, and the dtype of the model it saves.
 LAUNCH_PRECISION = {
     "deepspeed_zero3": {"launch": (), "summary": "bfloat16", "saved": torch.bfloat16},
     "fsdp2": {"launch": FLOAT32_LAUNCH, "summary": "float32", "saved": torch.float32},
 }
+# How `accelerate launch` runs `agentgrpo` on CPU processes under each engine.
 AGENTGRPO_MODULE = {
     "deepspeed_zero3": ("-m", "agentgrpo"),
     "fsdp2": (str(SCRIPTS / "fsdp_over_gloo.py"), "-m", "agentgrpo"),
