@@ -3,10 +3,12 @@ the fresh ones first; a Ctrl-C during a weight push stops the producer cleanly."
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import signal
 import threading
+from collections.abc import Iterator
 
 import anyio
 import pytest
@@ -32,18 +34,39 @@ class FirstRound(GRPOTrainer):
         return batch
 
 
-def interrupt_main_when(event: threading.Event) -> threading.Thread:
-    """Send the main thread a real SIGINT (a Ctrl-C) once `event` is set."""
+@contextlib.contextmanager
+def ctrl_c_when(event: threading.Event) -> Iterator[None]:
+    """Send the main thread real SIGINTs (Ctrl-C) once `event` is set, until one is handled.
+
+    CPython handles a signal between bytecodes, and a blocked lock wait wakes only for a signal
+    that arrives during it: a SIGINT that lands just before the main thread blocks is handled
+    when the wait ends (a held push's, here 120 s on). So the SIGINT is sent again every 0.2 s
+    until the handler, which raises KeyboardInterrupt once and ignores the rest, has run.
+    """
     main = threading.main_thread().ident
     assert main is not None
+    handled = threading.Event()
 
-    def wait_and_interrupt() -> None:
+    def ctrl_c(signum, frame):
+        if not handled.is_set():
+            handled.set()
+            raise KeyboardInterrupt
+
+    def interrupt() -> None:
         if event.wait(300):
-            signal.pthread_kill(main, signal.SIGINT)
+            while not handled.is_set():
+                signal.pthread_kill(main, signal.SIGINT)
+                handled.wait(0.2)
 
-    thread = threading.Thread(target=wait_and_interrupt, daemon=True)
+    previous = signal.signal(signal.SIGINT, ctrl_c)
+    thread = threading.Thread(target=interrupt, daemon=True)
     thread.start()
-    return thread
+    try:
+        yield
+    finally:
+        handled.set()
+        thread.join(30)
+        signal.signal(signal.SIGINT, previous)
 
 
 def hold_the_push_of(trainer, version: int, pushing: threading.Event) -> None:
@@ -69,17 +92,15 @@ def test_ctrl_c_during_a_weight_push_then_resume_trains_the_queued_groups_first(
     )
     pushing = threading.Event()
     hold_the_push_of(trainer, version=2, pushing=pushing)  # after checkpoint-1 is saved
-    interrupter = interrupt_main_when(pushing)
     # Python drops an exception raised in a gc callback, a KeyboardInterrupt included, and
     # hypothesis installs one once any test of this process has used it: a Ctrl-C handled
     # there was lost (seen under pytest-xdist). With gc off the handler runs in trainer code.
     gc.disable()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_when(pushing), pytest.raises(KeyboardInterrupt):
             trainer.train()
     finally:
         gc.enable()
-    interrupter.join(30)
     generation = trainer._async
     assert not generation._thread.is_alive()  # stopped, not left generating
     assert generation.weights.version == 1  # the held push never copied a thing
