@@ -19,6 +19,12 @@ import torch
 from agentgrpo.scoring import RewardLogs
 from rollout import Episode
 
+# The learner's wait for groups wakes this often. CPython runs a signal's handler between
+# bytecodes, and a thread blocked on a lock wakes only for a signal that arrives while it waits:
+# a Ctrl-C landing just before the learner blocks would otherwise be handled only when the next
+# group arrives, which can take minutes.
+WAKE_EVERY_S = 0.5
+
 
 @dataclass(frozen=True)
 class PlayedGroup:
@@ -110,7 +116,7 @@ class GroupBuffer:
                 self._changed.notify_all()
                 if len(taken) < count:
                     self._raise_if_failed()
-                    self._changed.wait()
+                    self._changed.wait(WAKE_EVERY_S)
         return taken
 
     def _drop_older(self, oldest_version: int) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import _thread
+import gc
 import threading
 import time
 
@@ -88,6 +90,30 @@ def test_a_failed_producer_is_raised_in_the_waiting_learner():
     threading.Timer(0.1, buffer.fail, [ValueError("tool exploded")]).start()
     with pytest.raises(ValueError, match="tool exploded"):
         buffer.take(1, oldest_version=0)
+
+
+def test_a_ctrl_c_that_lands_as_the_learner_starts_waiting_is_raised_before_a_group_comes():
+    """`_thread.interrupt_main` trips the SIGINT handler without waking a blocked lock wait:
+    what a real SIGINT that lands just before the learner blocks leaves behind."""
+    buffer = GroupBuffer(max_episodes=4)
+    rescued = threading.Event()
+
+    def rescue() -> None:  # without the periodic wake, the learner waits until here
+        rescued.set()
+        buffer.put(group(0))
+
+    timers = [threading.Timer(0.2, _thread.interrupt_main), threading.Timer(60, rescue)]
+    for timer in timers:
+        timer.start()
+    gc.disable()  # a gc callback would swallow the KeyboardInterrupt (test_async_resume.py)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            buffer.take(1, oldest_version=0)
+    finally:
+        gc.enable()
+        for timer in timers:
+            timer.cancel()
+    assert not rescued.is_set()
 
 
 def test_a_reward_function_that_raises_stops_an_async_run_naming_it(tokenizer, tmp_path):
