@@ -18,12 +18,7 @@ import torch
 
 from agentgrpo.scoring import RewardLogs
 from rollout import Episode
-
-# The learner's wait for groups wakes this often. CPython runs a signal's handler between
-# bytecodes, and a thread blocked on a lock wakes only for a signal that arrives while it waits:
-# a Ctrl-C landing just before the learner blocks would otherwise be handled only when the next
-# group arrives, which can take minutes.
-WAKE_EVERY_S = 0.5
+from tools.threads import WAKE_EVERY_S
 
 
 @dataclass(frozen=True)
@@ -116,7 +111,7 @@ class GroupBuffer:
                 self._changed.notify_all()
                 if len(taken) < count:
                     self._raise_if_failed()
-                    self._changed.wait(WAKE_EVERY_S)
+                    self._changed.wait(WAKE_EVERY_S)  # a Ctrl-C is not held till a group
         return taken
 
     def _drop_older(self, oldest_version: int) -> None:

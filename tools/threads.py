@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -48,6 +49,14 @@ T = TypeVar("T")
 
 MAX_STUCK_CALLS = 32
 """The most abandoned calls that may still run before another call is refused."""
+
+WAKE_EVERY_S = 0.5
+"""How often a thread blocked waiting for another wakes, to run a pending Ctrl-C's handler.
+
+CPython runs a signal's handler between bytecodes, and a thread blocked on a lock wakes only for
+a signal that arrives while it waits: a Ctrl-C that lands just before the main thread blocks is
+otherwise handled only when the wait ends, which may be never.
+"""
 
 
 class StuckCallsError(RuntimeError):
@@ -179,7 +188,7 @@ class DaemonThreads:
         args = (fn, call, done.set)
         threading.Thread(target=self._target, args=args, name=label, daemon=True).start()
         try:
-            done.wait(timeout_s)
+            wait_waking(done, timeout_s)
         finally:  # on time out or Ctrl-C, leave the thread to finish on its own
             with self._lock:
                 finished = call.finished
@@ -216,6 +225,17 @@ class DaemonThreads:
 
 USER_CODE = DaemonThreads()
 """The process's daemon threads for user code; its `max_stuck` is `MAX_STUCK_CALLS`."""
+
+
+def wait_waking(event: threading.Event, timeout_s: float | None) -> bool:
+    """`event.wait(timeout_s)`, waking every `WAKE_EVERY_S` so that a Ctrl-C is never held."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not event.is_set():
+        left = WAKE_EVERY_S if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            return False
+        event.wait(min(left, WAKE_EVERY_S))
+    return True
 
 
 async def run_in_daemon_thread(fn: Callable[[], T], label: str) -> T:

@@ -8,6 +8,8 @@ naming them, and a process exits promptly whatever its tools still do. `SystemEx
 
 from __future__ import annotations
 
+import _thread
+import gc
 import json
 import signal
 import subprocess
@@ -80,6 +82,27 @@ def test_a_blocking_wait_gives_up_after_its_timeout_and_counts_the_call_stuck():
     assert threads.run_blocking(lambda: 7, "probe", timeout_s=30) == 7
     with pytest.raises(CallTimedOut, match=r"factory\(\) did not return within 0.2 s"):
         threads.run_blocking(release.wait, "factory()", timeout_s=0.2)
+    assert threads.stuck == ["factory()"]
+    release.set()
+    anyio.run(until_none_stuck, threads)
+
+
+def test_a_ctrl_c_that_lands_as_a_blocking_wait_starts_stops_it_while_the_call_hangs():
+    """`_thread.interrupt_main` trips the SIGINT handler without waking a blocked lock wait: what
+    a real SIGINT that lands just before the main thread blocks leaves behind."""
+    threads, release = DaemonThreads(), threading.Event()
+    timers = [threading.Timer(0.2, _thread.interrupt_main), threading.Timer(60, release.set)]
+    for timer in timers:
+        timer.start()
+    gc.disable()  # a gc callback would swallow the KeyboardInterrupt (test_async_resume.py)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            threads.run_blocking(release.wait, "factory()", timeout_s=None)
+    finally:
+        gc.enable()
+        for timer in timers:
+            timer.cancel()
+    assert not release.is_set()  # stopped while the call still hung
     assert threads.stuck == ["factory()"]
     release.set()
     anyio.run(until_none_stuck, threads)
