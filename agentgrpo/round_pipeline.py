@@ -156,8 +156,8 @@ class RoundPlan:
 def micro_batches_commute(args: Any) -> bool:
     """Whether a round's update is the same whichever episodes share a micro-batch.
 
-    So when the round lies inside one optimizer step, each micro-batch trained once
-    (`num_iterations=1`, `gradient_accumulation_steps` a multiple of `steps_per_generation`),
+    It is when the round lies inside one optimizer step (`gradient_accumulation_steps` a
+    multiple of `steps_per_generation`), each micro-batch is trained once (`num_iterations=1`),
     and the loss averages nothing over a micro-batch's tokens: not `bnpo`, no entropy bonus (it
     is a token mean), `top_entropy_quantile=1` (the quantile is a micro-batch's). The grpo and
     dr_grpo means are over a micro-batch's episodes, which every micro-batch has as many of.
