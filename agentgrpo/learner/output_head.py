@@ -10,8 +10,8 @@ again in the backward, which recomputes them.
 
 This is exact only where the logits are the output embedding of the last hidden state.
 `output_head` returns None for the models whose forward does more (a soft cap, a scale, masked or
-trimmed vocabulary entries), and for a model FSDP2 shards (`fsdp_sharded`); the learner then
-reads their logits as the model returns them.
+trimmed vocabulary entries), and for a model whose weights FSDP2 or DeepSpeed ZeRO-3 shard
+(`sharded_forward`); the learner then reads their logits as the model returns them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from agentgrpo.sharded_weights import zero3_partitioned
 
 # At most this many logits (tokens x vocabulary) in one chunk: 128 MiB in float32, e.g. 220
 # tokens of Qwen2.5's 152k vocabulary or 682 of SmolLM2's 49k. A batch that fits in one chunk
@@ -77,14 +79,15 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module whose output on the final hidden states is the model's logits, or None.
 
     None when the model has no output embedding, or its forward transforms the logits after it
-    (`_LOGIT_TRANSFORMS`, `_LOGIT_REWRITING_TYPES`), or FSDP2 shards the model (`fsdp_sharded`).
+    (`_LOGIT_TRANSFORMS`, `_LOGIT_REWRITING_TYPES`), or its weights are shards
+    (`sharded_forward`).
     `model` may be wrapped (DDP, DeepSpeed, PEFT); the module returned is the one the forward
     calls, adapters and hooks included.
     """
     inner: Any = getattr(model, "module", model)
     config = getattr(inner, "config", None)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if config is None or head is None or fsdp_sharded(inner):
+    if config is None or head is None or sharded_forward(inner):
         return None
     text_config = config.get_text_config(decoder=True)
     if config.model_type in _LOGIT_REWRITING_TYPES or any(
@@ -92,6 +95,20 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     ):
         return None
     return head
+
+
+def sharded_forward(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward gathers its sharded weights: FSDP2 or DeepSpeed ZeRO-3.
+
+    The learner then runs one pass over whole rows and reads the logits from it, as TRL does.
+    FSDP2 (`fsdp_sharded`) would otherwise write gradients into freed storage. Under ZeRO-3
+    every call of a module gathers its shards from all processes, so every process must make
+    the same calls: the output layer run a chunk of tokens at a time, and the prompts run apart
+    from the completions only where rows share them, would make as many calls as a process has
+    tokens or distinct prompts (processes with different counts failed on gloo with "Received
+    data size doesn't match expected size").
+    """
+    return fsdp_sharded(model) or zero3_partitioned(model)
 
 
 def fsdp_sharded(model: torch.nn.Module) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from agentgrpo.learner.batch import TrainingBatch
-from agentgrpo.learner.output_head import Readout, fsdp_sharded
+from agentgrpo.learner.output_head import Readout, sharded_forward
 from agentgrpo.learner.prefix_cache import PrefixCache, RecordingCache
 
 # transformers' GradientCheckpointingLayer (from transformers 5.17) keeps a checkpointed layer's
@@ -55,12 +55,11 @@ def can_share_prompts(model: torch.nn.Module) -> bool:
     only its window, and recurrent or linear layers keep state that cannot be copied row by row.
     A model that checkpoints its layers (training, gradient checkpointing on) must do so through
     transformers' `GradientCheckpointingLayer`, non-reentrantly. `model` may be wrapped (DDP,
-    DeepSpeed), not sharded by FSDP2 (`output_head.fsdp_sharded`: gradients through the cached
-    keys and values would pass its hooks by).
+    DeepSpeed), not sharded by FSDP2 or ZeRO-3 (`output_head.sharded_forward`).
     """
     inner: Any = getattr(model, "module", model)
     config = getattr(inner, "config", None)
-    if config is None or fsdp_sharded(inner):
+    if config is None or sharded_forward(inner):
         return False
     text_config = config.get_text_config(decoder=True)
     layer_types = getattr(text_config, "layer_types", None) or ["full_attention"]

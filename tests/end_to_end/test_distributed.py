@@ -349,6 +349,26 @@ def test_zero3_generates_from_the_whole_trained_weights(tiny_model_dir, tmp_path
     assert recorded_steps(reports[0]["output_dir"]) == [1, 2]
 
 
+@needs_deepspeed
+def test_zero3_trains_processes_that_hold_different_numbers_of_tokens(tiny_model_dir, tmp_path):
+    """Each of ZeRO-3's module calls gathers shards from every process: the learner must make
+    the same calls everywhere. With its output layer run 3 tokens at a time (as on a real
+    vocabulary, a few hundred), a process with more tokens made more calls, and gloo failed
+    ("Received data size doesn't match expected size")."""
+    vocabulary = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    script_args = [str(tiny_model_dir), str(tmp_path), *FIXED_ARGS, "--uneven-lengths"]
+    returncode, output = accelerate_launch(
+        CONFIGS / "deepspeed_zero3.yaml",
+        num_processes=2,
+        script_args=[*script_args, "--logits-per-chunk", str(3 * vocabulary)],
+        env=CPU_ENV,
+        launch_args=FLOAT32_LAUNCH,
+    )
+    assert returncode == 0, output[-6000:]
+    tokens = [report["micro_batch_tokens"] for report in read_reports(tmp_path)]
+    assert any(ours != theirs for ours, theirs in zip(*tokens, strict=True))
+
+
 def test_fsdp_on_cpu_processes_is_refused_with_what_to_launch_instead(tiny_model_dir, tmp_path):
     returncode, output = accelerate_launch(
         CONFIGS / "fsdp2.yaml",
