@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from agentgrpo.devices import inference_autocast
-from agentgrpo.sharded_weights import whole_parameters, zero3_partitioned
+from agentgrpo.sharded_weights import whole_copy, zero3_partitioned
 from rollout.backends.attention import use_grouped_query_sdpa
 from rollout.images import is_vision_processor, load_processor
 
@@ -207,20 +207,11 @@ def reference_model(model: Any, args: Any) -> Any | None:
     """
     if args.beta == 0.0 or _is_peft(model):
         return None
-    reference = _whole_copy(model) if zero3_partitioned(model) else copy.deepcopy(model)
+    reference = whole_copy(model) if zero3_partitioned(model) else copy.deepcopy(model)
     if not getattr(model, "hf_device_map", None):
         reference.to(args.device)
     reference.eval().requires_grad_(False)
     return reference
-
-
-def _whole_copy(model: Any) -> Any:
-    """An ordinary copy of a ZeRO-3 model, from its weights gathered from every process."""
-    with whole_parameters(model):
-        state = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    copy_ = type(model)(model.config)
-    copy_.load_state_dict(state)
-    return copy_.to(dtype=next(model.parameters()).dtype)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

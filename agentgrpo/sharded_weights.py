@@ -3,8 +3,9 @@
 A policy that generates itself needs its whole weights for the round (`generation_weights`); a
 reference-model sync and a checkpoint of the reference need them for one block
 (`whole_parameters`); a vLLM server push needs each tensor whole only while it is sent
-(`whole_one_at_a_time`). Every function here is a collective under shards: all processes enter
-it together. Outside these blocks the weights stay sharded.
+(`whole_one_at_a_time`); the reference model and reward models are whole copies
+(`whole_copy`). Every function here is a collective under shards: all processes enter it
+together. Outside these blocks the weights stay sharded.
 """
 
 from __future__ import annotations
@@ -143,6 +144,25 @@ def whole_one_at_a_time(
             yield name, whole
         else:
             yield name, tensor.detach()
+
+
+def whole_copy(model: Any) -> Any:
+    """An ordinary copy of a ZeRO-3 model, built from its weights gathered from every process.
+
+    For a model that runs outside DeepSpeed's engine (the reference model, a reward model):
+    without the engine's hooks a forward would read its empty shards. A collective: every
+    process makes the copy at the same time, and each holds it whole. The copy is built with
+    transformers' ZeRO-3 initialisation off: a class that builds its base model with
+    `AutoModel.from_config` (the sequence classifiers) would otherwise be sharded again.
+    """
+    from transformers.modeling_utils import set_zero3_state  # "zero.Init ran already"
+
+    with whole_parameters(model):
+        state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    with set_zero3_state():
+        copy_ = type(model)(model.config)
+    copy_.load_state_dict(state)
+    return copy_.to(dtype=next(model.parameters()).dtype)
 
 
 def zero3_partitioned(model: Any) -> bool:

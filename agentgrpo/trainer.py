@@ -161,7 +161,7 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
             model, processing_class, args, peft_config, quantization_config
         )
         self._reward_functions = reward_functions(
-            sources, reward_processing_classes, reward_model_kwargs(args)
+            sources, reward_processing_classes, reward_model_kwargs(args), args.device
         )
         self.rollout_func = rollout_func
         self.plan = RoundPlan.from_config(args, args.world_size)

@@ -253,7 +253,10 @@ def check_arguments(funcs: Sequence[RewardFunction], available: Collection[str])
 
 
 def reward_functions(
-    funcs: Any, processing_classes: Any = None, model_kwargs: dict[str, Any] | None = None
+    funcs: Any,
+    processing_classes: Any = None,
+    model_kwargs: dict[str, Any] | None = None,
+    device: Any = None,
 ) -> list[RewardFunction]:
     """Turn what a user passes as ``reward_funcs`` into named reward functions.
 
@@ -269,6 +272,8 @@ def reward_functions(
         model_kwargs: ``from_pretrained`` arguments for reward models given by path (the
             trainer passes ``model_init_kwargs`` and ``trust_remote_code``); their tokenizers
             get its ``trust_remote_code`` and ``revision``.
+        device: Where reward models go (the trainer passes the run's device, as TRL places
+            them); None leaves them where they are. One spread over devices stays spread.
 
     Returns:
         One `RewardFunction` per entry; a repeated name gets a suffix (``f``, ``f_2``, ...).
@@ -298,6 +303,9 @@ def reward_functions(
         )
     kwargs = model_kwargs or {}
     named = [_named(f, pc, kwargs) for f, pc in zip(funcs, processing_classes, strict=True)]
+    for func in named:
+        if device is not None and isinstance(func.fn, reward_models.SequenceClassifierReward):
+            func.fn.to(device)
     seen: set[str] = set()
     unique = []
     for func in named:

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from agentgrpo.sharded_weights import whole_copy, zero3_partitioned
+
 
 def is_reward_model(func: Any) -> bool:
     """Whether `func` is a loaded ``transformers`` model (a reward model, not a function)."""
@@ -52,10 +54,14 @@ class SequenceClassifierReward:
     rendered with the tokenizer's chat template as one conversation. The batch is right-padded;
     sequence-classification heads read the last non-pad token, so the model's config needs
     ``pad_token_id``: a tokenizer without a pad token gets its eos token as pad, and a model
-    without ``pad_token_id`` gets the tokenizer's. The model is put in eval mode.
+    without ``pad_token_id`` gets the tokenizer's. The model is put in eval mode. A model that
+    DeepSpeed ZeRO-3 loaded as shards (a path loaded under a `zero3_init_flag` launch) is
+    replaced by a whole copy (`whole_copy`), which every process builds together and holds.
     """
 
     def __init__(self, model: Any, tokenizer: Any) -> None:
+        if zero3_partitioned(model):
+            model = whole_copy(model)
         if tokenizer.pad_token is None:
             if tokenizer.eos_token is None:
                 raise ValueError(
@@ -84,6 +90,11 @@ class SequenceClassifierReward:
                 tokenizer_kwargs["revision"] = model_kwargs["revision"]
             model = _load(model, model_kwargs)
         return cls(model, tokenizer or _load_tokenizer(model, tokenizer_kwargs))
+
+    def to(self, device: Any) -> None:
+        """Move the model to `device`, unless it was spread over devices (``device_map``)."""
+        if not getattr(self.model, "hf_device_map", None):
+            self.model.to(device)
 
     def __call__(self, prompts: list[Any], completions: list[Any]) -> list[float]:
         """One reward per (prompt, completion): the model's first logit on their text."""

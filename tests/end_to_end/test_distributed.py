@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from tests.support.launch import (
     run_in_own_group,
 )
 from tests.support.paths import REPO, SCRIPTS
+from tests.support.tiny_model import tiny_reward_model
 from tests.support.vllm_support import free_port
 
 ROOT = REPO
@@ -350,23 +352,31 @@ def test_zero3_generates_from_the_whole_trained_weights(tiny_model_dir, tmp_path
 
 
 @needs_deepspeed
-def test_zero3_trains_processes_that_hold_different_numbers_of_tokens(tiny_model_dir, tmp_path):
+def test_zero3_trains_uneven_token_counts_and_a_reward_model_given_by_path(
+    tiny_model_dir, tokenizer, tmp_path
+):
     """Each of ZeRO-3's module calls gathers shards from every process: the learner must make
     the same calls everywhere. With its output layer run 3 tokens at a time (as on a real
     vocabulary, a few hundred), a process with more tokens made more calls, and gloo failed
-    ("Received data size doesn't match expected size")."""
+    ("Received data size doesn't match expected size"). A reward model loaded by path under
+    the config's `zero3_init_flag` came as empty shards ("Padding_idx must be within
+    num_embeddings")."""
+    reward_model = tmp_path / "reward-model"
+    tiny_reward_model(tokenizer).save_pretrained(reward_model)
+    tokenizer.save_pretrained(reward_model)
     vocabulary = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
-    script_args = [str(tiny_model_dir), str(tmp_path), *FIXED_ARGS, "--uneven-lengths"]
+    script_args = [str(tiny_model_dir), str(tmp_path / "run"), *FIXED_ARGS, "--uneven-lengths"]
+    script_args += ["--logits-per-chunk", str(3 * vocabulary), "--reward-model", str(reward_model)]
     returncode, output = accelerate_launch(
-        CONFIGS / "deepspeed_zero3.yaml",
-        num_processes=2,
-        script_args=[*script_args, "--logits-per-chunk", str(3 * vocabulary)],
-        env=CPU_ENV,
-        launch_args=FLOAT32_LAUNCH,
+        CONFIGS / "deepspeed_zero3.yaml", 2, script_args, CPU_ENV, FLOAT32_LAUNCH
     )
     assert returncode == 0, output[-6000:]
-    tokens = [report["micro_batch_tokens"] for report in read_reports(tmp_path)]
+    reports = read_reports(tmp_path / "run")
+    tokens = [report["micro_batch_tokens"] for report in reports]
     assert any(ours != theirs for ours, theirs in zip(*tokens, strict=True))
+    for report in reports:
+        scored = [log["rewards/reward-model/mean"] for log in report["log_history"][:-1]]
+        assert len(scored) == 2 and all(math.isfinite(float(value)) for value in scored)
 
 
 def test_fsdp_on_cpu_processes_is_refused_with_what_to_launch_instead(tiny_model_dir, tmp_path):

@@ -222,6 +222,7 @@ def main() -> None:
     parser.add_argument("--vllm-group-port", type=int, default=51216, help="its push port")
     parser.add_argument("--fsdp-over-gloo", action="store_true", help="see the docstring")
     parser.add_argument("--save-model", action="store_true", help="trainer.save_model at the end")
+    parser.add_argument("--reward-model", help="a reward model's folder, scored as well")
     cli = parser.parse_args()
     if cli.fsdp_over_gloo:
         from fsdp_over_gloo import shard_with_fsdp_on_cpu  # beside this script
@@ -263,7 +264,7 @@ def main() -> None:
     )
     trainer = RecordingTrainer(
         model=cli.model_dir,
-        reward_funcs=length_reward,
+        reward_funcs=[length_reward, *([cli.reward_model] if cli.reward_model else [])],
         args=config,
         train_dataset=dataset,
         kill_in_step=cli.kill_in_step,

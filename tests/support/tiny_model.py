@@ -12,6 +12,7 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaForSequenceClassification,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2MoeConfig,
@@ -67,6 +68,14 @@ def tiny_llama(tokenizer: Any, seed: int = 0, num_attention_heads: int = 4) -> L
         num_attention_heads=num_attention_heads, max_position_embeddings=2048,
         tie_word_embeddings=True, **special_ids(tokenizer),
     ).eval()  # fmt: skip
+
+
+def tiny_reward_model(tokenizer: Any) -> LlamaForSequenceClassification:
+    """A randomly initialised Llama sequence classifier (one label, hidden 32) over `tokenizer`."""
+    return tiny_model(
+        LlamaForSequenceClassification, LlamaConfig, len(tokenizer), hidden_size=32,
+        intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
 
 
 # What `bpe_tokenizer` learns its merges from: ChatML turns and a little arithmetic.

@@ -11,7 +11,6 @@ import anyio.lowlevel
 import anyio.to_thread
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from agentgrpo.rewards.calls import (
     TRAINER_ARGUMENTS,
@@ -22,7 +21,7 @@ from agentgrpo.rewards.calls import (
     reward_functions,
     score,
 )
-from tests.support.tiny_model import tiny_model
+from tests.support.tiny_model import tiny_reward_model
 
 ROWS = [
     {"prompt": "1 + 1?", "answer": "2", "level": 1},
@@ -346,13 +345,6 @@ def test_reward_functions_refuse_what_cannot_be_called():
 
 
 # --- reward models ------------------------------------------------------------------------
-
-
-def tiny_reward_model(tokenizer) -> LlamaForSequenceClassification:
-    return tiny_model(
-        LlamaForSequenceClassification, LlamaConfig, len(tokenizer), hidden_size=32,
-        intermediate_size=64, num_labels=1, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
 
 
 def test_a_sequence_classification_model_gives_one_float_per_completion(tokenizer):
