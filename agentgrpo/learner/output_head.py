@@ -21,8 +21,6 @@ from typing import Any, Protocol
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from agentgrpo.sharded_weights import zero3_partitioned
-
 # At most this many logits (tokens x vocabulary) in one chunk: 128 MiB in float32, e.g. 220
 # tokens of Qwen2.5's 152k vocabulary or 682 of SmolLM2's 49k. A batch that fits in one chunk
 # is computed without checkpointing, hence without recomputation.
@@ -108,7 +106,8 @@ def sharded_forward(model: torch.nn.Module) -> bool:
     tokens or distinct prompts (processes with different counts failed on gloo with "Received
     data size doesn't match expected size").
     """
-    return fsdp_sharded(model) or zero3_partitioned(model)
+    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())  # DeepSpeed tags its shards
+    return fsdp_sharded(model) or zero3
 
 
 def fsdp_sharded(model: torch.nn.Module) -> bool:
