@@ -103,11 +103,11 @@ def test_a_ctrl_c_that_lands_as_the_learner_starts_waiting_is_raised_before_a_gr
         buffer.put(group(0))
 
     timers = [threading.Timer(0.2, _thread.interrupt_main), threading.Timer(60, rescue)]
-    for timer in timers:
-        timer.start()
     gc.disable()  # a gc callback would swallow the KeyboardInterrupt (test_async_resume.py)
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):  # wherever the Ctrl-C lands
+            for timer in timers:
+                timer.start()
             buffer.take(1, oldest_version=0)
     finally:
         gc.enable()

@@ -92,12 +92,16 @@ def test_a_ctrl_c_that_lands_as_a_blocking_wait_starts_stops_it_while_the_call_h
     a real SIGINT that lands just before the main thread blocks leaves behind."""
     threads, release = DaemonThreads(), threading.Event()
     timers = [threading.Timer(0.2, _thread.interrupt_main), threading.Timer(60, release.set)]
-    for timer in timers:
-        timer.start()
+
+    def hang() -> None:  # the call has started: the Ctrl-C lands while the caller waits
+        timers[0].start()
+        release.wait()
+
     gc.disable()  # a gc callback would swallow the KeyboardInterrupt (test_async_resume.py)
     try:
+        timers[1].start()
         with pytest.raises(KeyboardInterrupt):
-            threads.run_blocking(release.wait, "factory()", timeout_s=None)
+            threads.run_blocking(hang, "factory()", timeout_s=None)
     finally:
         gc.enable()
         for timer in timers:
