@@ -149,8 +149,8 @@ class AtomicCheckpoints(Trainer):
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
             self.loss_step.save(output_dir)
-            if self.reference_sync is not None:
-                self.reference_sync.save(output_dir)
+        if self.reference_sync is not None:
+            self.reference_sync.save(output_dir, writes=self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Trainer's load, plus the entropy controller's state and the synced reference."""

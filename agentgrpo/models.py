@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from agentgrpo.devices import inference_autocast
-from agentgrpo.sharded_weights import whole_copy, zero3_partitioned
+from agentgrpo.sharded_weights import zero3_copy
 from rollout.backends.attention import use_grouped_query_sdpa
 from rollout.images import is_vision_processor, load_processor
 
@@ -194,7 +194,7 @@ def load_tokenizer(
     return processing_class
 
 
-def reference_model(model: Any, args: Any) -> Any | None:
+def reference_model(model: Any, args: Any, deepspeed_plugin: Any = None) -> Any | None:
     """A frozen copy of the starting policy, needed only when `beta > 0`.
 
     The copy is in the policy's dtype, on the run's device (`args.device`): under DeepSpeed and
@@ -202,12 +202,14 @@ def reference_model(model: Any, args: Any) -> Any | None:
     copy is never prepared. A policy spread over devices (`device_map`) is copied as it is
     spread. The copy's logprobs run under the same autocast as the policy's.
     With PEFT there is no copy: the reference is the base model with the adapter disabled.
-    Under DeepSpeed ZeRO-3 the policy's weights are shards; the copy is built from the whole
-    weights, gathered once, and every process holds it whole.
+    Under DeepSpeed ZeRO-3 (the run's accelerate `deepspeed_plugin`) the copy is sharded as the
+    policy is, and is a DeepSpeed engine (`sharded_weights.zero3_copy`), as TRL's is.
     """
     if args.beta == 0.0 or _is_peft(model):
         return None
-    reference = whole_copy(model) if zero3_partitioned(model) else copy.deepcopy(model)
+    if getattr(deepspeed_plugin, "zero_stage", 0) == 3:
+        return zero3_copy(model, deepspeed_plugin.deepspeed_config)
+    reference = copy.deepcopy(model)
     if not getattr(model, "hf_device_map", None):
         reference.to(args.device)
     reference.eval().requires_grad_(False)

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
 from transformers import TrainerCallback
 
-from agentgrpo.sharded_weights import whole_parameters
+from agentgrpo.sharded_weights import (
+    whole_one_at_a_time,
+    whole_parameters,
+    written_one_at_a_time,
+    written_whole,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +32,9 @@ REFERENCE_FILE = "reference_model.safetensors"
 class SyncReference(TrainerCallback):
     """`sync_ref_model`: every `every` steps, ref <- alpha * policy + (1 - alpha) * ref (TR-DPO).
 
-    The reference is whole on every process; a sharded policy (ZeRO-3, FSDP2) is gathered for
-    the mix (`whole_parameters`), by every process at the same step.
+    Mixed one tensor at a time: a ZeRO-3 or FSDP2 policy's parameter is gathered for it, and a
+    ZeRO-3 reference's (sharded as the policy, `zero3_copy`) is gathered and sharded again, by
+    every process at the same step (`whole_one_at_a_time`, `written_one_at_a_time`).
 
     Args:
         reference: The reference model (a separate copy; PEFT runs have none to sync).
@@ -46,20 +53,26 @@ class SyncReference(TrainerCallback):
         """Mix the policy into the reference on every `every`-th optimizer step."""
         if state.global_step % self.every:
             return
-        with whole_parameters(self.policy):
-            pairs = zip(self.reference.parameters(), self.policy.parameters(), strict=True)
-            for ref, current in pairs:
-                ref.mul_(1.0 - self.alpha).add_(current.detach().to(ref.dtype), alpha=self.alpha)
+        references = written_one_at_a_time(list(self.reference.named_parameters()))
+        policy = whole_one_at_a_time(list(self.policy.named_parameters()))
+        for (_, ref), (_, current) in zip(references, policy, strict=True):
+            ref.mul_(1.0 - self.alpha).add_(current.to(ref.dtype), alpha=self.alpha)
 
-    def save(self, checkpoint: str) -> None:
-        """Write the reference's weights into the `checkpoint` folder (`REFERENCE_FILE`)."""
-        save_model(self.reference, os.path.join(checkpoint, REFERENCE_FILE))
+    def save(self, checkpoint: str, writes: bool) -> None:
+        """Write the reference's weights into the `checkpoint` folder (`REFERENCE_FILE`).
+
+        Every process calls it (a ZeRO-3 reference is gathered); those with `writes` write.
+        """
+        with whole_parameters(self.reference):
+            if writes:
+                save_model(self.reference, os.path.join(checkpoint, REFERENCE_FILE))
 
     def load(self, checkpoint: str) -> None:
         """Take back the reference `checkpoint` holds, in place; warn when it holds none.
 
-        A checkpoint written without `sync_ref_model` (or by an earlier version) has no
-        reference: the run goes on from the starting weights' copy, and says so.
+        Every process calls it and reads the file. A checkpoint written without
+        `sync_ref_model` (or by an earlier version) has no reference: the run goes on from the
+        starting weights' copy, and says so.
         """
         path = os.path.join(checkpoint, REFERENCE_FILE)
         if not os.path.exists(path):
@@ -70,12 +83,15 @@ class SyncReference(TrainerCallback):
                 REFERENCE_FILE,
             )
             return
-        device = next(self.reference.parameters()).device
-        load_model(self.reference, path, device=str(device))
+        with written_whole(self.reference):
+            device = next(self.reference.parameters()).device
+            load_model(self.reference, path, device=str(device))
 
 
-def reference_sync(reference: torch.nn.Module | None, policy: Any, args: Any) -> SyncReference:
-    """The `sync_ref_model` callback of a run.
+def reference_sync(
+    reference: torch.nn.Module | None, policy: Any, args: Any, unwrap: Callable[[Any], Any]
+) -> SyncReference:
+    """The `sync_ref_model` callback of a run; `unwrap` takes off DeepSpeed's or DDP's wrapper.
 
     Raises:
         NotImplementedError: There is no separate reference model (PEFT: the base model is
@@ -88,4 +104,5 @@ def reference_sync(reference: torch.nn.Module | None, policy: Any, args: Any) ->
             "with PEFT the reference is the base model under the adapter. Use "
             "`sync_ref_model=False`."
         )
-    return SyncReference(reference, policy, args.ref_model_mixup_alpha, args.ref_model_sync_steps)
+    alpha, every = args.ref_model_mixup_alpha, args.ref_model_sync_steps
+    return SyncReference(unwrap(reference), unwrap(policy), alpha, every)

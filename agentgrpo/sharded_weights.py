@@ -3,7 +3,9 @@
 A policy that generates itself needs its whole weights for the round (`generation_weights`); a
 reference-model sync and a checkpoint of the reference need them for one block
 (`whole_parameters`); a vLLM server push needs each tensor whole only while it is sent
-(`whole_one_at_a_time`); the reference model and reward models are whole copies
+(`whole_one_at_a_time`). Under ZeRO-3 the reference model is sharded as the policy is
+(`zero3_copy`), and is written one tensor at a time (`written_one_at_a_time`) or whole
+(`written_whole`); reward models, which score episodes whenever they end, are whole copies
 (`whole_copy`). Every function here is a collective under shards: all processes enter it
 together. Outside these blocks the weights stay sharded.
 """
@@ -11,6 +13,7 @@ together. Outside these blocks the weights stay sharded.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -146,10 +149,112 @@ def whole_one_at_a_time(
             yield name, tensor.detach()
 
 
+@contextlib.contextmanager
+def written_whole(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block `model.parameters()` are whole, and what is written into them is kept.
+
+    Under DeepSpeed ZeRO-3 the shards are gathered from every process, and sharded again at the
+    end from the main process's values: every process must write the same. A whole model is
+    written as it is. (Not for FSDP2, whose unsharded weights are copies: nothing shards a
+    reference model with it.)
+    """
+    if not zero3_partitioned(model):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        yield
+
+
+def written_one_at_a_time(
+    named: Sequence[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each of `named`'s parameters whole, one at a time; what is written into it is kept.
+
+    `whole_one_at_a_time` for writing: a ZeRO-3 parameter is gathered, and sharded again from
+    the main process's values when the next is asked for (every process must write the same
+    values, and iterate to the end in the same order); any other tensor comes as it is.
+    """
+    for name, tensor in named:
+        if hasattr(tensor, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
+                yield name, tensor.data
+        else:
+            yield name, tensor.data
+
+
+def zero3_copy(model: Any, deepspeed_config: dict) -> Any:
+    """A frozen copy of `model`, sharded by DeepSpeed ZeRO-3: a DeepSpeed engine without optimizer.
+
+    The reference model under ZeRO-3, as TRL shards its own: each process holds its share of the
+    weights, and a forward gathers each layer's from every process, so every process runs the
+    copy together, as it does the policy. The copy is made sharded (`deepspeed.zero.Init`, in
+    the config's precision) and `model`'s weights (whole or ZeRO-3 shards) are written into it one
+    tensor at a time, so no process holds more than one extra whole tensor while it is built.
+    A collective. The engine keeps the copy's hooks (they go when it is collected); the copy
+    itself is its `module`.
+
+    Args:
+        model: The policy, whole or sharded by ZeRO-3 (`from_pretrained` under `zero3_init_flag`).
+        deepspeed_config: The run's DeepSpeed config (the accelerate plugin's): its ZeRO-3
+            settings and precision, without an optimizer or scheduler.
+    """
+    import deepspeed
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_utils import set_zero3_state  # "zero.Init ran already"
+
+    config = _frozen_zero3_config(deepspeed_config, model.config)
+    # In the config's precision, as the policy's engine holds it: zero.Init's `dtype` argument
+    # is not used on a CPU (DeepSpeed 0.19 picks bfloat16 there whatever it says).
+    zero_init = deepspeed.zero.Init(config_dict_or_path=config)
+    with no_init_weights(), zero_init, set_zero3_state():  # every weight is written below
+        copy_ = type(model)(model.config)
+    copy_.tie_weights()
+    sources = whole_one_at_a_time(list(model.named_parameters()))
+    targets = written_one_at_a_time(list(copy_.named_parameters()))
+    with torch.no_grad():
+        for (_, source), (_, target) in zip(sources, targets, strict=True):
+            target.copy_(source.to(target.dtype))
+        for name, buffer in model.named_buffers():
+            copy_.get_buffer(name).copy_(buffer)
+    copy_.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=copy_, config=config)
+    engine.eval()  # DeepSpeed's returns None
+    return engine
+
+
+def _frozen_zero3_config(deepspeed_config: dict, model_config: Any) -> dict:
+    """`deepspeed_config` for a model that is never trained, its ZeRO-3 sizes set as TRL's.
+
+    The optimizer and scheduler go. From the model's hidden size H, as TRL sizes its reference:
+    buckets of H x H, parameters below 10 x H kept whole after their first use, no prefetching
+    (a forward gathers each layer as it runs). Without a hidden size the config's own sizes
+    stay, which the Trainer would settle from "auto" only when it prepares the policy.
+    """
+    config = copy.deepcopy(deepspeed_config)
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    zero = config.setdefault("zero_optimization", {})
+    hidden = getattr(model_config.get_text_config(decoder=True), "hidden_size", None)
+    if hidden is not None:
+        zero["reduce_bucket_size"] = hidden * hidden
+        zero["stage3_param_persistence_threshold"] = 10 * hidden
+        zero["stage3_prefetch_bucket_size"] = 0
+    elif "auto" in zero.values():
+        raise ValueError(
+            "the DeepSpeed config's zero_optimization holds 'auto' sizes and the model's config "
+            "has no hidden_size to size them by: set numbers in the config"
+        )
+    return config
+
+
 def whole_copy(model: Any) -> Any:
     """An ordinary copy of a ZeRO-3 model, built from its weights gathered from every process.
 
-    For a model that runs outside DeepSpeed's engine (the reference model, a reward model):
+    For a model that runs outside DeepSpeed's engine (a reward model):
     without the engine's hooks a forward would read its empty shards. A collective: every
     process makes the copy at the same time, and each holds it whole. The copy is built with
     transformers' ZeRO-3 initialisation off: a class that builds its base model with

@@ -185,10 +185,10 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         """Check the launch; build the reference model, the round's parts and the loss step."""
         args, accelerator = self.args, self.accelerator
         check_sharded_launch(os.environ, str(accelerator.distributed_type))
+        plugin = accelerator.state.deepspeed_plugin
+        zero_stage = getattr(plugin, "zero_stage", 0)
         check_zero3_generation(
-            getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0),
-            accelerator.num_processes,
-            args.ds3_gather_for_generation,
+            zero_stage, accelerator.num_processes, args.ds3_gather_for_generation
         )
         self.model_accepts_loss_kwargs = False  # compute_loss normalises; Trainer divides by GA
         router_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)
@@ -196,10 +196,10 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
             self._gather, self._gather_objects, accelerator.process_index, args.log_completions
         )
         self._metrics = self._trainer_log.metrics  # TRL's name for the queued metric values
-        self.ref_model = reference_model(self.model, args)
+        self.ref_model = reference_model(self.model, args, plugin)
         if args.sync_ref_model:
-            policy = accelerator.unwrap_model(self.model)
-            self.reference_sync = reference_sync(self.ref_model, policy, args)
+            unwrap = accelerator.unwrap_model
+            self.reference_sync = reference_sync(self.ref_model, self.model, args, unwrap)
             self.add_callback(self.reference_sync)
         self._environment_factory = factory
         self.agent = agent if agent is None or isinstance(agent, Agent) else Agent(agent)

@@ -15,7 +15,8 @@ takes part; AdamW; float32.
   process's peak allocated GPU memory (`torch.cuda.max_memory_allocated`).
 
 It prints, per engine, the largest per-process peak, the time in `trainer.train()` (the slowest
-process), and the largest absolute difference of the trained weights from `one`'s.
+process), how many of the reference model's weights a process holds at the end (ZeRO-3 shards
+it), and the largest absolute difference of the trained weights from `one`'s.
 
     python bench/sharded_memory.py                       # SmolLM2-135M-Instruct, the default model
     python bench/sharded_memory.py --gpu --config bench/configs/qwen2.5-0.5b.json --tokenizer DIR
@@ -139,6 +140,7 @@ def _run(engine: str, model_dir: str, out_dir: Path, cli: argparse.Namespace) ->
         "peak_mib_per_process": max(r[memory] for r in reports),
         "memory": memory,
         "train_s": max(r["train_s"] for r in reports),
+        "reference_elements_held": max(r["reference_elements_held"] for r in reports),
         "out_dir": str(out_dir),
     }
 
@@ -160,16 +162,18 @@ def _print(rows: list[dict[str, Any]], cli: argparse.Namespace) -> None:
     memory = "peak GPU memory allocated" if cli.gpu else "peak resident memory"
     print(
         f"\n| engine ({where}) | processes | {memory} per process | train s "
-        f"| max abs diff from one | weights within {CLOSE:g} of one |"
+        f"| reference weights held per process | max abs diff from one "
+        f"| weights within {CLOSE:g} of one |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         gib = row["peak_mib_per_process"] / 1024
         difference = f"{row['max_abs_diff_from_one']:.1e}" if "share_close" in row else "-"
         close = f"{100 * row['share_close']:.4f}%" if "share_close" in row else "-"
         print(
             f"| {row['engine']} | {row['processes']} | {gib:.2f} GiB | "
-            f"{row['train_s']:.0f} | {difference} | {close} |"
+            f"{row['train_s']:.0f} | {row['reference_elements_held'] / 1e6:.1f}M | "
+            f"{difference} | {close} |"
         )
     print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 

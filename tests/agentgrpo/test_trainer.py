@@ -322,6 +322,15 @@ def test_user_mistakes_are_refused_with_what_to_fix(tokenizer, tmp_path):
         GRPOTrainer(model, low_token_share, config(tmp_path), processing_class=tokenizer)
 
 
+def test_sync_ref_model_with_a_peft_model_is_refused_with_the_fix(tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    args = config(tmp_path, beta=0.1, sync_ref_model=True)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    with pytest.raises(NotImplementedError, match="Use `sync_ref_model=False`"):
+        tiny_trainer(tokenizer, rank_in_call, args, PROMPTS, peft_config=lora)
+
+
 def test_sync_ref_model_mixes_the_policy_into_the_reference(tokenizer, tmp_path):
     args = config(
         tmp_path,

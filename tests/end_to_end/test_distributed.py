@@ -214,7 +214,7 @@ DISTRIBUTED_TYPE = {
     "deepspeed_zero3": "DistributedType.DEEPSPEED",
     "fsdp2": "DistributedType.FSDP",
 }
-# With a KL term, so that the reference model (a whole copy under ZeRO-3) takes part too, and
+# With a KL term, so that the reference model (sharded under ZeRO-3) takes part too, and
 # moves toward the policy after each step (`sync_ref_model`). The one-process run plays each
 # round's rows of both processes itself: twice the micro-batch.
 FIXED_ARGS = [
@@ -275,6 +275,17 @@ def test_a_sharded_run_moves_the_reference_model_as_one_process_does(sharded_run
     # Under ZeRO-3 and FSDP2 the policy's weights are shards: the mix must gather them.
     _, out_dir = sharded_run
     assert_moved_alike(out_dir, one_process_run, "reference.pt")
+
+
+def test_zero3_shards_the_reference_model_and_the_other_engines_hold_it_whole(sharded_run):
+    # As TRL: under ZeRO-3 the reference is a DeepSpeed engine of its own, sharded as the policy.
+    engine, out_dir = sharded_run
+    whole = sum(t.numel() for t in torch.load(out_dir / "reference.pt").values())
+    held = [report["reference_elements_held"] for report in read_reports(out_dir)]
+    if engine == "deepspeed_zero3":  # the embedding (97% of the tiny model) split in two
+        assert all(0 < elements < 0.6 * whole for elements in held), (held, whole)
+    else:
+        assert held == [whole, whole]
 
 
 def test_a_sharded_run_holds_the_whole_weights_through_its_round_when_the_policy_generates(

@@ -63,6 +63,7 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 from agentgrpo import GRPOConfig, GRPOTrainer
+from agentgrpo.sharded_weights import whole_parameters
 
 NUM_ROWS = 16
 
@@ -184,6 +185,15 @@ def saved_weights(model_dir: str) -> dict[str, torch.Tensor]:
     return load_file(str(Path(model_dir) / "model.safetensors"))
 
 
+def elements_held(model: torch.nn.Module) -> int:
+    """How many parameter elements of `model` this process holds now: whole ones and shards.
+
+    A ZeRO-3 parameter holds its shard, and its whole tensor too while gathered (DeepSpeed
+    keeps small ones whole after their first use).
+    """
+    return sum(p.numel() + getattr(p, "ds_tensor", p[:0]).numel() for p in model.parameters())
+
+
 def parameter_sums(weights: dict[str, torch.Tensor], names: list[str]) -> dict[str, float]:
     """Every named tensor's float64 sum: equal dicts mean (almost surely) equal weights."""
     return {name: weights[name].double().sum().item() for name in names if name in weights}
@@ -297,9 +307,15 @@ def main() -> None:
     if trainer.accelerator.is_main_process:
         whole = {name: weights_after[name].float().cpu() for name in names}
         torch.save(whole, out_dir / "weights.pt")
-        if trainer.ref_model is not None:
-            reference = {n: t.float().cpu() for n, t in trainer.ref_model.named_parameters()}
-            torch.save(reference, out_dir / "reference.pt")
+    reference = None
+    if trainer.ref_model is not None:
+        reference = trainer.accelerator.unwrap_model(trainer.ref_model)
+        with whole_parameters(reference):  # ZeRO-3 shards it as the policy
+            if trainer.accelerator.is_main_process:
+                weights = {
+                    n: t.detach().float().cpu().clone() for n, t in reference.named_parameters()
+                }
+                torch.save(weights, out_dir / "reference.pt")
     report = {
         "process_index": trainer.accelerator.process_index,
         "world_size": trainer.accelerator.num_processes,
@@ -312,6 +328,7 @@ def main() -> None:
         "weights_before": parameter_sums(saved_weights(cli.model_dir), names),
         "weights_after": parameter_sums(weights_after or {}, names),
         "forward_calls": forward_calls[0],
+        "reference_elements_held": None if reference is None else elements_held(reference),
         "whole_while_scoring": WHOLE_WHILE_SCORING,
         "whole_count_while_scoring": WHOLE_COUNT_WHILE_SCORING,
         "whole_count_while_pushing": WHOLE_COUNT_WHILE_PUSHING,
