@@ -193,7 +193,8 @@ def zero3_copy(model: Any, deepspeed_config: dict) -> Any:
     weights, and a forward gathers each layer's from every process, so every process runs the
     copy together, as it does the policy. The copy is made sharded (`deepspeed.zero.Init`, in
     the config's precision) and `model`'s weights (whole or ZeRO-3 shards) are written into it one
-    tensor at a time, so no process holds more than one extra whole tensor while it is built.
+    parameter at a time: while it is built, a process holds beyond its shards at most one
+    parameter whole (the policy's and the copy's).
     A collective. The engine keeps the copy's hooks (they go when it is collected); the copy
     itself is its `module`.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,10 +34,28 @@ SERVER_START_TIMEOUT_S = 900
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing is bound to now, below the ephemeral range.
+
+    A server started with it binds it seconds later. A port the kernel hands out for port 0
+    (the ephemeral range) could be handed out again meanwhile, to any socket that connects or
+    binds port 0 (gloo opens many); a port below that range never is.
+    """
+    low = _first_ephemeral_port()
+    candidates = random.SystemRandom().sample(range(max(1024, low - 8192), low), 64)
+    for port in candidates:  # SystemRandom: pytest's seeding gives parallel workers the same
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port among {len(candidates)} tried below {low}")
+
+
+def _first_ephemeral_port() -> int:
+    """The lowest port the kernel hands out for port 0 (Linux's; its default elsewhere)."""
+    path = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    return int(path.read_text().split()[0]) if path.exists() else 32768
 
 
 needs_vllm = [

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import multiprocessing
-import socket
 
 import pytest
 import torch
 
 from rollout.backends.weight_transport import WeightGroup, backend_for, tensor_specs
+from tests.support.vllm_support import free_port
 
 WEIGHTS = {
     "model.embed_tokens.weight": torch.arange(12.0).reshape(4, 3),
     "model.norm.weight": torch.ones(3, dtype=torch.bfloat16),
     "lm_head.bias": torch.tensor([7], dtype=torch.int64),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # Limits that only say "does not hang": the spawned worker first imports torch, which takes
