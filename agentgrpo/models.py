@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from agentgrpo.devices import inference_autocast
-from agentgrpo.sharded_weights import zero3_copy
+from agentgrpo.sharded_weights import fsdp2_copy, zero3_copy
 from rollout.backends.attention import use_grouped_query_sdpa
 from rollout.images import is_vision_processor, load_processor
 
@@ -194,7 +194,7 @@ def load_tokenizer(
     return processing_class
 
 
-def reference_model(model: Any, args: Any, deepspeed_plugin: Any = None) -> Any | None:
+def reference_model(model: Any, args: Any, accelerator: Any = None) -> Any | None:
     """A frozen copy of the starting policy, needed only when `beta > 0`.
 
     The copy is in the policy's dtype, on the run's device (`args.device`): under DeepSpeed and
@@ -202,13 +202,17 @@ def reference_model(model: Any, args: Any, deepspeed_plugin: Any = None) -> Any 
     copy is never prepared. A policy spread over devices (`device_map`) is copied as it is
     spread. The copy's logprobs run under the same autocast as the policy's.
     With PEFT there is no copy: the reference is the base model with the adapter disabled.
-    Under DeepSpeed ZeRO-3 (the run's accelerate `deepspeed_plugin`) the copy is sharded as the
-    policy is, and is a DeepSpeed engine (`sharded_weights.zero3_copy`), as TRL's is.
+    Under DeepSpeed ZeRO-3 and FSDP2 (the run's `accelerator` says which) the copy is sharded as
+    the policy is, as TRL's is: a DeepSpeed engine (`sharded_weights.zero3_copy`), or FSDP2
+    modules (`sharded_weights.fsdp2_copy`).
     """
     if args.beta == 0.0 or _is_peft(model):
         return None
-    if getattr(deepspeed_plugin, "zero_stage", 0) == 3:
+    deepspeed_plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    if deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3:
         return zero3_copy(model, deepspeed_plugin.deepspeed_config)
+    if getattr(accelerator, "is_fsdp2", False):
+        return fsdp2_copy(model, accelerator)
     reference = copy.deepcopy(model)
     if not getattr(model, "hf_device_map", None):
         reference.to(args.device)

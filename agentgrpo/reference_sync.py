@@ -14,14 +14,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import TrainerCallback
 
 from agentgrpo.sharded_weights import (
+    mixed_one_at_a_time,
+    named_tensors,
+    tied_names,
     whole_one_at_a_time,
-    whole_parameters,
     written_one_at_a_time,
-    written_whole,
 )
 
 logger = logging.getLogger(__name__)
@@ -32,9 +34,10 @@ REFERENCE_FILE = "reference_model.safetensors"
 class SyncReference(TrainerCallback):
     """`sync_ref_model`: every `every` steps, ref <- alpha * policy + (1 - alpha) * ref (TR-DPO).
 
-    Mixed one tensor at a time: a ZeRO-3 or FSDP2 policy's parameter is gathered for it, and a
-    ZeRO-3 reference's (sharded as the policy, `zero3_copy`) is gathered and sharded again, by
-    every process at the same step (`whole_one_at_a_time`, `written_one_at_a_time`).
+    Mixed one tensor at a time (`mixed_one_at_a_time`), by every process at the same step:
+    under ZeRO-3 the policy's parameter is gathered, and the reference's (`zero3_copy`) gathered
+    and sharded again; under FSDP2 each process mixes its own shards (`fsdp2_copy` shards the
+    reference as the policy).
 
     Args:
         reference: The reference model (a separate copy; PEFT runs have none to sync).
@@ -53,26 +56,34 @@ class SyncReference(TrainerCallback):
         """Mix the policy into the reference on every `every`-th optimizer step."""
         if state.global_step % self.every:
             return
-        references = written_one_at_a_time(list(self.reference.named_parameters()))
-        policy = whole_one_at_a_time(list(self.policy.named_parameters()))
-        for (_, ref), (_, current) in zip(references, policy, strict=True):
+        references = list(self.reference.named_parameters())
+        policy = list(self.policy.named_parameters())
+        for ref, current in mixed_one_at_a_time(references, policy):
             ref.mul_(1.0 - self.alpha).add_(current.to(ref.dtype), alpha=self.alpha)
 
     def save(self, checkpoint: str, writes: bool) -> None:
         """Write the reference's weights into the `checkpoint` folder (`REFERENCE_FILE`).
 
-        Every process calls it (a ZeRO-3 reference is gathered); those with `writes` write.
+        Every process calls it (a sharded reference is gathered one tensor at a time); those
+        with `writes` write. A tied weight is written once, under its first name.
         """
-        with whole_parameters(self.reference):
+        weights = {}
+        for name, whole in whole_one_at_a_time(named_tensors(self.reference, tied_once=True)):
             if writes:
-                save_model(self.reference, os.path.join(checkpoint, REFERENCE_FILE))
+                weights[name] = whole.detach().to("cpu", copy=True)
+        if writes:
+            save_file(weights, os.path.join(checkpoint, REFERENCE_FILE))
 
     def load(self, checkpoint: str) -> None:
         """Take back the reference `checkpoint` holds, in place; warn when it holds none.
 
-        Every process calls it and reads the file. A checkpoint written without
-        `sync_ref_model` (or by an earlier version) has no reference: the run goes on from the
-        starting weights' copy, and says so.
+        Every process calls it and reads the file, one tensor at a time. A checkpoint written
+        without `sync_ref_model` (or by an earlier version) has no reference: the run goes on
+        from the starting weights' copy, and says so.
+
+        Raises:
+            ValueError: The file lacks one of the reference's tensors (under any of its tied
+                names): it was written for another model.
         """
         path = os.path.join(checkpoint, REFERENCE_FILE)
         if not os.path.exists(path):
@@ -83,9 +94,18 @@ class SyncReference(TrainerCallback):
                 REFERENCE_FILE,
             )
             return
-        with written_whole(self.reference):
-            device = next(self.reference.parameters()).device
-            load_model(self.reference, path, device=str(device))
+        names = tied_names(self.reference)
+        targets = written_one_at_a_time(named_tensors(self.reference, tied_once=True))
+        with safe_open(path, framework="pt") as stored, torch.no_grad():
+            held = set(stored.keys())
+            for name, target in targets:
+                stored_name = next((n for n in names.get(name, [name]) if n in held), None)
+                if stored_name is None:
+                    raise ValueError(
+                        f"{path} has no tensor {name!r} of the reference model: it was saved for "
+                        "another model; resume from a checkpoint of this run"
+                    )
+                target.copy_(stored.get_tensor(stored_name))
 
 
 def reference_sync(

@@ -1,12 +1,12 @@
 """Sharded policy weights (DeepSpeed ZeRO-3, FSDP2) held whole while they are needed whole.
 
 A policy that generates itself needs its whole weights for the round (`generation_weights`); a
-reference-model sync and a checkpoint of the reference need them for one block
-(`whole_parameters`); a vLLM server push needs each tensor whole only while it is sent
-(`whole_one_at_a_time`). Under ZeRO-3 the reference model is sharded as the policy is
-(`zero3_copy`), and is written one tensor at a time (`written_one_at_a_time`) or whole
-(`written_whole`); reward models, which score episodes whenever they end, are whole copies
-(`whole_copy`). Every function here is a collective under shards: all processes enter it
+colocated vLLM push or a copy of a model needs them for one block (`whole_parameters`); a vLLM
+server push, a reference-model sync and a checkpoint of the reference need each tensor whole
+only while it is used (`whole_one_at_a_time`). Under ZeRO-3 and FSDP2 the reference model is
+sharded as the policy is (`zero3_copy`, `fsdp2_copy`), and is written one tensor at a time
+(`written_one_at_a_time`); reward models, which score episodes whenever they end, are whole
+copies (`whole_copy`). Every function here is a collective under shards: all processes enter it
 together. Outside these blocks the weights stay sharded.
 """
 
@@ -15,9 +15,12 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def check_zero3_generation(zero_stage: int, num_processes: int, ds3_gather: bool) -> None:
@@ -95,20 +98,34 @@ def whole_parameters(model: torch.nn.Module) -> Iterator[None]:
         yield
 
 
-def named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def named_tensors(
+    model: torch.nn.Module, tied_once: bool = False
+) -> list[tuple[str, torch.Tensor]]:
     """`model.state_dict()`'s names and tensors, as the modules hold them now (shards or whole).
 
-    Each parameter (a tied one under each of its names, as the `Parameter` itself, so that
-    ZeRO-3 can gather it) and each persistent buffer: what `state_dict()` holds, read from the
-    modules, because under FSDP2 `state_dict()` always gives each process's shards (its hook
-    reshards the modules first).
+    Each parameter (a tied one under each of its names, or under its first only with
+    `tied_once`, as the `Parameter` itself, so that ZeRO-3 can gather it) and each persistent
+    buffer: what `state_dict()` holds, read from the modules, because under FSDP2
+    `state_dict()` always gives each process's shards (its hook reshards the modules first).
     """
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    parameters = model.named_parameters(remove_duplicate=tied_once)
+    tensors: dict[str, torch.Tensor] = dict(parameters)
     for prefix, module in model.named_modules(remove_duplicate=False):
         for name, buffer in module.named_buffers(recurse=False):
             if name not in module._non_persistent_buffers_set:
                 tensors[f"{prefix}.{name}" if prefix else name] = buffer
     return list(tensors.items())
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each parameter's first name (as `named_parameters()` gives it) -> all its names.
+
+    A weight tied to another (an output layer sharing the input embedding) has several.
+    """
+    names_by_id: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names_by_id.setdefault(id(parameter), []).append(name)
+    return {names[0]: names for names in names_by_id.values()}
 
 
 def whole_specs(named: Sequence[tuple[str, torch.Tensor]]) -> list[list]:
@@ -149,39 +166,30 @@ def whole_one_at_a_time(
             yield name, tensor.detach()
 
 
-@contextlib.contextmanager
-def written_whole(model: torch.nn.Module) -> Iterator[None]:
-    """Inside the block `model.parameters()` are whole, and what is written into them is kept.
-
-    Under DeepSpeed ZeRO-3 the shards are gathered from every process, and sharded again at the
-    end from the main process's values: every process must write the same. A whole model is
-    written as it is. (Not for FSDP2, whose unsharded weights are copies: nothing shards a
-    reference model with it.)
-    """
-    if not zero3_partitioned(model):
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
-        yield
-
-
 def written_one_at_a_time(
     named: Sequence[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each of `named`'s parameters whole, one at a time; what is written into it is kept.
 
-    `whole_one_at_a_time` for writing: a ZeRO-3 parameter is gathered, and sharded again from
-    the main process's values when the next is asked for (every process must write the same
-    values, and iterate to the end in the same order); any other tensor comes as it is.
+    `whole_one_at_a_time` for writing. A ZeRO-3 parameter is gathered, and sharded again from
+    the main process's values when the next is asked for; an FSDP2 `DTensor` comes as a whole
+    copy, split again from the main process's values into the shards. Every process must write
+    the same values, and iterate to the end in the same order. Any other tensor comes as it is.
     """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     for name, tensor in named:
         if hasattr(tensor, "ds_id"):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
                 yield name, tensor.data
+        elif isinstance(tensor, DTensor):
+            with torch.no_grad():
+                whole = tensor.full_tensor()
+            yield name, whole
+            with torch.no_grad():
+                tensor.copy_(distribute_tensor(whole, tensor.device_mesh, tensor.placements))
         else:
             yield name, tensor.data
 
@@ -225,6 +233,61 @@ def zero3_copy(model: Any, deepspeed_config: dict) -> Any:
     engine, *_ = deepspeed.initialize(model=copy_, config=config)
     engine.eval()  # DeepSpeed's returns None
     return engine
+
+
+def mixed_one_at_a_time(
+    targets: Sequence[tuple[str, torch.Tensor]], sources: Sequence[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each target parameter beside its source's, aligned element for element, one pair at a time.
+
+    What is written into a target is kept. Two FSDP2 `DTensor`s sharded alike (a reference
+    made by `fsdp2_copy` beside its policy) come as their local shards: nothing is gathered.
+    Any other pair comes whole (`written_one_at_a_time`, `whole_one_at_a_time`), a collective
+    under shards: every process iterates to the end, in the same order.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for (name, target), (source_name, source) in zip(targets, sources, strict=True):
+        if isinstance(target, DTensor) and _split_as(source, target):
+            yield target.to_local(), source.to_local()
+            continue
+        written = written_one_at_a_time([(name, target)])
+        read = whole_one_at_a_time([(source_name, source)])
+        for (_, whole_target), (_, whole_source) in zip(written, read, strict=True):
+            yield whole_target, whole_source
+
+
+def _split_as(source: torch.Tensor, target: DTensor) -> TypeGuard[DTensor]:
+    """Whether `source` is a `DTensor` split as `target` is: same shape, processes and way."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(
+        isinstance(source, DTensor)
+        and source.device_mesh == target.device_mesh
+        and source.placements == target.placements
+        and source.shape == target.shape
+    )
+
+
+def fsdp2_copy(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
+    """A frozen copy of the whole `model`, sharded by FSDP2 as accelerate shards the policy.
+
+    The reference model under FSDP2, as TRL shards its own (`prepare_fsdp`), but in accelerate's
+    units: each decoder layer, the embeddings and the output layer, the root
+    (`fsdp2_prepare_model`). Each unit is gathered for its forward and freed after it, the root
+    and output layer too (a frozen model has no backward to free them). Its forward is a
+    collective: every process runs the copy together, as it does the policy.
+
+    Args:
+        model: The policy, whole (the Trainer shards it later, when it prepares it).
+        accelerator: The run's `Accelerator`, whose FSDP plugin (version 2) says how to shard.
+    """
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    copy_ = copy.deepcopy(model).requires_grad_(False)
+    copy_ = fsdp2_prepare_model(accelerator, copy_)
+    copy_.set_reshard_after_forward(True)
+    return copy_.eval()
 
 
 def _frozen_zero3_config(deepspeed_config: dict, model_config: Any) -> dict:

@@ -196,7 +196,7 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
             self._gather, self._gather_objects, accelerator.process_index, args.log_completions
         )
         self._metrics = self._trainer_log.metrics  # TRL's name for the queued metric values
-        self.ref_model = reference_model(self.model, args, plugin)
+        self.ref_model = reference_model(self.model, args, accelerator)
         if args.sync_ref_model:
             unwrap = accelerator.unwrap_model
             self.reference_sync = reference_sync(self.ref_model, self.model, args, unwrap)

@@ -189,9 +189,16 @@ def elements_held(model: torch.nn.Module) -> int:
     """How many parameter elements of `model` this process holds now: whole ones and shards.
 
     A ZeRO-3 parameter holds its shard, and its whole tensor too while gathered (DeepSpeed
-    keeps small ones whole after their first use).
+    keeps small ones whole after their first use); an FSDP2 `DTensor` its local shard.
     """
-    return sum(p.numel() + getattr(p, "ds_tensor", p[:0]).numel() for p in model.parameters())
+    from torch.distributed.tensor import DTensor
+
+    return sum(
+        p.to_local().numel()
+        if isinstance(p, DTensor)
+        else p.numel() + getattr(p, "ds_tensor", p[:0]).numel()
+        for p in model.parameters()
+    )
 
 
 def parameter_sums(weights: dict[str, torch.Tensor], names: list[str]) -> dict[str, float]:
@@ -310,7 +317,7 @@ def main() -> None:
     reference = None
     if trainer.ref_model is not None:
         reference = trainer.accelerator.unwrap_model(trainer.ref_model)
-        with whole_parameters(reference):  # ZeRO-3 shards it as the policy
+        with whole_parameters(reference):  # ZeRO-3 and FSDP2 shard it as the policy
             if trainer.accelerator.is_main_process:
                 weights = {
                     n: t.detach().float().cpu().clone() for n, t in reference.named_parameters()
