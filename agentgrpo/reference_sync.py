@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 from transformers import TrainerCallback
 
 from agentgrpo.sharded_weights import (
-    mixed_one_at_a_time,
     named_tensors,
+    paired_one_at_a_time,
     tied_names,
     whole_one_at_a_time,
     written_one_at_a_time,
@@ -34,7 +34,7 @@ REFERENCE_FILE = "reference_model.safetensors"
 class SyncReference(TrainerCallback):
     """`sync_ref_model`: every `every` steps, ref <- alpha * policy + (1 - alpha) * ref (TR-DPO).
 
-    Mixed one tensor at a time (`mixed_one_at_a_time`), by every process at the same step:
+    Mixed one tensor at a time (`paired_one_at_a_time`), by every process at the same step:
     under ZeRO-3 the policy's parameter is gathered, and the reference's (`zero3_copy`) gathered
     and sharded again; under FSDP2 each process mixes its own shards (`fsdp2_copy` shards the
     reference as the policy).
@@ -58,7 +58,7 @@ class SyncReference(TrainerCallback):
             return
         references = list(self.reference.named_parameters())
         policy = list(self.policy.named_parameters())
-        for ref, current in mixed_one_at_a_time(references, policy):
+        for ref, current in paired_one_at_a_time(references, policy):
             ref.mul_(1.0 - self.alpha).add_(current.to(ref.dtype), alpha=self.alpha)
 
     def save(self, checkpoint: str, writes: bool) -> None:

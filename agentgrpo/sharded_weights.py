@@ -222,10 +222,9 @@ def zero3_copy(model: Any, deepspeed_config: dict) -> Any:
     with no_init_weights(), zero_init, set_zero3_state():  # every weight is written below
         copy_ = type(model)(model.config)
     copy_.tie_weights()
-    sources = whole_one_at_a_time(list(model.named_parameters()))
-    targets = written_one_at_a_time(list(copy_.named_parameters()))
+    pairs = paired_one_at_a_time(list(copy_.named_parameters()), list(model.named_parameters()))
     with torch.no_grad():
-        for (_, source), (_, target) in zip(sources, targets, strict=True):
+        for target, source in pairs:
             target.copy_(source.to(target.dtype))
         for name, buffer in model.named_buffers():
             copy_.get_buffer(name).copy_(buffer)
@@ -235,13 +234,14 @@ def zero3_copy(model: Any, deepspeed_config: dict) -> Any:
     return engine
 
 
-def mixed_one_at_a_time(
+def paired_one_at_a_time(
     targets: Sequence[tuple[str, torch.Tensor]], sources: Sequence[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Each target parameter beside its source's, aligned element for element, one pair at a time.
 
-    What is written into a target is kept. Two FSDP2 `DTensor`s sharded alike (a reference
-    made by `fsdp2_copy` beside its policy) come as their local shards: nothing is gathered.
+    What is written into a target is kept (a copy filled from its source, a reference mixed
+    with its policy). Two FSDP2 `DTensor`s sharded alike (a reference made by `fsdp2_copy`
+    beside its policy) come as their local shards: nothing is gathered.
     Any other pair comes whole (`written_one_at_a_time`, `whole_one_at_a_time`), a collective
     under shards: every process iterates to the end, in the same order.
     """
