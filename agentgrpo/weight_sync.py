@@ -165,7 +165,9 @@ class SharedWeights:
     """The transformers backend generates with the policy's own tensors: nothing to push.
 
     Its prefix cache holds keys and values of the weights it was filled with, so every round
-    starts and ends with an empty one (which also frees its memory for the optimizer step).
+    starts with an empty one. Every round ends by freeing all the backend holds for generating
+    (`release_memory`: the prefix cache, on a GPU the slot cache and the decoding step's CUDA
+    graphs), so the learner has that memory; the next round allocates it and captures again.
     """
 
     def __init__(self, backend: TransformersBackend):
@@ -178,7 +180,7 @@ class SharedWeights:
         try:
             yield
         finally:
-            self.backend.reset_prefix_cache()
+            self.backend.release_memory()
 
 
 class ColocatedPush:

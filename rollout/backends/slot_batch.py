@@ -121,6 +121,15 @@ class SlotBatch:
             if row is not None:
                 self._free(slot)
 
+    def release(self) -> None:
+        """Drop every row and free the buffers and the captured graphs (with their pool).
+
+        Between rounds, so the slot cache does not sit through the learner's step; the next
+        `join` allocates the buffers again, and each step's graph is captured again.
+        """
+        self.slots = [None] * self.max_rows
+        self._buffers, self._graphs, self._pool, self._weights = None, {}, None, ()
+
     # ------------------------------------------------------------------ joining
 
     def join(self, prefilled: list[tuple[Row, KV]]) -> None:

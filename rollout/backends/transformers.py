@@ -157,6 +157,18 @@ class TransformersBackend:
         """Forget the cached keys and values: call it whenever the model's weights change."""
         self.prefixes.clear()
 
+    def release_memory(self) -> None:
+        """Free what generating holds: the prefix cache, and a `SlotBatch`'s cache and graphs.
+
+        For a trainer between rounds, so its learner has that memory; the next request
+        allocates it again. Only while no request is in flight: running rows are dropped.
+        """
+        self.prefixes.clear()
+        if isinstance(self._batch, SlotBatch):
+            self._batch.release()
+        elif self._batch is not None:
+            self._batch.clear()
+
     async def between_steps(self, update: Callable[[], None], version: int | None = None) -> None:
         """Run `update` (a weight load, say) while no generation step runs, then empty the cache.
 

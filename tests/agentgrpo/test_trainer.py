@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 
 import pytest
 import torch
@@ -263,6 +264,63 @@ def test_a_custom_rollout_func_replaces_the_engine(tokenizer, tmp_path):
     trainer.train()
     assert logged(trainer, "reward") == [0.5]
     assert trainer.state.log_history[0]["completions/mean_length"] == 2  # env tokens excluded
+
+
+def test_the_learner_runs_with_the_generation_cache_freed(tokenizer, tmp_path):
+    # On a GPU the backend decodes in slots (a static cache with its CUDA graphs), forced here.
+    # Each round ends by freeing it, so the loss steps do not hold it beside their activations.
+    caches, at_loss = [], []
+
+    def record_cache(completion_ids, **kwargs):
+        caches.append(weakref.ref(backend._running()._buffers.keys[0]))
+        return rank_in_call(completion_ids)
+
+    trainer = tiny_trainer(tokenizer, record_cache, args=config(tmp_path), train_dataset=PROMPTS)
+    backend = trainer.engine.context.backend
+    backend.static_cache = True
+    compute_loss = trainer.compute_loss
+
+    def recording_loss(*args, **kwargs):
+        at_loss.append((sum(c() is not None for c in caches), backend.prefixes.tokens))
+        return compute_loss(*args, **kwargs)
+
+    trainer.compute_loss = recording_loss
+    trainer.train()
+    assert backend.decoding == "slots" and len(caches) == 2 * 2  # a call per group, 2 a round
+    assert at_loss == [(0, 0)] * 2  # 2 steps of one micro-batch
+
+
+def test_tool_episodes_decoded_in_slots_train_on_their_sampled_logprobs(tokenizer, tmp_path):
+    # The GPU's decoding path (forced on the CPU) through whole tool-calling episodes: later
+    # turns join the slots mid-round and read their conversation from the prefix cache.
+    model = tiny_llama(tokenizer, seed=2)
+    calls = [tool_call("increment", step=k) for k in (2, 1)]
+    teach(model, [scripted_episode(tokenizer, [*calls, "Done."], ROW_5)], 1e-2, 150, False)
+    args = config(
+        tmp_path,
+        max_completion_length=96,
+        max_turns=4,
+        top_k=0,
+        learning_rate=3e-4,
+        chat_template="chatml_tools",
+    )
+    dataset = Dataset.from_list([ROW_5] * 16)
+    trainer = GRPOTrainer(
+        model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        environment_factory=Counter,
+    )
+    trainer.engine.context.backend.static_cache = True
+    trainer.train()
+    assert trainer.engine.context.backend.decoding == "slots"
+    history = trainer.state.log_history
+    assert min(e["tools/call_frequency"] for e in history if "tools/call_frequency" in e) > 1
+    gaps = [e["sampling/sampling_logp_difference/max"] for e in history if "loss" in e]
+    # float32 rounding: 1.0e-4 and 2.1e-4 here, 1.6e-4 and 1.9e-4 decoding dynamically; a key or
+    # value in the wrong column would move a logprob by far more
+    assert len(gaps) == 2 and max(gaps) < 1e-3
 
 
 def test_the_trained_model_saves_and_reloads(tokenizer, tmp_path):

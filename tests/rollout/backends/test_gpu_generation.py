@@ -104,3 +104,20 @@ async def test_on_cuda_the_graphs_read_the_weights_as_they_are_now(in_place):
     assert after.logprobs != before.logprobs
     expected = forward_logprobs(model, PROMPTS[0], after.token_ids)
     assert torch.allclose(expected, torch.tensor(after.logprobs), atol=1e-3)
+
+
+@pytest.mark.anyio
+async def test_on_cuda_a_released_backend_frees_its_slot_cache_and_captures_again():
+    model = qwen(torch.float32)
+    backend = TransformersBackend(model, [STOP], 0)
+    params = [SamplingParams(max_tokens=20, seed=s) for s in range(3)]
+    first = await generate_concurrently(backend, PROMPTS, params)
+    batch = backend._running()
+    cache_bytes = sum(t.nbytes for t in batch._buffers.keys + batch._buffers.values)
+    held = torch.cuda.memory_allocated()
+    backend.release_memory()
+    assert held - torch.cuda.memory_allocated() >= cache_bytes and not batch._graphs
+    again = await generate_concurrently(backend, PROMPTS, params)
+    assert batch._graphs  # captured again, over the new buffers
+    assert [c.token_ids for c in again] == [c.token_ids for c in first]
+    assert [c.logprobs for c in again] == [c.logprobs for c in first]

@@ -7,6 +7,8 @@ model.
 
 from __future__ import annotations
 
+import weakref
+
 import anyio
 import pytest
 import torch
@@ -64,6 +66,20 @@ async def test_a_seeded_request_draws_the_same_tokens_in_slots_alone_or_in_any_b
     reversed_ = await generate_concurrently(backend, PROMPTS[::-1], params[::-1])
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
     assert [c.token_ids for c in reversed_[::-1]] == [c.token_ids for c in alone]
+
+
+@pytest.mark.anyio
+async def test_released_slots_free_their_cache_and_then_decode_as_before(tiny_model):
+    params = [SamplingParams(max_tokens=10, seed=s) for s in (5, 6, 7)]
+    backend = slots(tiny_model)
+    first = await generate_concurrently(backend, PROMPTS, params)
+    cache = weakref.ref(backend._running()._buffers.keys[0])  # the first layer's slot keys
+    assert cache() is not None and backend.prefixes.tokens > 0
+    backend.release_memory()
+    assert cache() is None and backend.prefixes.tokens == 0
+    again = await generate_concurrently(backend, PROMPTS, params)
+    assert [c.token_ids for c in again] == [c.token_ids for c in first]
+    assert [c.logprobs for c in again] == [c.logprobs for c in first]
 
 
 @pytest.mark.anyio
