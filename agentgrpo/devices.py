@@ -116,7 +116,9 @@ def pin_training_device(text: str | None, environ: MutableMapping[str, str]) -> 
     `cpu` gives `use_cpu=True`. A GPU (`cuda`, `cuda:N`, or none named on a machine with CUDA)
     is made the only visible one through `environ[CUDA_VISIBLE_DEVICES]`, which CUDA reads when
     it starts: so call this before anything touches CUDA. Under a distributed launch
-    (`WORLD_SIZE` > 1) nothing is pinned: every process takes its own GPU.
+    (`WORLD_SIZE` > 1) nothing is pinned: every process takes its own GPU; with no device named
+    and no GPU to take, the processes train together on the CPU (`use_cpu=True`: accelerate
+    joins CPU processes over gloo only then, and would otherwise run each alone).
 
     Raises:
         ValueError: A bad or unavailable device, `cuda:N` in a distributed launch, or a GPU
@@ -132,7 +134,7 @@ def pin_training_device(text: str | None, environ: MutableMapping[str, str]) -> 
                 f"choose the GPUs with {VISIBLE} (or accelerate's --gpu_ids), and pass --device "
                 "cuda or nothing"
             )
-        return {}
+        return {"use_cpu": True} if device is None and not torch.cuda.is_available() else {}
     if not torch.backends.cuda.is_built():
         if device is not None:
             check_available(device, cuda_built=False, gpus=0)
@@ -204,6 +206,35 @@ def _gpus(device: torch.device) -> int:
     if device.type != "cuda" or not torch.backends.cuda.is_built():
         return 0
     return torch.cuda.device_count()
+
+
+def check_processes_joined(environ: Mapping[str, str], num_processes: int) -> None:
+    """Refuse a launch of several processes that accelerate runs one by one.
+
+    `accelerate launch --num_processes N` (or torchrun) starts N processes with `WORLD_SIZE=N`.
+    On a machine without a GPU, accelerate joins them (over gloo) only when they train on the
+    CPU (`use_cpu=True`); otherwise each runs alone: N separate runs, each on all the rows,
+    writing one output folder.
+
+    Args:
+        environ: The process environment.
+        num_processes: The accelerator's `num_processes`.
+
+    Raises:
+        ValueError: `WORLD_SIZE` > 1 and one process in the accelerator.
+
+    Example:
+        >>> check_processes_joined({"WORLD_SIZE": "2"}, 2)
+        >>> check_processes_joined({}, 1)
+    """
+    launched = int(environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and num_processes == 1:
+        raise ValueError(
+            f"this launch started {launched} processes (WORLD_SIZE={launched}), but accelerate "
+            "runs each of them alone: without a GPU it joins processes only when they train on "
+            "the CPU. Set use_cpu=True in GRPOConfig (agentgrpo run: --device cpu, or no "
+            "--device) to train them together over gloo, or launch one process"
+        )
 
 
 def check_sharded_launch(environ: Mapping[str, str], distributed_type: str) -> None:

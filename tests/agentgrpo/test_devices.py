@@ -17,6 +17,7 @@ from agentgrpo.cli import build_parser
 from agentgrpo.cli.commands import _run_settings
 from agentgrpo.devices import (
     check_available,
+    check_processes_joined,
     describe_device,
     parse_device,
     pin_training_device,
@@ -108,6 +109,20 @@ def test_a_distributed_launch_gives_each_process_its_gpu():
     environ = {"WORLD_SIZE": "2"}
     assert pin_training_device("cuda", environ) == {}
     assert environ == {"WORLD_SIZE": "2"}  # accelerate assigns the GPUs
+
+
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "no gpu"])
+def test_a_distributed_launch_naming_no_device_takes_the_gpus_or_else_the_cpu(gpu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    expected = {} if gpu else {"use_cpu": True}
+    assert pin_training_device(None, {"WORLD_SIZE": "2"}) == expected
+
+
+def test_processes_a_launch_started_but_accelerate_runs_alone_are_refused_naming_use_cpu():
+    with pytest.raises(ValueError, match=r"started 2 processes .* Set use_cpu=True in GRPOConfig"):
+        check_processes_joined({"WORLD_SIZE": "2"}, num_processes=1)
+    check_processes_joined({"WORLD_SIZE": "2"}, num_processes=2)
+    check_processes_joined({"WORLD_SIZE": "1"}, num_processes=1)
 
 
 @cpu_only_torch

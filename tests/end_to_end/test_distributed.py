@@ -391,6 +391,40 @@ def test_zero3_trains_uneven_token_counts_and_a_reward_model_given_by_path(
         assert len(scored) == 2 and all(math.isfinite(float(value)) for value in scored)
 
 
+def test_a_script_launched_on_cpu_processes_without_use_cpu_is_refused_naming_it(
+    tiny_model_dir, tmp_path
+):
+    # accelerate then runs each process alone: two whole runs into one output folder (one
+    # failed on the other's lock, "in use by another agentgrpo run").
+    returncode, output = accelerate_launch(
+        CONFIGS / "ddp.yaml", 2, [str(tiny_model_dir), str(tmp_path), "--gpu"], CPU_ENV
+    )
+    assert returncode != 0
+    assert "this launch started 2 processes (WORLD_SIZE=2)" in output
+    assert "Set use_cpu=True in GRPOConfig" in output
+    assert not list(tmp_path.glob("process_*.json"))  # nobody trained
+
+
+def test_agentgrpo_run_on_cpu_processes_trains_them_together_without_a_device(
+    tiny_model_dir, tmp_path
+):
+    # No --device: the first GPU, else the CPU, which for several processes is use_cpu=True.
+    out_dir = tmp_path / "run"
+    command = [
+        *(sys.executable, "-m", "accelerate.commands.launch"),
+        *("--config_file", str(CONFIGS / "ddp.yaml"), "--num_processes", "2"),
+        *("--main_process_port", str(free_port())),
+        *("-m", "agentgrpo", "run", "env:Counter", "--model", str(tiny_model_dir)),
+        *("--chat-template", "chatml_tools", "--max-steps", "1", "--output-dir", str(out_dir)),
+        *("--per-device-train-batch-size", "4", "--num-generations", "4"),
+        *("--max-completion-length", "16", "--report-to", "none", "--save-strategy", "no"),
+    ]
+    returncode, output = run_in_own_group(command, CPU_ENV)
+    assert returncode == 0, output[-6000:]
+    assert "x 2 process(es)" in output
+    assert {r.process for r in read_episodes(out_dir, 1)} == {0, 1}
+
+
 def test_fsdp_on_cpu_processes_is_refused_with_what_to_launch_instead(tiny_model_dir, tmp_path):
     returncode, output = accelerate_launch(
         CONFIGS / "fsdp2.yaml",
