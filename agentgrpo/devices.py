@@ -237,6 +237,33 @@ def check_processes_joined(environ: Mapping[str, str], num_processes: int) -> No
         )
 
 
+def check_fsdp_version(distributed_type: str, is_fsdp2: bool) -> None:
+    """Refuse FSDP version 1: the policy's sharded weights are gathered under FSDP2 only.
+
+    Generating (with transformers, or pushing to vLLM) needs the policy's whole weights;
+    agentgrpo gathers them from FSDP2's shards (`sharded_weights.fsdp2_unsharded`,
+    `weight_sync.whole_parameters`) and DeepSpeed ZeRO-3's, not from FSDP1's flat parameters
+    (`fsdp_version: 1`, accelerate's default).
+
+    Args:
+        distributed_type: The accelerator's `distributed_type`, as text (e.g. "FSDP").
+        is_fsdp2: The accelerator's `is_fsdp2`.
+
+    Raises:
+        ValueError: FSDP, not version 2.
+
+    Example:
+        >>> check_fsdp_version("FSDP", is_fsdp2=True)
+        >>> check_fsdp_version("DistributedType.MULTI_GPU", is_fsdp2=False)
+    """
+    if str(distributed_type).rsplit(".", 1)[-1] == "FSDP" and not is_fsdp2:
+        raise ValueError(
+            "the accelerate config runs FSDP version 1 (fsdp_version: 1, accelerate's default): "
+            "agentgrpo gathers the policy's sharded weights for generation under FSDP2 only. "
+            "Set fsdp_version: 2 in the config (as examples/accelerate/fsdp2.yaml does)"
+        )
+
+
 def check_sharded_launch(environ: Mapping[str, str], distributed_type: str) -> None:
     """Refuse a launch that asked for FSDP and got accelerate's plain data parallelism.
 

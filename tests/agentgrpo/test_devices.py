@@ -17,6 +17,7 @@ from agentgrpo.cli import build_parser
 from agentgrpo.cli.commands import _run_settings
 from agentgrpo.devices import (
     check_available,
+    check_fsdp_version,
     check_processes_joined,
     describe_device,
     parse_device,
@@ -123,6 +124,14 @@ def test_processes_a_launch_started_but_accelerate_runs_alone_are_refused_naming
         check_processes_joined({"WORLD_SIZE": "2"}, num_processes=1)
     check_processes_joined({"WORLD_SIZE": "2"}, num_processes=2)
     check_processes_joined({"WORLD_SIZE": "1"}, num_processes=1)
+
+
+def test_fsdp_version_1_is_refused_naming_the_setting_to_change():
+    # accelerate refuses FSDP on CPU processes, so this launch cannot run here end to end.
+    with pytest.raises(ValueError, match=r"FSDP version 1 .* Set fsdp_version: 2 in the config"):
+        check_fsdp_version("DistributedType.FSDP", is_fsdp2=False)
+    check_fsdp_version("DistributedType.FSDP", is_fsdp2=True)
+    check_fsdp_version("DistributedType.DEEPSPEED", is_fsdp2=False)
 
 
 @cpu_only_torch
