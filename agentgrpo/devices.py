@@ -208,6 +208,22 @@ def _gpus(device: torch.device) -> int:
     return torch.cuda.device_count()
 
 
+def check_launch(environ: Mapping[str, str], accelerator: Any) -> None:
+    """Refuse a launch that accelerate runs otherwise than it was asked to.
+
+    Its processes run one by one (`check_processes_joined`), FSDP asked for and not run
+    (`check_sharded_launch`), or FSDP version 1 (`check_fsdp_version`).
+
+    Args:
+        environ: The process environment.
+        accelerator: The run's `Accelerator`.
+    """
+    engine = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    check_processes_joined(environ, accelerator.num_processes)
+    check_sharded_launch(environ, engine)
+    check_fsdp_version(engine, accelerator.is_fsdp2)
+
+
 def check_processes_joined(environ: Mapping[str, str], num_processes: int) -> None:
     """Refuse a launch of several processes that accelerate runs one by one.
 

@@ -32,7 +32,7 @@ from agentgrpo.data import (
     rows_collator,
     training_rows,
 )
-from agentgrpo.devices import check_fsdp_version, check_processes_joined, check_sharded_launch
+from agentgrpo.devices import check_launch
 from agentgrpo.learner.batch import TrainingBatch, collate_episodes
 from agentgrpo.learner.logprobs import batched_logprobs
 from agentgrpo.learner.losses import normalises_by_num_items
@@ -184,9 +184,7 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
     ) -> None:
         """Check the launch; build the reference model, the round's parts and the loss step."""
         args, accelerator = self.args, self.accelerator
-        check_processes_joined(os.environ, accelerator.num_processes)
-        check_sharded_launch(os.environ, str(accelerator.distributed_type))
-        check_fsdp_version(str(accelerator.distributed_type), accelerator.is_fsdp2)
+        check_launch(os.environ, accelerator)
         plugin = accelerator.state.deepspeed_plugin
         zero_stage = getattr(plugin, "zero_stage", 0)
         check_zero3_generation(
