@@ -8,11 +8,13 @@ import torch
 
 from agentgrpo.learner.batch import TrainingBatch
 from agentgrpo.learner.output_head import (
+    InForwardScores,
     Readout,
     head_logprobs,
     output_head,
     read_hidden,
     read_logits,
+    sharded_forward,
 )
 from agentgrpo.learner.shared_prompt import can_share_prompts, prompt_groups, shared_prompt_states
 from agentgrpo.learner.token_weights import entropy_from_logits
@@ -49,10 +51,11 @@ def completion_logprobs(
     `output_head.head_logprobs` turns them into logprobs a chunk of tokens at a time, so the
     B x C x V logits never exist at once; for a model whose logits are not plain
     `lm_head(hidden)` (`output_head` is None) the completion positions' logits are read whole.
-    When rows share a prompt (a GRPO group), each distinct prompt runs through the model once
-    (`shared_prompt_states`); otherwise, and whenever that could change the results, one pass
-    runs over prompts and completions (`one_pass_states`). Every way gives the same numbers
-    and gradients up to float rounding.
+    A model whose weights FSDP2 or ZeRO-3 shard is scored the same way inside its forward
+    (`output_head.InForwardScores`), in one pass. When rows share a prompt (a GRPO group),
+    each distinct prompt runs through the model once (`shared_prompt_states`); otherwise, and
+    whenever that could change the results, one pass runs over prompts and completions
+    (`one_pass_states`). Every way gives the same numbers and gradients up to float rounding.
 
     Args:
         model: A causal LM, possibly wrapped (DDP, DeepSpeed, PEFT).
@@ -63,15 +66,19 @@ def completion_logprobs(
             whole sequences, prompts included (so always one pass).
     """
     temperature = temperature or 1.0
+    targets_B_C = batch.completion_ids_B_C
+    real_B_C = batch.attention_mask_B_L[:, -batch.completion_width :].bool()
     head = output_head(model)
+    if head is not None and sharded_forward(getattr(model, "module", model)):
+        scores = InForwardScores(head, targets_B_C, real_B_C, temperature, entropy)
+        states_B_C_3S, aux_loss = one_pass_states(model, batch, scores, with_aux_loss)
+        return PolicyForward(*scores.numbers(states_B_C_3S), aux_loss)
     readout: Readout = read_logits if head is None else read_hidden
     prompts = None if with_aux_loss else _shared_prompts(model, batch)
     if prompts is not None:
         states_B_C_D, aux_loss = shared_prompt_states(model, batch, prompts, readout), None
     else:
         states_B_C_D, aux_loss = one_pass_states(model, batch, readout, with_aux_loss)
-    targets_B_C = batch.completion_ids_B_C
-    real_B_C = batch.attention_mask_B_L[:, -batch.completion_width :].bool()
     if head is not None:
         numbers = head_logprobs(head, states_B_C_D, targets_B_C, real_B_C, temperature, entropy)
     else:

@@ -10,15 +10,20 @@ again in the backward, which recomputes them.
 
 This is exact only where the logits are the output embedding of the last hidden state.
 `output_head` returns None for the models whose forward does more (a soft cap, a scale, masked or
-trimmed vocabulary entries), and for a model whose weights FSDP2 or DeepSpeed ZeRO-3 shard
-(`sharded_forward`); the learner then reads their logits as the model returns them.
+trimmed vocabulary entries); the learner then reads their logits as the model returns them.
+A model whose weights FSDP2 or DeepSpeed ZeRO-3 shard (`sharded_forward`) gathers its output
+layer only for the output layer's own call inside its forward: `InForwardScores` runs the chunks
+there, and the scores leave the model in place of its logits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 # At most this many logits (tokens x vocabulary) in one chunk: 128 MiB in float32, e.g. 220
@@ -77,15 +82,14 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module whose output on the final hidden states is the model's logits, or None.
 
     None when the model has no output embedding, or its forward transforms the logits after it
-    (`_LOGIT_TRANSFORMS`, `_LOGIT_REWRITING_TYPES`), or its weights are shards
-    (`sharded_forward`).
+    (`_LOGIT_TRANSFORMS`, `_LOGIT_REWRITING_TYPES`).
     `model` may be wrapped (DDP, DeepSpeed, PEFT); the module returned is the one the forward
-    calls, adapters and hooks included.
+    calls, adapters and hooks included. Its weight may be a shard (`sharded_forward`).
     """
     inner: Any = getattr(model, "module", model)
     config = getattr(inner, "config", None)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if config is None or head is None or sharded_forward(inner):
+    if config is None or head is None:
         return None
     text_config = config.get_text_config(decoder=True)
     if config.model_type in _LOGIT_REWRITING_TYPES or any(
@@ -98,13 +102,13 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
 def sharded_forward(model: torch.nn.Module) -> bool:
     """Whether `model`'s forward gathers its sharded weights: FSDP2 or DeepSpeed ZeRO-3.
 
-    The learner then runs one pass over whole rows and reads the logits from it, as TRL does.
-    FSDP2 (`fsdp_sharded`) would otherwise write gradients into freed storage. Under ZeRO-3
-    every call of a module gathers its shards from all processes, so every process must make
-    the same calls: the output layer run a chunk of tokens at a time, and the prompts run apart
-    from the completions only where rows share them, would make as many calls as a process has
-    tokens or distinct prompts (processes with different counts failed on gloo with "Received
-    data size doesn't match expected size").
+    The learner then runs one pass over whole rows and scores the completions inside it
+    (`InForwardScores`). FSDP2 (`fsdp_sharded`) would otherwise write gradients into freed
+    storage. Under ZeRO-3 every call of a module gathers its shards from all processes, so
+    every process must make the same calls: the output layer called once per chunk of tokens,
+    and the prompts run apart from the completions only where rows share them, would make as
+    many calls as a process has tokens or distinct prompts (processes with different counts
+    failed on gloo with "Received data size doesn't match expected size").
     """
     zero3 = any(hasattr(p, "ds_id") for p in model.parameters())  # DeepSpeed tags its shards
     return fsdp_sharded(model) or zero3
@@ -119,11 +123,109 @@ def fsdp_sharded(model: torch.nn.Module) -> bool:
     values read by a later forward) takes a backward path those hooks never see, which writes
     gradients into freed storage: measured as a segmentation fault on gloo, under accelerate's
     FSDP2 wrapping (decoder layers and the root, which holds the output embedding). The
-    learner therefore reads such a model's logits from its forward, in one pass.
+    learner therefore scores such a model's completions inside its forward, in one pass.
     """
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+class InForwardScores:
+    """A `Readout` scoring the completion tokens inside the forward of a sharded model.
+
+    For a model whose weights are shards (`sharded_forward`), its states are the completion
+    tokens' logprobs (and entropies). For one call of the model, the output layer's forward is
+    `head_logprobs` of the targets over the final hidden states it is handed, a chunk of tokens
+    at a time. So the chunks run where the engine's hooks gather the output layer's weight
+    (once, as for the model's own call; the layer's forward is called without them), and the
+    scores leave the model as its logits, through the hooks that free the weight and reduce its
+    gradient. Each score goes out as three numbers that sum to it (`_bfloat16_parts`): FSDP2
+    casts a module's outputs to its `output_dtype` (bfloat16 under accelerate's bf16), which
+    keeps the first two exact and rounds the third by at most 2^-27 of the score (float32's
+    own rounding is 2^-24). Gradients come back through the cast in bfloat16, as they do
+    through every other module of such a model.
+
+    Args:
+        head: The model's output embedding (`output_head`).
+        targets_B_C: Token ids (long).
+        real_B_C: Bool, True on the real (not padding) tokens.
+        temperature: Divides the logits; > 0.
+        entropy: As for `head_logprobs`.
+    """
+
+    def __init__(
+        self,
+        head: torch.nn.Module,
+        targets_B_C: torch.Tensor,
+        real_B_C: torch.Tensor,
+        temperature: float,
+        entropy: str | None,
+    ) -> None:
+        self.head, self.targets_B_C, self.real_B_C = head, targets_B_C, real_B_C
+        self.temperature, self.entropy = temperature, entropy
+
+    def __call__(
+        self, model: torch.nn.Module, keep: int, **inputs: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """Run `model` on `inputs`: its scores at the last `keep` = C + 1 positions, its output.
+
+        The scores are B x keep x 3S (S = 1, or 2 with the entropy); the last position, which
+        predicts no completion token, scores 0.
+        """
+        own_forward = self.head.__dict__.get("forward")  # accelerate's hooks wrap it there
+        self.head.forward = partial(self._scores, self.head.forward)
+        try:
+            out = model(**inputs, use_cache=False, logits_to_keep=keep)
+        finally:
+            if own_forward is None:
+                del self.head.forward
+            else:
+                self.head.forward = own_forward
+        return out.logits, out
+
+    def _scores(
+        self, project: Callable[[torch.Tensor], torch.Tensor], hidden_B_K_H: torch.Tensor
+    ) -> torch.Tensor:
+        """The output layer's forward for one call: B x K x 3S scores from B x K x H states."""
+        size = chunk_tokens(_vocabulary_size(self.head, project, hidden_B_K_H))
+        numbers = _chunked(
+            project,
+            size,
+            hidden_B_K_H[:, :-1],
+            self.targets_B_C,
+            self.real_B_C,
+            self.temperature,
+            self.entropy,
+        )
+        scores_B_C_S = torch.stack([n for n in numbers if n is not None], dim=-1)
+        return F.pad(torch.cat(_bfloat16_parts(scores_B_C_S), dim=-1), (0, 0, 0, 1))
+
+    def numbers(self, states_B_C_3S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logprobs_B_C, entropy_B_C (None when not asked for): float32, from the states read.
+
+        `states_B_C_3S`: what `one_pass_states` read through this readout.
+        """
+        scores_B_C_S = sum(states_B_C_3S.float().chunk(_PARTS, dim=-1))
+        assert isinstance(scores_B_C_S, torch.Tensor)
+        return scores_B_C_S[..., 0], scores_B_C_S[..., 1] if self.entropy else None
+
+
+_PARTS = 3
+
+
+def _bfloat16_parts(values: torch.Tensor) -> list[torch.Tensor]:
+    """`_PARTS` float32 tensors that sum to `values` exactly, all but the last bfloat16 numbers.
+
+    Each part is what bfloat16 keeps of what the parts before it leave, so each is at most 2^-9
+    of the one before: cast to bfloat16, the sum moves by at most 2^-9 of the last part. The
+    gradient reaches `values` through the first part alone (the others are differences of it).
+    """
+    parts, rest = [], values
+    for _ in range(_PARTS - 1):
+        part = rest.to(torch.bfloat16).to(values.dtype)
+        parts.append(part)
+        rest = rest - part
+    return [*parts, rest]
 
 
 def head_logprobs(
@@ -153,14 +255,28 @@ def head_logprobs(
     Returns:
         logprobs_B_C, entropy_B_C (None when not asked for): float32.
     """
+    hidden_B_C_H = _as_head_input(head, hidden_B_C_H)
+    size = chunk_tokens(_vocabulary_size(head, head, hidden_B_C_H))
+    return _chunked(head, size, hidden_B_C_H, targets_B_C, real_B_C, temperature, entropy)
+
+
+def _chunked(
+    project: Callable[[torch.Tensor], torch.Tensor],
+    size: int,
+    hidden_B_C_H: torch.Tensor,
+    targets_B_C: torch.Tensor,
+    real_B_C: torch.Tensor,
+    temperature: float,
+    entropy: str | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`head_logprobs` with the output layer `project`, `size` tokens a chunk."""
     if entropy not in _ENTROPY_MODES:
         raise ValueError(f"entropy={entropy!r} is not one of {_ENTROPY_MODES}")
-    hidden_N_H, targets_N = _as_head_input(head, hidden_B_C_H[real_B_C]), targets_B_C[real_B_C]
-    size = chunk_tokens(_vocabulary_size(head, hidden_N_H))
+    hidden_N_H, targets_N = hidden_B_C_H[real_B_C], targets_B_C[real_B_C]
     several = hidden_N_H.shape[0] > size and torch.is_grad_enabled()
     score = _checkpointed_chunk if several else chunk_logprobs
     parts = [
-        score(head, hidden_n_H, targets_n, temperature, entropy)
+        score(project, hidden_n_H, targets_n, temperature, entropy)
         for hidden_n_H, targets_n in zip(hidden_N_H.split(size), targets_N.split(size), strict=True)
     ]
     logprobs_B_C = _scatter(torch.cat([logprobs_n for logprobs_n, _ in parts]), real_B_C)
@@ -177,7 +293,7 @@ def chunk_tokens(vocabulary_size: int) -> int:
 
 
 def chunk_logprobs(
-    head: torch.nn.Module,
+    head: Callable[[torch.Tensor], torch.Tensor],
     hidden_N_H: torch.Tensor,
     targets_N: torch.Tensor,
     temperature: float,
@@ -215,13 +331,20 @@ def _as_head_input(head: torch.nn.Module, hidden_N_H: torch.Tensor) -> torch.Ten
     return hidden_N_H
 
 
-def _vocabulary_size(head: torch.nn.Module, hidden_N_H: torch.Tensor) -> int:
-    """V: the head's output features (a `Linear`, LoRA-wrapped or not), else measured on a row."""
+def _vocabulary_size(
+    head: torch.nn.Module,
+    project: Callable[[torch.Tensor], torch.Tensor],
+    hidden_B_C_H: torch.Tensor,
+) -> int:
+    """V: the head's output features (a `Linear`, LoRA-wrapped or not), else counted.
+
+    Counted in `project`'s output on one token's state.
+    """
     size = getattr(head, "out_features", None)
     if isinstance(size, int):
         return size
     with torch.no_grad():
-        return int(head(hidden_N_H[:1]).shape[-1])
+        return int(project(hidden_B_C_H[:1, :1]).shape[-1])
 
 
 def _scatter(values_N: torch.Tensor, real_B_C: torch.Tensor) -> torch.Tensor:

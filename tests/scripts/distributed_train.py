@@ -34,7 +34,7 @@ the policy into it after every step, half and half). With `--save-model` the run
 With `--fixed-completions` the episodes come from a `rollout_func` that answers each prompt
 with the same token ids whatever the process, seed or weights, so runs over different numbers
 of processes train on identical episodes and their weights can be compared.
-`--logits-per-chunk` shrinks the learner's chunks of output-layer logits, so that a micro-batch
+`--tokens-per-chunk` shrinks the learner's chunks of output-layer logits, so that a micro-batch
 takes several. `--save-steps`, `--kill-in-step` and `--resume` checkpoint, kill the main process
 mid-step, and resume.
 With `--fsdp-over-gloo` an FSDP launch on CPU processes shards as it would on GPUs (see
@@ -228,7 +228,7 @@ def main() -> None:
     parser.add_argument("--uneven-forwards", action="store_true", help="see fixed_completions")
     parser.add_argument("--uneven-lengths", action="store_true", help="see fixed_completions")
     parser.add_argument(
-        "--logits-per-chunk", type=int, help="the learner's chunk of the output layer's logits"
+        "--tokens-per-chunk", type=int, help="tokens a chunk of the learner's output layer"
     )
     parser.add_argument("--beta", type=float, default=0.0, help="KL weight (a reference model)")
     parser.add_argument("--sync-ref-model", action="store_true", help="see the docstring")
@@ -246,10 +246,11 @@ def main() -> None:
 
         shard_with_fsdp_on_cpu()
 
-    if cli.logits_per_chunk:
+    if cli.tokens_per_chunk:
         from agentgrpo.learner import output_head
 
-        output_head.LOGITS_PER_CHUNK = cli.logits_per_chunk
+        config = json.loads((Path(cli.model_dir) / "config.json").read_text())
+        output_head.LOGITS_PER_CHUNK = cli.tokens_per_chunk * config["vocab_size"]
     out_dir = Path(cli.out_dir)
     config = GRPOConfig(
         output_dir=str(out_dir / "run"),

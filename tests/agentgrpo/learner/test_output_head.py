@@ -10,6 +10,8 @@ backward, is recorded through a `TorchDispatchMode`.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -35,6 +37,7 @@ from tests.agentgrpo.learner.test_shared_prompt_forward import (
     batch_of,
     episode,
     learner,
+    numbers,
     one_pass,
     real_columns,
     token_ids,
@@ -257,18 +260,76 @@ def test_the_same_model_without_the_transform_uses_the_chunked_output_layer(toke
     assert output_head.output_head(plain) is plain.lm_head
 
 
-def test_an_fsdp2_sharded_model_reads_its_logits_whole_in_one_pass(one_process_group, tokenizer):
+def accelerate_units(model: torch.nn.Module, root_policy=None) -> torch.nn.Module:
+    """`model` sharded by FSDP2 in the one-process group in accelerate's units: each decoder
+    layer; the final norm with the tied embedding and output layer, kept gathered after the
+    forward; the root, with `root_policy` (its `MixedPrecisionPolicy`) if given."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    tail = [model.model.norm, model.model.embed_tokens, model.lm_head]
+    fully_shard(tail, reshard_after_forward=False)
+    return fully_shard(model, mp_policy=root_policy or MixedPrecisionPolicy())
+
+
+def whole_gradients(numbers_of) -> tuple:
+    logprobs, entropy, grads = numbers_of
+    return logprobs, entropy, [getattr(g, "full_tensor", lambda g=g: g)() for g in grads]
+
+
+@pytest.mark.parametrize("outputs", ["float32", "cast to bfloat16"])
+def test_an_fsdp2_sharded_model_is_scored_inside_its_forward_as_a_whole_one_is(
+    one_process_group, tokenizer, chunks_of, outputs
+):
     # Its head called outside the forward, or gradients through cached prompt keys, would pass
-    # FSDP2's hooks by: a segmentation fault in backward under accelerate's FSDP2 on gloo.
-    from torch.distributed.fsdp import fully_shard
+    # FSDP2's hooks by: a segmentation fault in backward under accelerate's FSDP2 on gloo. So it
+    # is scored inside its forward, in one pass, and the scores leave as its logits: in pairs
+    # that survive FSDP2's cast of the outputs to bfloat16 (accelerate's bf16 sets it).
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from agentgrpo.learner.shared_prompt import can_share_prompts
 
+    whole = tiny_llama(tokenizer)
+    chunks_of(5, whole.config.vocab_size)  # 27 real tokens: 6 checkpointed chunks
+    bfloat16 = outputs != "float32"
+    policy = MixedPrecisionPolicy(output_dtype=torch.bfloat16) if bfloat16 else None
+    sharded = accelerate_units(copy.deepcopy(whole), policy)
+    assert output_head.sharded_forward(sharded) and not can_share_prompts(sharded)
+    head_calls = []
+    sharded.lm_head.register_forward_pre_hook(lambda *_: head_calls.append(1))
+    batch = two_groups()
+    got = whole_gradients(numbers(sharded, batch, learner, 0.7))
+    assert len(head_calls) == 1  # the engine's hooks ran once, not once per chunk
+    assert "forward" not in vars(sharded.lm_head)  # its own forward is back
+    want = numbers(whole, batch, learner, 0.7)
+    torch.testing.assert_close(got[0], want[0], atol=LOGPROB_TOLERANCE, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=ENTROPY_TOLERANCE)
+    # Through the cast the gradients come back in bfloat16 (1.4e-3 of the largest, measured)
+    tolerance = 2**-7 if bfloat16 else GRADIENT_TOLERANCE
+    for grad, want_grad in zip(got[2], want[2], strict=True):
+        scale = float(want_grad.abs().max())
+        torch.testing.assert_close(grad, want_grad, atol=tolerance * scale, rtol=0)
+
+
+def test_no_tensor_of_the_full_logits_size_exists_in_a_sharded_model_either(
+    one_process_group, tokenizer, chunks_of
+):
+    whole = tiny_llama(tokenizer)
+    chunks_of(8, whole.config.vocab_size)
+    prompt = token_ids(0, 5)
+    batch = batch_of([episode(n, prompt, token_ids(10 + n, 12)) for n in range(8)])
+    full_logits = batch.completion_width * len(batch) * whole.config.vocab_size  # 96 x V
+    sharded = accelerate_units(whole)
+    # The largest is the gathered norm, embedding and output layer (64 + 64 x V)
+    assert largest_tensor(learner, sharded, batch) < full_logits
+
+
+def test_the_output_layers_own_forward_is_back_when_the_model_fails(tokenizer):
     model = tiny_llama(tokenizer)
-    assert output_head.output_head(model) is model.lm_head and can_share_prompts(model)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    assert output_head.fsdp_sharded(model)
-    assert output_head.output_head(model) is None
-    assert not can_share_prompts(model)
+    targets_B_C = torch.ones(1, 2, dtype=torch.long)
+    real_B_C = torch.ones(1, 2, dtype=torch.bool)
+    scores = output_head.InForwardScores(model.lm_head, targets_B_C, real_B_C, 1.0, "none")
+    with pytest.raises(ValueError, match="entropy='none' is not one of"):
+        scores(model, 3, input_ids=torch.ones(1, 4, dtype=torch.long))
+    assert "forward" not in vars(model.lm_head)
