@@ -170,8 +170,11 @@ def _pin(index: int, environ: MutableMapping[str, str], required: bool) -> None:
 def describe_device(device: torch.device, environ: MutableMapping[str, str]) -> str:
     """The device for a start-up summary: `cpu`, or `cuda:0 (NVIDIA H100 80GB HBM3)`.
 
-    A GPU's line also says which GPUs `CUDA_VISIBLE_DEVICES` shows, when it is set.
+    A GPU's line also says which GPUs `CUDA_VISIBLE_DEVICES` shows, when it is set. The CPU is
+    `cpu` whether one process or several run on it (accelerate's processes there say `cpu:0`).
     """
+    if device.type == "cpu":
+        return "cpu"
     if device.type != "cuda":
         return str(device)
     details = [torch.cuda.get_device_name(device)]

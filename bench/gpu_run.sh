@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks on a CUDA machine, from the repository root, after bench/gpu_prepare.sh:
-#   OUT=<folder> bash bench/gpu_run.sh [tests] [generation] [step] [sharded]
+#   OUT=<folder> bash bench/gpu_run.sh [tests] [generation] [step] [sharded] [learner]
 # tests: the `gpu` tests and the slot decoder's tests; generation: bench/gpu_generation.py
 # (the options worth timing: transformers' continuous batching and the CPU path measured 4x and
 # 2x slower on an H100); step: bench/gpu_step.py (agentgrpo against TRL 1.16); sharded: the
 # `gpu` tests of tests/end_to_end/test_distributed.py (DeepSpeed ZeRO-2/3 and FSDP2 through
 # accelerate, one process each, against a plain process) and bench/sharded_memory.py --gpu
-# (SmolLM2-135M-shaped, random weights). The first three run by default (about 8 minutes in all
+# (SmolLM2-135M-shaped, random weights); learner: bench/learner_memory.py, plain and under FSDP2
+# (the loss step's peak, whole logits against chunks; about a minute each on an H100). The
+# first three run by default (about 8 minutes in all
 # on an H100; a lease also spends minutes starting the machine); `sharded` about 4 more. Each
 # part has a time box, so one that hangs leaves time for the others; GPU_DEADLINE (seconds since
 # the epoch) shortens every box to end by then, GPU_STEP_BOX shortens the step's. Two runs may
@@ -47,6 +49,12 @@ fi
 if [[ $parts == *" step "* ]]; then
   timeout $(box ${GPU_STEP_BOX:-420}) python3 bench/gpu_step.py --tokenizer .gpu-bench/tokenizer ${GPU_STEP_ARGS:-} --json "$OUT/step.json" \
     2>&1 | tee "$OUT/step.txt" | grep -v -i warn | tail -30 || status=1
+fi
+if [[ $parts == *" learner "* ]]; then
+  for sharding in "" --fsdp2; do
+    timeout $(box 120) python3 bench/learner_memory.py $sharding 2>&1 \
+      | tee -a "$OUT/learner.txt" | tail -9 || status=1
+  done
 fi
 if [[ $parts == *" sharded "* ]]; then
   timeout $(box 240) python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts="" -m gpu \

@@ -205,8 +205,7 @@ class InForwardScores:
 
         `states_B_C_3S`: what `one_pass_states` read through this readout.
         """
-        scores_B_C_S = sum(states_B_C_3S.float().chunk(_PARTS, dim=-1))
-        assert isinstance(scores_B_C_S, torch.Tensor)
+        scores_B_C_S = torch.stack(states_B_C_3S.float().chunk(_PARTS, dim=-1)).sum(dim=0)
         return scores_B_C_S[..., 0], scores_B_C_S[..., 1] if self.entropy else None
 
 

@@ -197,6 +197,7 @@ def test_run_loads_float32_weights_unless_told_a_dtype():
 
 def test_the_summary_names_the_device_and_the_precision():
     assert describe_device(torch.device("cpu"), {}) == "cpu"
+    assert describe_device(torch.device("cpu", 0), {}) == "cpu"  # a CPU process of several
     assert describe_precision(torch.float32, None) == "float32"
     assert describe_precision(torch.float32, torch.float16) == (
         "fp16 mixed precision (float32 weights, float16 compute)"

@@ -1,4 +1,5 @@
-"""The benchmarks still run: rollout (quick), the endpoint, the sharded engines' (tiny model)."""
+"""The benchmarks still run: rollout (quick), the endpoint, the sharded engines (tiny model), the
+learner's memory under FSDP2 (tiny model)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,20 @@ def test_the_sharded_memory_benchmark_runs_and_prints_its_table(tiny_model_dir):
     rows = [line for line in done.stdout.splitlines() if line.startswith("| one | 1 |")]
     assert len(rows) == 1
     assert rows[0].endswith("| 0.0e+00 | 100.0000% |")  # one process against itself
+
+
+def test_the_learner_memory_benchmark_scores_a_sharded_model_as_its_whole_logits():
+    bench = BENCH.parent / "learner_memory.py"
+    sizes = ("--rows", "4", "--prompt", "8", "--completion", "24", "--repeats", "1")
+    done = subprocess.run(
+        [sys.executable, str(bench), "--tiny", "--fsdp2", *sizes],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "FSDP2 (one process)" in done.stdout
+    gaps = [line.rsplit(" ", 1)[1] for line in done.stdout.splitlines() if "difference" in line]
+    assert len(gaps) == 2 and all(float(gap) < 1e-5 for gap in gaps)  # checkpointing off, on
+    peaks = [line.split(" | ")[2] for line in done.stdout.splitlines() if line.startswith("| o")]
+    assert len(peaks) == 4 and all(float(peak) > 0 for peak in peaks)  # measured on the CPU

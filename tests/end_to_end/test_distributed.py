@@ -421,7 +421,7 @@ def test_agentgrpo_run_on_cpu_processes_trains_them_together_without_a_device(
     ]
     returncode, output = run_in_own_group(command, CPU_ENV)
     assert returncode == 0, output[-6000:]
-    assert "x 2 process(es)" in output
+    assert "device       cpu x 2 process(es)" in output
     assert {r.process for r in read_episodes(out_dir, 1)} == {0, 1}
 
 
