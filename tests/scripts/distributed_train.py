@@ -249,8 +249,8 @@ def main() -> None:
     if cli.tokens_per_chunk:
         from agentgrpo.learner import output_head
 
-        config = json.loads((Path(cli.model_dir) / "config.json").read_text())
-        output_head.LOGITS_PER_CHUNK = cli.tokens_per_chunk * config["vocab_size"]
+        model_config = json.loads((Path(cli.model_dir) / "config.json").read_text())
+        output_head.LOGITS_PER_CHUNK = cli.tokens_per_chunk * model_config["vocab_size"]
     out_dir = Path(cli.out_dir)
     config = GRPOConfig(
         output_dir=str(out_dir / "run"),
