@@ -256,7 +256,7 @@ def check_processes_joined(environ: Mapping[str, str], num_processes: int) -> No
         )
 
 
-def check_fsdp_version(distributed_type: str, is_fsdp2: bool) -> None:
+def check_fsdp_version(engine: str, is_fsdp2: bool) -> None:
     """Refuse FSDP version 1: the policy's sharded weights are gathered under FSDP2 only.
 
     Generating (with transformers, or pushing to vLLM) needs the policy's whole weights;
@@ -265,7 +265,7 @@ def check_fsdp_version(distributed_type: str, is_fsdp2: bool) -> None:
     (`fsdp_version: 1`, accelerate's default).
 
     Args:
-        distributed_type: The accelerator's `distributed_type`, as text (e.g. "FSDP").
+        engine: The accelerator's `distributed_type` by its name (e.g. "FSDP").
         is_fsdp2: The accelerator's `is_fsdp2`.
 
     Raises:
@@ -273,9 +273,9 @@ def check_fsdp_version(distributed_type: str, is_fsdp2: bool) -> None:
 
     Example:
         >>> check_fsdp_version("FSDP", is_fsdp2=True)
-        >>> check_fsdp_version("DistributedType.MULTI_GPU", is_fsdp2=False)
+        >>> check_fsdp_version("MULTI_GPU", is_fsdp2=False)
     """
-    if str(distributed_type).rsplit(".", 1)[-1] == "FSDP" and not is_fsdp2:
+    if engine == "FSDP" and not is_fsdp2:
         raise ValueError(
             "the accelerate config runs FSDP version 1 (fsdp_version: 1, accelerate's default): "
             "agentgrpo gathers the policy's sharded weights for generation under FSDP2 only. "
@@ -283,7 +283,7 @@ def check_fsdp_version(distributed_type: str, is_fsdp2: bool) -> None:
         )
 
 
-def check_sharded_launch(environ: Mapping[str, str], distributed_type: str) -> None:
+def check_sharded_launch(environ: Mapping[str, str], engine: str) -> None:
     """Refuse a launch that asked for FSDP and got accelerate's plain data parallelism.
 
     `accelerate launch` with an FSDP config sets `ACCELERATE_USE_FSDP=true`; accelerate (1.15)
@@ -292,20 +292,19 @@ def check_sharded_launch(environ: Mapping[str, str], distributed_type: str) -> N
 
     Args:
         environ: The process environment.
-        distributed_type: The accelerator's `distributed_type`, as text (e.g. "FSDP").
+        engine: The accelerator's `distributed_type` by its name (e.g. "FSDP").
 
     Raises:
-        ValueError: FSDP was asked for and `distributed_type` is not FSDP.
+        ValueError: FSDP was asked for and `engine` is not FSDP.
 
     Example:
         >>> check_sharded_launch({"ACCELERATE_USE_FSDP": "true"}, "FSDP")
         >>> check_sharded_launch({}, "MULTI_CPU")
     """
     asked = environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    got = str(distributed_type).rsplit(".", 1)[-1]
-    if asked and got != "FSDP":
+    if asked and engine != "FSDP":
         raise ValueError(
-            f"the accelerate config asks for FSDP, but accelerate runs this launch as {got}: "
+            f"the accelerate config asks for FSDP, but accelerate runs this launch as {engine}: "
             "accelerate shards with FSDP only on GPUs (and other accelerators), never on CPU "
             "processes. Launch on GPUs, or on CPU use examples/accelerate/deepspeed_zero2.yaml "
             "or deepspeed_zero3.yaml (DeepSpeed shards over gloo) or ddp.yaml"

@@ -129,9 +129,9 @@ def test_processes_a_launch_started_but_accelerate_runs_alone_are_refused_naming
 def test_fsdp_version_1_is_refused_naming_the_setting_to_change():
     # accelerate refuses FSDP on CPU processes, so this launch cannot run here end to end.
     with pytest.raises(ValueError, match=r"FSDP version 1 .* Set fsdp_version: 2 in the config"):
-        check_fsdp_version("DistributedType.FSDP", is_fsdp2=False)
-    check_fsdp_version("DistributedType.FSDP", is_fsdp2=True)
-    check_fsdp_version("DistributedType.DEEPSPEED", is_fsdp2=False)
+        check_fsdp_version("FSDP", is_fsdp2=False)
+    check_fsdp_version("FSDP", is_fsdp2=True)
+    check_fsdp_version("DEEPSPEED", is_fsdp2=False)
 
 
 @cpu_only_torch
