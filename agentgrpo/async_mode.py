@@ -17,6 +17,7 @@ from typing import Any
 
 from agentgrpo.async_generators import PushedForEvaluation, generator_weights
 from agentgrpo.async_rounds import AsyncGeneration, WeightPushes, asynchronous_round_parts
+from agentgrpo.devices import engine_name
 from agentgrpo.round_pipeline import RoundParts, RoundPlan
 
 
@@ -36,8 +37,7 @@ class AsyncMode:
         trainer: Any = self
         accelerator = trainer.accelerator
         check_async_weights(
-            getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0),
-            str(accelerator.distributed_type),
+            getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0), engine_name(accelerator)
         )
         if trainer.rollout_func is not None or trainer.agent is not None:
             raise ValueError(
@@ -93,23 +93,27 @@ class AsyncMode:
             self._async.stop()
 
 
-def check_async_weights(zero_stage: int, distributed_type: str) -> None:
+def check_async_weights(zero_stage: int, engine: str) -> None:
     """Refuse async_grpo over sharded weights (DeepSpeed ZeRO-3, FSDP).
 
     The producer copies the policy's tensors and pushes them from its own thread, while the
     learner runs; sharded weights are empty until every process gathers them together.
 
+    Args:
+        zero_stage: DeepSpeed's ZeRO stage (0 without DeepSpeed).
+        engine: The accelerator's `distributed_type` by its name (`devices.engine_name`).
+
     Raises:
         ValueError: ZeRO-3 or FSDP.
 
     Example:
-        >>> check_async_weights(zero_stage=2, distributed_type="DistributedType.DEEPSPEED")
+        >>> check_async_weights(zero_stage=2, engine="DEEPSPEED")
     """
-    engine = "FSDP" if distributed_type.rsplit(".", 1)[-1] == "FSDP" else None
-    engine = "DeepSpeed ZeRO-3" if zero_stage == 3 else engine
-    if engine is not None:
+    sharding = "FSDP" if engine == "FSDP" else None
+    sharding = "DeepSpeed ZeRO-3" if zero_stage == 3 else sharding
+    if sharding is not None:
         raise ValueError(
-            f"async_grpo cannot generate from {engine}'s sharded weights: its producer copies "
+            f"async_grpo cannot generate from {sharding}'s sharded weights: its producer copies "
             "and pushes the policy's whole weights from its own thread while the learner "
             "trains. Launch its one process without sharded weights (DeepSpeed ZeRO-2, "
             "examples/accelerate/deepspeed_zero2.yaml, works), or set async_grpo=False."

@@ -221,10 +221,15 @@ def check_launch(environ: Mapping[str, str], accelerator: Any) -> None:
         environ: The process environment.
         accelerator: The run's `Accelerator`.
     """
-    engine = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    engine = engine_name(accelerator)
     check_processes_joined(environ, accelerator.num_processes)
     check_sharded_launch(environ, engine)
     check_fsdp_version(engine, accelerator.is_fsdp2)
+
+
+def engine_name(accelerator: Any) -> str:
+    """The accelerator's `distributed_type` by its name ("NO", "MULTI_CPU", "DEEPSPEED", "FSDP")."""
+    return str(accelerator.distributed_type).rsplit(".", 1)[-1]
 
 
 def check_processes_joined(environ: Mapping[str, str], num_processes: int) -> None:

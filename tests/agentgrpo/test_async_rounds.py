@@ -222,11 +222,11 @@ def test_async_settings_that_could_never_train_are_refused(tmp_path):
 
 def test_async_over_sharded_weights_is_refused_naming_the_engine():
     with pytest.raises(ValueError, match="from DeepSpeed ZeRO-3's sharded weights"):
-        check_async_weights(zero_stage=3, distributed_type="DistributedType.DEEPSPEED")
+        check_async_weights(zero_stage=3, engine="DEEPSPEED")
     with pytest.raises(ValueError, match="from FSDP's sharded weights"):
-        check_async_weights(zero_stage=0, distributed_type="DistributedType.FSDP")
-    check_async_weights(zero_stage=2, distributed_type="DistributedType.DEEPSPEED")
-    check_async_weights(zero_stage=0, distributed_type="DistributedType.NO")
+        check_async_weights(zero_stage=0, engine="FSDP")
+    check_async_weights(zero_stage=2, engine="DEEPSPEED")
+    check_async_weights(zero_stage=0, engine="NO")
 
 
 def test_trls_async_names_train_asynchronously(tokenizer, tmp_path):
