@@ -3,8 +3,10 @@
 Every running row's keys and values sit side by side in one transformers `DynamicCache`,
 left-padded to a common width, so each row's positions are contiguous and right-aligned. A step
 feeds every row its last token and samples the next on the host with the row's own generator.
-Rows join with the keys and values of their prompt and leave with those of what they read.
-On a CPU this beats a preallocated cache: nothing is read or written past a row's end.
+Rows join with the keys and values of their prompt and leave with those of what they read;
+the cache is then remade a layer at a time (`kv_cache.rebuilt`), never held twice over, and on
+a CPU the freed layers go back to the system (`host_memory`). On a CPU this beats a
+preallocated cache: nothing is read or written past a row's end.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from transformers import DynamicCache
 
 from rollout.backends import kv_cache
 from rollout.backends.generation_rows import Row, draw_rows
+from rollout.backends.host_memory import give_back_freed_memory
 from rollout.backends.kv_cache import KV
 
 
@@ -40,17 +43,20 @@ class DynamicBatch:
         """Put freshly prefilled rows into the batch, everything left-padded."""
         if not prefilled:
             return
-        running = kv_cache.kv_of(self._cache) if self._cache is not None else None
+        running = kv_cache.taken_layers(self._cache) if self._cache is not None else []
         widths = [len(row.fed) for row, _ in prefilled]
         width = max([*widths, kv_cache.width(running) if running else 0])
-        parts = [kv_cache.left_pad(kv, width) for _, kv in prefilled]
         masks = [left_padded_ones(w, width) for w in widths]
-        if running is not None and self._mask_B_T is not None:
-            parts.insert(0, kv_cache.left_pad(running, width))
+        parts_by_layer = [[kv[i] for _, kv in prefilled] for i in range(len(prefilled[0][1]))]
+        if running and self._mask_B_T is not None:
+            pairs = zip(running, parts_by_layer, strict=True)
+            parts_by_layer = [[layer, *parts] for layer, parts in pairs]
             masks.insert(0, _pad_mask(self._mask_B_T.cpu(), width))
-        self._cache = kv_cache.cache_of(kv_cache.stack_rows(parts))
+            running.clear()  # parts_by_layer is their only holder now
+        self._cache = kv_cache.rebuilt(parts_by_layer, lambda parts: kv_cache.stacked(parts, width))
         self._mask_B_T = torch.cat(masks).to(_device(self.model))
         self.rows.extend(row for row, _ in prefilled)
+        self._give_back_host_memory()
 
     def decode(self, stop_token_ids: Collection[int]) -> list[tuple[Row, KV]]:
         """Feed every row its last token and draw the next; return the rows that finished.
@@ -58,6 +64,14 @@ class DynamicBatch:
         Each finished row comes with the keys and values of what it read (`row.fed`), for the
         prefix cache; it has left the batch.
         """
+        next_logits_B_V = self._read_last_tokens()
+        for row in self.rows:
+            row.fed.append(row.tokens[-1])
+        draw_rows(self.rows, next_logits_B_V, stop_token_ids)
+        return self._release([b for b, row in enumerate(self.rows) if row.finished])
+
+    def _read_last_tokens(self) -> torch.Tensor:
+        """Feed every row its last token (the cache grows a position); the next token's logits."""
         device = _device(self.model)
         assert self._mask_B_T is not None
         self._mask_B_T = torch.cat([self._mask_B_T, self._mask_B_T.new_ones(len(self.rows), 1)], 1)
@@ -69,17 +83,15 @@ class DynamicBatch:
             use_cache=True,
         )
         self._cache = out.past_key_values
-        for row in self.rows:
-            row.fed.append(row.tokens[-1])
-        draw_rows(self.rows, out.logits[:, -1, :], stop_token_ids)
-        return self._release([b for b, row in enumerate(self.rows) if row.finished])
+        return out.logits[:, -1, :]
 
     def _release(self, finished: list[int]) -> list[tuple[Row, KV]]:
         """Take the finished rows, with the keys and values of what they read, out of the batch."""
         if not finished:
             return []
         assert self._cache is not None and self._mask_B_T is not None
-        running = kv_cache.kv_of(self._cache)
+        running = kv_cache.taken_layers(self._cache)
+        self._cache = None
         total = kv_cache.width(running)
         released = []
         for b in finished:
@@ -89,12 +101,22 @@ class DynamicBatch:
         kept = [b for b in range(len(self.rows)) if b not in set(finished)]
         self.rows = [self.rows[b] for b in kept]
         if not kept:
-            self._cache, self._mask_B_T = None, None
+            self._mask_B_T = None
+            self._give_back_host_memory()
             return released
         start = total - max(len(row.fed) for row in self.rows)  # drop all-padding columns
-        self._cache = kv_cache.cache_of(kv_cache.take_columns(running, kept, start))
+        index = torch.tensor(kept)
+        self._cache = kv_cache.rebuilt(
+            running, lambda layer: (layer[0][index, :, start:], layer[1][index, :, start:])
+        )
         self._mask_B_T = self._mask_B_T[kept, start:]
+        self._give_back_host_memory()
         return released
+
+    def _give_back_host_memory(self) -> None:
+        """On a CPU, hand the old cache's freed layers back to the system (`host_memory`)."""
+        if _device(self.model).type == "cpu":
+            give_back_freed_memory()
 
 
 def left_padded_ones(ones: int, width: int) -> torch.Tensor:

@@ -5,19 +5,22 @@
 (one row each); a later prompt that starts with such a sequence reuses its keys and values
 (causal attention: the KV of the first n tokens depends on those n tokens only). The batch
 helpers lay rows of different lengths side by side, left-padded, as the decoding batch holds
-them.
+them; `rebuilt` and `split_rows` remake a cache a layer at a time, letting each old layer go
+once its new one exists, so a batch's keys and values are never held twice over.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
-from torch import nn
 from transformers import DynamicCache
 
-KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+Layer = tuple[torch.Tensor, torch.Tensor]
+KV = tuple[Layer, ...]
+T = TypeVar("T")
 
 
 def kv_of(cache: DynamicCache) -> KV:
@@ -25,9 +28,68 @@ def kv_of(cache: DynamicCache) -> KV:
     return tuple((keys, values) for keys, values, *_ in cache)
 
 
-def cache_of(kv: KV) -> DynamicCache:
-    """A new `DynamicCache` holding a copy of `kv`."""
-    return DynamicCache(ddp_cache_data=list(kv))
+def cache_of(layers: Iterable[Layer]) -> DynamicCache:
+    """A new `DynamicCache` holding a copy of each layer, copied in turn as `layers` yields it."""
+    return DynamicCache(ddp_cache_data=layers)
+
+
+def taken_layers(cache: DynamicCache) -> list[Layer]:
+    """The tensors of `cache`'s layers (no copy), emptying the cache of them.
+
+    The list is then their only holder (the cache object no longer holds them, wherever a
+    model's output still refers to it), so `rebuilt` and `split_rows` free each layer as they
+    go.
+    """
+    layers = list(kv_of(cache))
+    cache.layers.clear()
+    return layers
+
+
+def rebuilt(layers: list[T], remake: Callable[[T], Layer]) -> DynamicCache:
+    """A new `DynamicCache` of `remake(layer)` for every layer, emptying `layers` as it goes.
+
+    `layers`: each layer's tensors (its keys and values, or several rows' of them).
+
+    Each old layer is let go once its new one is copied into the cache, so the old and the
+    new cache are never both whole in memory (where nothing else holds the old layers).
+    """
+
+    def remade() -> Iterator[Layer]:
+        while layers:
+            yield remake(layers.pop(0))
+
+    return cache_of(remade())
+
+
+def split_rows(layers: list[Layer], starts: Sequence[int]) -> list[KV]:
+    """Row b's positions from `starts[b]` on, for every row, as tensors of their own.
+
+    Empties `layers` a layer at a time, as `rebuilt` does.
+    """
+    rows: list[list[Layer]] = [[] for _ in starts]
+    while layers:
+        keys, values = layers.pop(0)
+        for b, start in enumerate(starts):
+            row = slice(b, b + 1)
+            rows[b].append((keys[row, :, start:].clone(), values[row, :, start:].clone()))
+    return [tuple(row) for row in rows]
+
+
+def stacked(parts: Sequence[Layer], width: int) -> Layer:
+    """One layer: the rows of every part one after the other, left-padded with zeros to `width`."""
+    keys = _stacked([keys for keys, _ in parts], width)
+    return keys, _stacked([values for _, values in parts], width)
+
+
+def _stacked(parts_R_H_T_D: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    first = parts_R_H_T_D[0]
+    rows = sum(part.shape[0] for part in parts_R_H_T_D)
+    out_R_H_W_D = first.new_zeros(rows, first.shape[1], width, first.shape[3])
+    row = 0
+    for part in parts_R_H_T_D:
+        out_R_H_W_D[row : row + part.shape[0], :, width - part.shape[2] :] = part
+        row += part.shape[0]
+    return out_R_H_W_D
 
 
 def first_positions(kv: KV, count: int) -> KV:
@@ -35,7 +97,9 @@ def first_positions(kv: KV, count: int) -> KV:
     return tuple((keys[:, :, :count], values[:, :, :count]) for keys, values in kv)
 
 
-def take_columns(kv: KV, rows: slice | Sequence[int], start: int, end: int | None = None) -> KV:
+def take_columns(
+    kv: Sequence[Layer], rows: slice | Sequence[int], start: int, end: int | None = None
+) -> KV:
     """The given rows' positions `start:end`, as tensors of their own (not views)."""
     index = rows if isinstance(rows, slice) else torch.tensor(list(rows))
     return tuple(
@@ -44,30 +108,9 @@ def take_columns(kv: KV, rows: slice | Sequence[int], start: int, end: int | Non
     )
 
 
-def left_pad(kv: KV, width: int) -> KV:
-    """`kv` widened to `width` positions with zeros on the left."""
-    return tuple(
-        (_pad_positions(keys, width), _pad_positions(values, width)) for keys, values in kv
-    )
-
-
-def stack_rows(parts: Sequence[KV]) -> KV:
-    """The rows of every part, one after the other (all parts have the same width)."""
-    layers = range(len(parts[0]))
-    return tuple(
-        (torch.cat([part[i][0] for part in parts]), torch.cat([part[i][1] for part in parts]))
-        for i in layers
-    )
-
-
-def width(kv: KV) -> int:
+def width(kv: Sequence[Layer]) -> int:
     """The number of positions `kv` holds."""
     return kv[0][0].shape[-2]
-
-
-def _pad_positions(tensor_R_H_T_D: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - tensor_R_H_T_D.shape[-2]
-    return nn.functional.pad(tensor_R_H_T_D, (0, 0, missing, 0)) if missing else tensor_R_H_T_D
 
 
 class PrefixCache:

@@ -65,11 +65,12 @@ def cache_of_prefixes(plans: list[PrefillPlan], kept: list[int]) -> DynamicCache
     if max(kept) == 0:
         return DynamicCache()
     any_cached = next(plan.cached for plan, n in zip(plans, kept, strict=True) if n > 0)
-    rows = []
-    for plan, n in zip(plans, kept, strict=True):
-        prefix = kv_cache.first_positions(plan.cached if n > 0 else any_cached, n)  # type: ignore[arg-type]
-        rows.append(kv_cache.left_pad(prefix, max(kept)))
-    return kv_cache.cache_of(kv_cache.stack_rows(rows))
+    rows = [
+        kv_cache.first_positions(plan.cached if n > 0 else any_cached, n)  # type: ignore[arg-type]
+        for plan, n in zip(plans, kept, strict=True)
+    ]
+    layers = range(len(rows[0]))
+    return kv_cache.cache_of(kv_cache.stacked([row[i] for row in rows], max(kept)) for i in layers)
 
 
 def similar_lengths(plans: list[PrefillPlan], batched: bool) -> list[list[PrefillPlan]]:

@@ -333,13 +333,11 @@ class TransformersBackend:
         )
         rows = [self._new_row(plan.request) for plan in plans]
         self._draw(rows, out.logits[:, -1, :])
-        read = kv_cache.kv_of(out.past_key_values)
-        prefilled = []
-        for b, (plan, row) in enumerate(zip(plans, rows, strict=True)):
-            kv = kv_cache.take_columns(read, [b], width - len(plan.prompt))
+        read = kv_cache.taken_layers(out.past_key_values)  # each row's part, a layer at a time
+        kvs = kv_cache.split_rows(read, [width - len(plan.prompt) for plan in plans])
+        for plan, kv in zip(plans, kvs, strict=True):
             self.prefixes.add(plan.prompt, kv)
-            prefilled.append((row, kv))
-        return prefilled
+        return list(zip(rows, kvs, strict=True))
 
     def _forward(
         self,
