@@ -4,9 +4,9 @@ Every running row's keys and values sit side by side in one transformers `Dynami
 left-padded to a common width, so each row's positions are contiguous and right-aligned. A step
 feeds every row its last token and samples the next on the host with the row's own generator.
 Rows join with the keys and values of their prompt and leave with those of what they read;
-the cache is then remade a layer at a time (`kv_cache.rebuilt`), never held twice over, and on
-a CPU the freed layers go back to the system (`host_memory`). On a CPU this beats a
-preallocated cache: nothing is read or written past a row's end.
+the cache is then remade a layer at a time (`kv_cache.rebuilt`), never held twice over, and
+the freed layers go back to the system (`host_memory`). On a CPU this beats a preallocated
+cache: nothing is read or written past a row's end.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 
 from rollout import SamplingParams, TransformersBackend
 from rollout.backends import dynamic_batch, kv_cache
+from tests.support.tiny_model import tiny_llama
 
 
 def layers(count: int, rows: int = 3, width: int = 5) -> list[kv_cache.Layer]:
@@ -63,10 +64,11 @@ def test_stacked_parts_are_left_padded_with_zeros_to_the_width():
 
 
 @pytest.mark.anyio
-async def test_the_decoding_batch_never_holds_its_keys_and_values_twice(tiny_model, monkeypatch):
+async def test_the_decoding_batch_never_holds_its_keys_and_values_twice(tokenizer, monkeypatch):
     """Rows of different lengths join and leave the batch: at every layer the batch remakes,
     the earlier old layers are gone (all but what the prefix cache keeps)."""
-    backend = TransformersBackend(tiny_model, stop_token_ids=[0], pad_token_id=2)
+    model = tiny_llama(tokenizer)  # its own: the rows' lengths hang on its weights
+    backend = TransformersBackend(model, stop_token_ids=[0], pad_token_id=2)
     checked = []
     rebuilt = kv_cache.rebuilt
 
@@ -92,7 +94,7 @@ async def test_the_decoding_batch_never_holds_its_keys_and_values_twice(tiny_mod
     async with anyio.create_task_group() as group:
         for prompt, length in zip(prompts, lengths, strict=True):
             group.start_soon(one, prompt, length)
-    assert len(checked) > 2 * len(tiny_model.model.layers) and all(checked)
+    assert len(checked) > 2 * len(model.model.layers) and all(checked)
 
 
 def _tensors(item) -> list[torch.Tensor]:
@@ -104,9 +106,10 @@ def _tensors(item) -> list[torch.Tensor]:
 
 @pytest.mark.anyio
 async def test_rows_joining_and_leaving_a_cpu_batch_give_the_freed_memory_back(
-    tiny_model, monkeypatch
+    tokenizer, monkeypatch
 ):
-    backend = TransformersBackend(tiny_model, stop_token_ids=[0], pad_token_id=2)
+    model = tiny_llama(tokenizer)  # its own: the rows' lengths hang on its weights
+    backend = TransformersBackend(model, stop_token_ids=[0], pad_token_id=2)
     given_back = []
     monkeypatch.setattr(dynamic_batch, "give_back_freed_memory", lambda: given_back.append(1))
     await backend.generate([1, 520, 33, 8], SamplingParams(max_tokens=4, temperature=0))
