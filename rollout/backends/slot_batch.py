@@ -268,7 +268,9 @@ class SlotBatch:
         """One plain decoding step over the first `slots` slots and `width` columns.
 
         On CUDA (with `cuda_graphs`) the step's graph replays, captured on first use; if the
-        capture fails, the step runs eagerly from then on, with a warning.
+        capture fails, the step runs eagerly from then on, with a warning. A model under FSDP2
+        always runs eagerly: its forward hooks make FSDP's own streams wait for the current
+        one, which a capture cannot take in.
         """
         buffers = self._buffers
         assert buffers is not None
@@ -276,7 +278,7 @@ class SlotBatch:
         def step() -> None:
             _plain_step(self.model, buffers, slots, width, stops_N)
 
-        if not (self.cuda_graphs and buffers.done_S.is_cuda):
+        if not (self.cuda_graphs and buffers.done_S.is_cuda) or _under_fsdp(self.model):
             return step
         weights = _addresses(self.model)
         if weights != self._weights:  # e.g. ZeRO-3 gathered them anew: the graphs read old ones
@@ -310,8 +312,15 @@ class SlotBatch:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA work of other threads (a reward model, say) may go on meanwhile
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # torch.cuda.graph leaves its stream current when the capture fails; the outer block
+        # puts the thread's own stream back all the same, so an eager fallback runs on it.
+        # thread_local: CUDA work of other threads (a reward model, say) may go on meanwhile.
+        with (
+            torch.cuda.stream(side),
+            torch.cuda.graph(
+                graph, pool=self._pool, stream=side, capture_error_mode="thread_local"
+            ),
+        ):
             step()
         return graph
 
@@ -402,6 +411,13 @@ def _copy_into(old: _Buffers, new: _Buffers) -> None:
             target[..., width:] = False
         elif name not in ("tokens_S_K", "logprobs_S_K", "step_1"):
             target.copy_(source)
+
+
+def _under_fsdp(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 (`fully_shard`) hooks run in `model`'s forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def _addresses(model: torch.nn.Module) -> tuple[int, ...]:

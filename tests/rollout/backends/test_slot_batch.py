@@ -16,6 +16,7 @@ import torch
 from rollout import SamplingParams, TransformersBackend
 from rollout.backends.attention import grouped_decode_attention
 from rollout.backends.sampling import counter_uniform, sample_plain, sample_tokens
+from rollout.backends.slot_batch import _under_fsdp
 from tests.rollout.backends.test_transformers_backend import (
     PROMPTS,
     ForwardLog,
@@ -23,6 +24,7 @@ from tests.rollout.backends.test_transformers_backend import (
     generate_concurrently,
     greedy_by_whole_forward_passes,
 )
+from tests.support.tiny_model import tiny_llama
 
 STOP = 49_000  # an id these prompts never lead the tiny model to: rows run to their budget
 
@@ -80,6 +82,26 @@ async def test_released_slots_free_their_cache_and_then_decode_as_before(tiny_mo
     again = await generate_concurrently(backend, PROMPTS, params)
     assert [c.token_ids for c in again] == [c.token_ids for c in first]
     assert [c.logprobs for c in again] == [c.logprobs for c in first]
+
+
+@pytest.mark.anyio
+async def test_an_fsdp2_model_decodes_in_slots_as_the_plain_model_and_never_in_graphs(
+    one_process_group, tokenizer
+):
+    # Its forward hooks make FSDP's streams wait on the current one, which a CUDA graph
+    # capture cannot take in: such a model always steps eagerly (on a GPU too).
+    from torch.distributed.fsdp import fully_shard
+
+    plain, sharded = tiny_llama(tokenizer), tiny_llama(tokenizer)
+    units = [fully_shard(layer, reshard_after_forward=False) for layer in sharded.model.layers]
+    units.append(fully_shard(sharded, reshard_after_forward=False))
+    for unit in units:  # held whole, as the trainer's rounds hold them (fsdp2_unsharded)
+        unit.unshard()
+    greedy = SamplingParams(max_tokens=7, temperature=0)
+    expected = await generate_concurrently(slots(plain), PROMPTS, [greedy] * 3)
+    got = await generate_concurrently(slots(sharded), PROMPTS, [greedy] * 3)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert _under_fsdp(sharded) and not _under_fsdp(plain)
 
 
 @pytest.mark.anyio
