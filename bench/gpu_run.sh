@@ -34,7 +34,17 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRL_EXPERIM
 export AGENTGRPO_CACHE=/tmp/agcache
 mkdir -p "$AGENTGRPO_CACHE/models/SmolLM2-135M-Instruct" && cp .gpu-bench/tokenizer/* "$AGENTGRPO_CACHE/models/SmolLM2-135M-Instruct/"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" | tee -a "$OUT/gpu.txt"
+python3 - <<'PY' | tee -a "$OUT/gpu.txt"
+from importlib import metadata
+
+def version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+print(*(f"{name} {version(name)}" for name in ("torch", "transformers", "trl", "accelerate", "deepspeed")))
+PY
 status=0
 if [[ $parts == *" tests "* ]]; then
   timeout $(box 180) python3 -m pytest -q -rfEs -p no:cacheprovider -o addopts="" -m "gpu or not slow" \

@@ -251,17 +251,27 @@ def sharded_run(request, tiny_model_dir, tmp_path_factory) -> Path:
     """
     engine = request.param
     out_dir = tmp_path_factory.mktemp(engine)
-    script_args = [str(tiny_model_dir), str(out_dir), *FIXED_ARGS, "--uneven-forwards"]
-    script_args.append("--save-model")
     returncode, output = accelerate_launch(
         CONFIGS / f"{engine}.yaml",
         num_processes=2,
-        script_args=[*script_args, *engine_args(engine)],
+        script_args=[str(tiny_model_dir), str(out_dir), *sharded_args(engine)],
         env=CPU_ENV,
         launch_args=FLOAT32_LAUNCH,
     )
     assert returncode == 0, output[-6000:]
     return engine, out_dir
+
+
+def sharded_args(engine: str) -> list[str]:
+    """The script's arguments of `sharded_run` (a checkpoint each step, for the resume test)."""
+    return [
+        *FIXED_ARGS,
+        "--uneven-forwards",
+        "--save-model",
+        "--save-steps",
+        "1",
+        *engine_args(engine),
+    ]
 
 
 def test_a_sharded_run_trains_to_the_weights_of_one_process(sharded_run, one_process_run):
@@ -525,27 +535,25 @@ def test_zero3_generation_from_shards_over_processes_is_refused_with_the_fix():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", SHARDED_ENGINES)
 def test_a_sharded_run_killed_mid_step_resumes_to_the_uninterrupted_weights(
-    engine, tiny_model_dir, tmp_path
+    sharded_run, tiny_model_dir, tmp_path
 ):
-    # With `--sync-ref-model`, the reference the checkpoint holds must come back too.
-    runs = {"whole": [], "killed": ["--kill-in-step", "2"], "resumed": ["--resume"]}
-    for name, extra in runs.items():
-        out_dir = tmp_path / ("whole" if name == "whole" else "resumed")
-        args = [str(tiny_model_dir), str(out_dir), *FIXED_ARGS, "--save-steps", "1", *extra]
-        args += engine_args(engine)
+    # The uninterrupted run is `sharded_run`, launched with the same arguments. With
+    # `--sync-ref-model`, the reference the checkpoint holds must come back too.
+    engine, whole_dir = sharded_run
+    for extra in (["--kill-in-step", "2"], ["--resume"]):
+        args = [str(tiny_model_dir), str(tmp_path), *sharded_args(engine), *extra]
         returncode, output = accelerate_launch(
             CONFIGS / f"{engine}.yaml", 2, args, CPU_ENV, FLOAT32_LAUNCH
         )
-        if name == "killed":
+        if extra[0] == "--kill-in-step":
             assert returncode != 0  # the main process was killed in step 2, after checkpoint-1
-            assert not (out_dir / "weights.pt").exists()
+            assert not (tmp_path / "weights.pt").exists()
         else:
             assert returncode == 0, output[-6000:]
     for file in ("weights.pt", "reference.pt"):
-        resumed = torch.load(tmp_path / "resumed" / file)
-        uninterrupted = torch.load(tmp_path / "whole" / file)
+        resumed = torch.load(tmp_path / file)
+        uninterrupted = torch.load(whole_dir / file)
         for name, weight in uninterrupted.items():
             torch.testing.assert_close(resumed[name], weight, atol=0, rtol=0, msg=f"{file}: {name}")
 
@@ -594,7 +602,11 @@ def test_each_engine_on_one_gpu_trains_to_the_weights_of_a_plain_gpu_process(
 def test_agentgrpo_run_under_each_engine_on_one_gpu_trains_in_its_configs_precision(
     engine, tiny_model_dir, tmp_path
 ):
-    """A user's launch, as the config ships (ZeRO: bf16): Counter episodes, a KL term, the save."""
+    """A user's launch, as the config ships: Counter episodes, a KL term, the save.
+
+    In bf16 each time: the ZeRO configs ask for it, and under fsdp2.yaml's 'no' `bf16=None`
+    still means bf16 on a GPU (FSDP2's mixed precision, and generation without CUDA graphs).
+    """
     out_dir = tmp_path / "run"
     command = [
         *(sys.executable, "-m", "accelerate.commands.launch"),
