@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from agentgrpo.devices import inference_autocast
+from agentgrpo.precision import mixed_precision_dtype
 from agentgrpo.sharded_weights import fsdp2_copy, zero3_copy
 from rollout.backends.attention import use_grouped_query_sdpa
 from rollout.images import is_vision_processor, load_processor
@@ -200,7 +201,10 @@ def reference_model(model: Any, args: Any, accelerator: Any = None) -> Any | Non
     The copy is in the policy's dtype, on the run's device (`args.device`): under DeepSpeed and
     FSDP the Trainer leaves the policy on the CPU until `accelerator.prepare` moves it, and the
     copy is never prepared. A policy spread over devices (`device_map`) is copied as it is
-    spread. The copy's logprobs run under the same autocast as the policy's.
+    spread. The copy's logprobs run under the same autocast as the policy's. DeepSpeed takes
+    no autocast: in bf16 or fp16 it casts the policy's parameters to that dtype when it
+    prepares it (its buffers, such as rotary frequencies, stay as loaded), and the copy's are
+    cast alike, so the two agree exactly until the first update.
     With PEFT there is no copy: the reference is the base model with the adapter disabled.
     Under DeepSpeed ZeRO-3 and FSDP2 (the run's `accelerator` says which) the copy is sharded as
     the policy is, as TRL's is: a DeepSpeed engine (`sharded_weights.zero3_copy`), or FSDP2
@@ -214,6 +218,10 @@ def reference_model(model: Any, args: Any, accelerator: Any = None) -> Any | Non
     if getattr(accelerator, "is_fsdp2", False):
         return fsdp2_copy(model, accelerator)
     reference = copy.deepcopy(model)
+    if deepspeed_plugin is not None and (dtype := mixed_precision_dtype(args)) is not None:
+        for parameter in reference.parameters():
+            if parameter.is_floating_point():
+                parameter.data = parameter.data.to(dtype)
     if not getattr(model, "hf_device_map", None):
         reference.to(args.device)
     reference.eval().requires_grad_(False)

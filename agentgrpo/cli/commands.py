@@ -401,11 +401,14 @@ def _print_start(
         return
     args = trainer.args
     backend = f"vLLM ({args.vllm_mode})" if args.use_vllm else "transformers"
+    autocast = mixed_precision_dtype(args)
+    # DeepSpeed casts the module to its mixed precision when it prepares it (ZeRO-3 builds it so)
+    weights = autocast if trainer.is_deepspeed_enabled and autocast else trainer.model.dtype
     lines = {
         "environment": f"{env} ({rows} rows)",
         "model": settings["model"] or sources.DEFAULT_MODEL,
         "device": f"{describe_device(args.device, os.environ)} x {args.world_size} process(es)",
-        "precision": describe_precision(trainer.model.dtype, mixed_precision_dtype(args)),
+        "precision": describe_precision(weights, autocast),
         "generation": backend,
         "steps": f"{args.max_steps} x {args.per_device_train_batch_size} episodes "
         f"({args.num_generations} per prompt), lr {args.learning_rate:g}",

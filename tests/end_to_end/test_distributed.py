@@ -22,7 +22,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from agentgrpo.learner.advantages import group_advantages
-from agentgrpo.reporting.run_log import read_episodes, recorded_steps
+from agentgrpo.reporting.run_log import METRICS_FILE, read_episodes, read_metrics, recorded_steps
 from agentgrpo.sharded_weights import check_zero3_generation
 from tests.support.launch import (
     CONFIGS,
@@ -451,25 +451,27 @@ def test_fsdp_on_cpu_processes_is_refused_with_what_to_launch_instead(tiny_model
 # How each engine's `agentgrpo run` test launches, what its start-up summary says of the
 # precision, and the dtype of the model it saves.
 LAUNCH_PRECISION = {
+    "deepspeed_zero2": {"launch": (), "summary": "bfloat16", "saved": torch.bfloat16},
     "deepspeed_zero3": {"launch": (), "summary": "bfloat16", "saved": torch.bfloat16},
     "fsdp2": {"launch": FLOAT32_LAUNCH, "summary": "float32", "saved": torch.float32},
 }
 # How `accelerate launch` runs `agentgrpo` on CPU processes under each engine.
 AGENTGRPO_MODULE = {
+    "deepspeed_zero2": ("-m", "agentgrpo"),
     "deepspeed_zero3": ("-m", "agentgrpo"),
     "fsdp2": (str(SCRIPTS / "fsdp_over_gloo.py"), "-m", "agentgrpo"),
 }
 
 
-@pytest.mark.parametrize(
-    "engine", [pytest.param("deepspeed_zero3", marks=needs_deepspeed), "fsdp2"]
-)
+@pytest.mark.parametrize("engine", SHARDED_ENGINES)
 def test_agentgrpo_run_trains_sharded_and_saves_the_whole_model(engine, tiny_model_dir, tmp_path):
     """`agentgrpo run` as the launched module: Counter episodes, a KL term, the final save.
 
-    ZeRO-3 launches as its config ships, in bf16 (`bf16=None` follows the launch; it was False
-    on CPU, which DeepSpeed refused against its config's bf16), so it saves DeepSpeed's bf16
-    weights; FSDP2 over gloo launches in float32.
+    ZeRO-2 and ZeRO-3 launch as their configs ship, in bf16 (`bf16=None` follows the launch;
+    it was False on CPU, which DeepSpeed refused against its config's bf16), so they save
+    DeepSpeed's bf16 weights; FSDP2 over gloo launches in float32. Until the first update the
+    reference model computes exactly what the policy does: the first step's KL is 0 (under
+    ZeRO-2 it was 1.5e-7 when the reference kept float32 weights against DeepSpeed's bf16).
     """
     out_dir = tmp_path / "run"
     precision = LAUNCH_PRECISION[engine]
@@ -487,6 +489,8 @@ def test_agentgrpo_run_trains_sharded_and_saves_the_whole_model(engine, tiny_mod
     assert returncode == 0, output[-6000:]
     assert f"  precision    {precision['summary']}\n" in output
     assert recorded_steps(out_dir) == [1, 2]
+    logs = read_metrics(out_dir / METRICS_FILE)
+    assert [log["kl"] for log in logs if "kl" in log and log["step"] == 1] == [0.0]
     assert {r.process for r in read_episodes(out_dir, 2)} == {0, 1}
     saved = AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype="auto")
     started = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="auto")
