@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import logging
 from typing import Any
@@ -248,10 +249,11 @@ def tokenizer_kwargs(args: Any, model: Any) -> dict[str, Any]:
 def cast_lm_head_to_fp32(model: Any) -> None:
     """Compute the output projection in float32 (ScaleRL), as TRL does.
 
-    The head's weight becomes float32 and its input is cast to float32. When the head is tied
-    to the input embeddings (Gemma, SmolLM2, ...) the tie is kept, so the shared weight is
-    float32 too, and the embeddings' output is cast back to the weight's original dtype so
-    that the rest of the model runs as before.
+    The head's weight becomes float32, and its forward casts its input to float32 and runs
+    outside any autocast (which would compute it in bfloat16 again under mixed precision).
+    When the head is tied to the input embeddings (Gemma, SmolLM2, ...) the tie is kept, so
+    the shared weight is float32 too, and the embeddings' output is cast back to the weight's
+    original dtype so that the rest of the model runs as before.
 
     Raises:
         ValueError: The head carries a PEFT adapter (TRL refuses it too).
@@ -267,9 +269,23 @@ def cast_lm_head_to_fp32(model: Any) -> None:
     tied = embeddings is not None and embeddings.weight is head.weight
     original_dtype = head.weight.dtype
     head.float()
-    head.register_forward_pre_hook(lambda _, args: (args[0].float(),))
+    head.__class__ = _float32_class(type(head))  # a class, not a hook: copies keep it
     if tied and original_dtype != torch.float32:
         embeddings.register_forward_hook(lambda _, args, output: output.to(original_dtype))
+
+
+class _Float32Head(torch.nn.Module):
+    """A head that casts its input to float32 and computes outside any autocast."""
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return super().forward(hidden.float(), *args, **kwargs)
+
+
+@functools.cache
+def _float32_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
+    """`base` computing in float32 (`_Float32Head` first in its method order)."""
+    return type(f"Float32{base.__name__}", (_Float32Head, base), {})
 
 
 def check_liger_kernel(args: Any, model: Any) -> None:

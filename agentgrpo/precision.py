@@ -7,9 +7,10 @@ module computes in bf16 and its optimizer keeps the float32 master copy. With mi
 (`bf16` or `fp16`, as set, as an `accelerate launch` asked, or bf16 by default on a GPU that
 supports it) every forward pass runs under autocast in that dtype: the trainer's through
 accelerate, generation through the backend's `autocast_dtype`, so generation and training read
-the same weights in the same dtype. They still differ by kernel and batch shape (about 0.0015
-nats a token in bf16 on a GPU), the gap that `vllm_importance_sampling_correction` corrects, as
-it does for vLLM.
+the same weights in the same dtype; the learner's output layer, which runs outside the model's
+forward (`learner.output_head`), runs in that autocast too (`GRPOTrainer.compute_loss`). They
+still differ by kernel and batch shape (about 0.0015 nats a token in bf16 on a GPU), the gap
+that `vllm_importance_sampling_correction` corrects, as it does for vLLM.
 """
 
 from __future__ import annotations

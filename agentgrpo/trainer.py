@@ -406,7 +406,11 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         each optimizer step (the adaptive controller logs its own in `training_step`).
         """
         step, training = self.loss_step, self.model.training
-        loss, metrics = step.loss(model, inputs, training, self._loss_scale())
+        # The output layer runs outside the model's forward (`output_head`), so outside the
+        # autocast accelerate wraps that forward in: run it in the run's precision, as the
+        # reference's, the old policy's and the sampler's logprobs are.
+        with self.accelerator.autocast():
+            loss, metrics = step.loss(model, inputs, training, self._loss_scale())
         fixed = step.entropy_bonus and step.entropy_control is None
         if fixed and training and self.accelerator.sync_gradients:
             self._metrics["train"]["entropy_coef"].append(step.loss_config.entropy_coef)

@@ -200,6 +200,21 @@ def test_bfloat16_weights_train_under_bf16_mixed_precision_with_a_reference(toke
     assert logged(trainer, "kl") == [pytest.approx(0.0, abs=1e-6)]  # step 1: policy == reference
 
 
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_float32_weights_under_bf16_autocast_score_the_reference_as_the_policy(
+    tokenizer, tmp_path, num_iterations
+):
+    # The learner runs the output layer outside the model's forward; it ran outside autocast
+    # (float32) while the reference's and the old policy's ran in bfloat16: step 1's KL was
+    # 8.9e-8, and the sampler/trainer gap 3.9e-4 against 5.3e-5.
+    args = config(tmp_path, bf16=True, beta=0.1, max_steps=1, num_iterations=num_iterations)
+    trainer = tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
+    trainer.train()
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    assert logged(trainer, "kl") == [0.0]  # step 1: the policy is the reference
+    assert logged(trainer, "clip_ratio/region_mean") == [0.0]  # and the old policy
+
+
 def test_the_reference_model_is_made_on_the_runs_device_wherever_the_policy_waits(tmp_path):
     # Under DeepSpeed and FSDP the Trainer leaves the policy on the CPU until it is prepared;
     # the reference, never prepared, must be on the run's device (measured on an H200: ZeRO-2

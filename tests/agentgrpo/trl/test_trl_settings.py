@@ -6,6 +6,7 @@ comments); each setting that changes training also runs a short real GRPOTrainer
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import logging
@@ -234,6 +235,24 @@ def test_a_tied_bf16_lm_head_is_cast_to_fp32_and_stays_tied(tokenizer):
     ids = torch.tensor([[1, 2, 3]])
     assert embeddings(ids).dtype == torch.bfloat16  # the body still runs in bf16
     assert model(ids).logits.dtype == torch.float32
+
+
+def test_the_float32_head_stays_float32_under_bf16_autocast_and_in_copies(tokenizer):
+    # Autocast would compute the head's matmul in bfloat16 again; a copy (the reference model,
+    # the asynchronous generator's) computes with its own weight.
+    model = tiny_gemma2(tokenizer).to(torch.bfloat16)
+    cast_lm_head_to_fp32(model)
+    ids = torch.tensor([[1, 2, 3]])
+    hidden = model.model(ids).last_hidden_state
+    expected = hidden.float() @ model.lm_head.weight.T  # float32, no autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model.lm_head(hidden)
+    assert logits.dtype == torch.float32 and torch.equal(logits, expected)
+    copy_ = copy.deepcopy(model)
+    with torch.no_grad():
+        copy_.lm_head.weight.zero_()
+    assert torch.equal(copy_.lm_head(hidden), torch.zeros_like(expected))
+    assert torch.equal(model.lm_head(hidden), expected)
 
 
 def test_a_tied_gemma2_trains_with_cast_lm_head_to_fp32(tokenizer, tmp_path):
