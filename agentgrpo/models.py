@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.util
 import logging
 from typing import Any
@@ -282,7 +281,6 @@ class _Float32Head(torch.nn.Module):
             return super().forward(hidden.float(), *args, **kwargs)
 
 
-@functools.cache
 def _float32_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
     """`base` computing in float32 (`_Float32Head` first in its method order)."""
     return type(f"Float32{base.__name__}", (_Float32Head, base), {})

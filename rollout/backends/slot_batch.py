@@ -278,13 +278,16 @@ class SlotBatch:
         def step() -> None:
             _plain_step(self.model, buffers, slots, width, stops_N)
 
-        if not (self.cuda_graphs and buffers.done_S.is_cuda) or _under_fsdp(self.model):
+        if not (self.cuda_graphs and buffers.done_S.is_cuda):
             return step
         weights = _addresses(self.model)
         if weights != self._weights:  # e.g. ZeRO-3 gathered them anew: the graphs read old ones
             self._graphs, self._pool, self._weights = {}, None, weights
         graph = self._graphs.get((slots, width))
         if graph is None:
+            if _under_fsdp(self.model):
+                self.cuda_graphs = False
+                return step
             try:
                 graph = self._capture(step, buffers)
             except Exception as error:  # any capture failure: run eagerly
