@@ -406,9 +406,7 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         each optimizer step (the adaptive controller logs its own in `training_step`).
         """
         step, training = self.loss_step, self.model.training
-        # The output layer runs outside the model's forward (`output_head`), so outside the
-        # autocast accelerate wraps that forward in: run it in the run's precision, as the
-        # reference's, the old policy's and the sampler's logprobs are.
+        # `output_head` runs outside the forward accelerate autocasts: autocast it as the rest.
         with self.accelerator.autocast():
             loss, metrics = step.loss(model, inputs, training, self._loss_scale())
         fixed = step.entropy_bonus and step.entropy_control is None

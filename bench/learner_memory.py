@@ -148,7 +148,7 @@ def _resident_mib() -> float:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def give_back_freed_memory() -> None:
+def map_large_allocations() -> None:
     """Allocations of 64 KiB and more straight from the system, and back to it when freed, so
     that resident memory follows what torch holds (glibc's M_MMAP_THRESHOLD)."""
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)
@@ -188,7 +188,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cpu":
-        give_back_freed_memory()
+        map_large_allocations()
     torch.manual_seed(0)
     config = Qwen2Config(**(TINY if args.tiny else QWEN2_5_0_5B))
     config.num_hidden_layers = args.layers or config.num_hidden_layers

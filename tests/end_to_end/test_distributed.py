@@ -242,8 +242,8 @@ def one_process_run(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module", params=SHARDED_ENGINES)
-def sharded_run(request, tiny_model_dir, tmp_path_factory) -> Path:
-    """The output folder of the fixed-completions run on 2 CPU processes under each engine.
+def sharded_run(request, tiny_model_dir, tmp_path_factory) -> tuple[str, Path]:
+    """The engine and output folder of the fixed-completions run on 2 CPU processes under each.
 
     Process p also runs the policy p + 1 extra times while generating (`--uneven-forwards`).
     FSDP2 runs through accelerate's own FSDP2 wrapping, with the script's `--fsdp-over-gloo`
