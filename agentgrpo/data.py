@@ -116,6 +116,19 @@ def check_environment_column(rows: Any, engine: RolloutEngine) -> None:
         engine.context_for({ENVIRONMENT_COLUMN: name})
 
 
+def without_unused_columns(dataset: Any, remove: bool) -> Any:
+    """`dataset` with only `prompt`, `image` and `images` when `remove` (`remove_unused_columns`).
+
+    TRL's GRPOTrainer keeps those columns when the option is True, so reward functions and
+    environments see no other. A set without column names (a list of rows, a stream of unknown
+    features) comes back as it is.
+    """
+    columns = getattr(dataset, "column_names", None)
+    if not remove or not columns:
+        return dataset
+    return dataset.select_columns([c for c in columns if c in ("prompt", "image", "images")])
+
+
 def rows_collator(rows: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The DataLoader hands the trainer the rows themselves: they are played, not tensorised."""
     return rows
@@ -130,10 +143,12 @@ def episodes_from_rollout_func(
 ) -> list[Episode]:
     """Episodes from a TRL-style `rollout_func` result.
 
-    `output` has `prompt_ids`, `completion_ids` and `logprobs` lists with one entry per training
-    row, optionally `env_mask` (1 where the policy sampled the token, 0 where the environment
-    added it). Without `episode_ids`, each entry is one episode (TRL's format): entry i is
-    completion i % num_generations of prompt i // num_generations. With `episode_ids` (one
+    `output` answers `rollout_func(prompts, trainer)`, whose `prompts` held each of `rows`'
+    prompts `num_generations` times in a row (as TRL 1.16 passes them). It has `prompt_ids`,
+    `completion_ids` and `logprobs` lists with one entry per training row, optionally
+    `env_mask` (1 where the policy sampled the token, 0 where the environment added it).
+    Without `episode_ids`, each entry is one episode (TRL's format): entry i is completion
+    i % num_generations of prompt i // num_generations. With `episode_ids` (one
     hashable id per entry), entries with equal ids are the rows of one episode, in entry order,
     sharing its reward and advantage (for an agent whose history rewrite forced a new row);
     episodes are numbered by their first entry and there must be num_generations per prompt.

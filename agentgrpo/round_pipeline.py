@@ -220,13 +220,12 @@ class RewardShaping:
         return cls(args.reward_weights, args.multi_objective_aggregation, args.scale_rewards)
 
     def combine(self, rewards_N_F: torch.Tensor, num_generations: int) -> torch.Tensor:
-        """rewards_N: the weighted columns; 0 where every column is None.
+        """rewards_N: the weighted columns; NaN where every column is None (advantage 0).
 
         `scoring.warn_if_unscored` has already logged such episodes when they were scored.
         """
         weights_F = torch.as_tensor(self.weights_or_ones(rewards_N_F.shape[1]), dtype=torch.float32)
-        rewards_N = combine_rewards(rewards_N_F, weights_F, num_generations, self.aggregation)
-        return rewards_N.nan_to_num(0.0)
+        return combine_rewards(rewards_N_F, weights_F, num_generations, self.aggregation)
 
     def weights_or_ones(self, columns: int) -> Sequence[float] | torch.Tensor:
         """`weights_F`, or `columns` ones when it is None."""

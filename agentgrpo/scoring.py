@@ -221,7 +221,8 @@ def warn_if_unscored(
 
     The text starts as TRL's does, with the arguments the reward functions received for that
     completion (its row's columns, its environment, then its prompt and completion). Such an
-    episode gets reward 0 (`round_pipeline.RewardShaping.combine`). The warning goes through this
+    episode's reward is NaN: left out of its group's baseline, with advantage 0, as in TRL
+    1.16 (`learner.advantages.group_advantages`). The warning goes through this
     module's logger, as TRL logs its own, so the same log filters catch it.
     """
     unscored_N = rewards_N_F.isnan().all(dim=1)
@@ -235,7 +236,7 @@ def warn_if_unscored(
     logger.warning(
         "All reward functions returned None for the following kwargs:\n%s\nPlease ensure that at "
         "least one reward function returns a valid reward. (%d of %d completions had no reward; "
-        "they get reward 0.)",
+        "they are left out of the baselines, with advantage 0.)",
         arguments,
         int(unscored_N.sum()),
         len(episodes),

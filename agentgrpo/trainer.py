@@ -31,6 +31,7 @@ from agentgrpo.data import (
     is_iterable_dataset,
     rows_collator,
     training_rows,
+    without_unused_columns,
 )
 from agentgrpo.devices import check_launch
 from agentgrpo.learner.batch import TrainingBatch, collate_episodes
@@ -95,9 +96,10 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         peft_config: A PEFT config; the model is trained through that adapter.
         tools: Plain tool functions (typed, Google-style docstrings), offered in every episode.
         rollout_func: `rollout_func(prompts, trainer) -> dict` replacing the engine (see
-            `data.episodes_from_rollout_func` for the dict). One entry per completion, as in
-            TRL; an optional `episode_ids` list (one id per entry) makes entries with equal ids
-            the rows of one episode, sharing its reward and advantage.
+            `data.episodes_from_rollout_func` for the dict). As TRL 1.16 calls it: `prompts`
+            holds each row's prompt `num_generations` times in a row, and the dict one entry
+            per completion, in that order; an optional `episode_ids` list (one id per entry)
+            makes entries with equal ids the rows of one episode, sharing reward and advantage.
         environment_factory: An environment class (or zero-argument factory): each episode plays
             against a fresh instance whose public methods are tools. Or a dict of them by name:
             each row's `environment` column picks its environment, whose tools alone (with
@@ -300,7 +302,8 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         """Rows round by round (see `RoundSampler`); each process gets whole groups."""
         args = self.args
         shuffle, workers = bool(args.shuffle_dataset), args.dataloader_num_workers
-        loader = round_rows_loader(self.train_dataset, self.plan, shuffle, args.seed, workers)
+        rows = without_unused_columns(self.train_dataset, args.remove_unused_columns)
+        loader = round_rows_loader(rows, self.plan, shuffle, args.seed, workers)
         return self.accelerator.prepare(loader)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
@@ -316,6 +319,7 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
             # A stream first seen here (`evaluate(eval_dataset=...)`) is set up as at init.
             adapt_to_iterable_datasets(self.args, None, dataset)
             self.accelerator.dataloader_config.dispatch_batches = False
+        dataset = without_unused_columns(dataset, self.args.remove_unused_columns)
         rows = self._eval_plan.prompts_per_process
         loader = eval_loader(dataset, rows, self.args.dataloader_num_workers)
         return self.accelerator.prepare(loader)
@@ -370,8 +374,9 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         ):
             if self.rollout_func is None:
                 return anyio.run(play_round, self.engine, rows, num_generations, seed, self.scorer)
+            prompts = [row.get("prompt") for row in rows for _ in range(num_generations)]
             episodes = episodes_from_rollout_func(
-                self.rollout_func([row.get("prompt") for row in rows], self),
+                self.rollout_func(prompts, self),
                 rows,
                 num_generations,
                 set(self.engine.context.backend.stop_token_ids),

@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from environments import class_tools
 from rollout import ChatRenderer
 from rollout.demonstrations import DemonstrationRow, demonstration_ids
+from tools import Tool, call_problems
 
 
 def environment_demonstrations(environment: Any, n: int, seed: int) -> list[list[dict]]:
@@ -38,7 +40,39 @@ def environment_demonstrations(environment: Any, n: int, seed: int) -> list[list
     conversations = list(method(n, seed=seed))
     if len(conversations) < n:
         raise ValueError(f"{name}.demonstrations({n}) returned {len(conversations)} conversations")
+    check_demonstrations(conversations[:n], class_tools(environment), name)
     return conversations[:n]
+
+
+def check_demonstrations(
+    conversations: Sequence[Sequence[Mapping[str, Any]]], tools: Mapping[str, Tool], name: str
+) -> None:
+    """Check that every demonstrated call is one the model could make, and every result text.
+
+    A call must name one of `tools` with arguments it takes (as `call_tool` checks the model's),
+    and a tool message's content must be a string: a warm start on anything else teaches a
+    format the run will never accept.
+
+    Raises:
+        ValueError: Naming `name.demonstrations()`, the conversation and message, and the fault.
+    """
+    for c, conversation in enumerate(conversations):
+        for m, message in enumerate(conversation):
+            for problem in _message_problems(message, tools):
+                raise ValueError(
+                    f"{name}.demonstrations(): conversation {c}, message {m}: {problem} Write "
+                    "calls the environment's tools accept, with their results as text."
+                )
+
+
+def _message_problems(message: Mapping[str, Any], tools: Mapping[str, Tool]) -> list[str]:
+    if message.get("role") == "tool" and not isinstance(message.get("content"), str):
+        return [f"a tool message's content is {type(message.get('content')).__name__}, not str."]
+    problems = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", {}) if isinstance(call, Mapping) else {}
+        problems += call_problems(tools, function.get("name"), function.get("arguments"))
+    return problems
 
 
 def warm_start(

@@ -170,11 +170,19 @@ def _parse(spec: str) -> tuple[str, dict[str, Any]]:
                 f"'gym:{spec}': {pair!r} is not key=value; make arguments follow the id as "
                 f"gym:{env_id},key=value,... (e.g. is_slippery=false)"
             )
-        try:
-            kwargs[name] = json.loads(value)
-        except json.JSONDecodeError:
-            kwargs[name] = value.strip()
+        kwargs[name] = _argument(value.strip())
     return env_id, kwargs
+
+
+def _argument(text: str) -> Any:
+    """A `key=value` value: JSON, Python's True, False or None, else the text (`4x4`)."""
+    python = {"True": True, "False": False, "None": None}
+    if text in python:
+        return python[text]
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def _build(env_id: str, kwargs: dict[str, Any], label: str) -> type[GymEnvironment]:

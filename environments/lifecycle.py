@@ -388,19 +388,27 @@ def _reset_arguments(
 
 
 def _finite_float(value: object, name: str) -> float:
-    problem = f"{name}.reward() returned {value!r:.{_VALUE_CHARS}}"
+    problem = f"{name}.reward() returned {_shown_value(value)}"
     if isinstance(value, str | bytes):  # float("1") would succeed and hide the bug
         raise EnvironmentRewardError(f"{problem}, a string; return a float")
     _close_if_coroutine(value)
     try:
         number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, OverflowError) as error:
         raise EnvironmentRewardError(
             f"{problem} ({type(value).__name__}); return a float, synchronously"
         ) from error
     if not math.isfinite(number):
         raise EnvironmentRewardError(f"{problem}; a reward must be finite")
     return number
+
+
+def _shown_value(value: object) -> str:
+    """`repr(value)` cut short, or its type where repr fails (an int past 4,300 digits)."""
+    try:
+        return f"{value!r:.{_VALUE_CHARS}}"
+    except Exception:
+        return f"a {type(value).__name__} that cannot be shown"
 
 
 def _close_if_coroutine(value: object) -> None:

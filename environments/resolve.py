@@ -9,7 +9,9 @@ Five forms, told apart by the part before the last ``:`` (``gym:`` by the prefix
 - ``rg:TASK``: a reasoning-gym task (`reasoning_gym_environment`; needs reasoning-gym);
 - ``path/to/file.py:Class``: anything ending in ``.py`` or containing a path separator; a
   relative path starts at the current directory. The file runs once, as a module with a name of
-  its own (so two files called ``env.py`` do not collide); resolving it again reuses it;
+  its own (so two files called ``env.py`` do not collide); resolving it again reuses it. Its
+  folder goes first on ``sys.path``, as ``python file.py`` puts it, so it imports the modules
+  beside it;
 - ``package.module:Class``: imported with `importlib`, so the module must be on ``sys.path``.
 
 ``Class`` may be dotted (``module:Outer.Inner``). A built-in prefix (``env``, ``rg``) wins, so a
@@ -170,6 +172,8 @@ def _load_file(where: str) -> ModuleType:
         raise EnvironmentSpecError(f"cannot load {path} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # before running it: dataclasses and pickle look it up
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     try:
         module_spec.loader.exec_module(module)
     except Exception as error:

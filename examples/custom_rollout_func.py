@@ -5,8 +5,9 @@ Run:
     python examples/custom_rollout_func.py [--model PATH] [--max-steps 4] [--output-dir DIR]
 
 The contract (TRL's): each generation round the trainer calls `rollout_func(prompts, trainer)`
-with the `prompt` of every task row it plays (each prompt once) and expects a dict with one
-entry per completion, `trainer.args.num_generations` consecutive completions per prompt:
+with the `prompt` of every task row it plays, each `trainer.args.num_generations` times in a
+row (one entry per completion to sample), and expects a dict with one entry per completion, in
+the order of `prompts`:
 
 - `prompt_ids`: list[list[int]], the prompt's token ids;
 - `completion_ids`: list[list[int]], the tokens after the prompt, ending with the end-of-turn
@@ -46,7 +47,7 @@ def rollout_func(prompts: list[list[dict]], trainer: GRPOTrainer) -> dict[str, l
     tokenizer, args = trainer.processing_class, trainer.args
     end_of_turn = tokenizer.eos_token_id
     out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "stopped": []}
-    for messages in prompts:
+    for messages in prompts[:: args.num_generations]:  # each task once: it samples a group
         prompt_ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )

@@ -149,7 +149,7 @@ class RolloutEngine:
             backend,
             tokenizer,
             load_template(_template_owner(processor, tokenizer), chat_template),
-            {t.name: t for t in map(as_tool, tools)},
+            _plain_tools(tools),
             tool_call_parser,
             chat_template_kwargs,
             config or EpisodeConfig(),
@@ -316,6 +316,23 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
 def _template_owner(processor: Any, tokenizer: Any) -> Any:
     """Whose `chat_template` is the default: a VLM processor's, when it has one."""
     return processor if getattr(processor, "chat_template", None) else tokenizer
+
+
+def _plain_tools(functions: Iterable[Callable[..., Any]]) -> dict[str, Tool]:
+    """The plain tools by name; two with one name are an error (the model could call only one).
+
+    Raises:
+        ValueError: Two functions share a tool name.
+    """
+    tools: dict[str, Tool] = {}
+    for tool in map(as_tool, functions):
+        if tool.name in tools:
+            raise ValueError(
+                f"two tools are named {tool.name!r}: the model could call only one; give each "
+                "function its own name (its def, or set its __name__)"
+            )
+        tools[tool.name] = tool
+    return tools
 
 
 def _environment_tools(

@@ -17,7 +17,14 @@ This package imports nothing from `environments`, `rollout` or `agentgrpo`.
 """
 
 from tools.calculator import calculator
-from tools.call import ToolErrorKind, ToolResult, ToolResultError, call_tool, is_image
+from tools.call import (
+    ToolErrorKind,
+    ToolResult,
+    ToolResultError,
+    call_problems,
+    call_tool,
+    is_image,
+)
 from tools.python import python, python_tool
 from tools.sandbox import SandboxUnavailableError
 from tools.schema import Tool, ToolDefinitionError, as_tool
@@ -34,6 +41,7 @@ __all__ = [
     "UserCodeAborted",
     "as_tool",
     "calculator",
+    "call_problems",
     "call_tool",
     "is_image",
     "python",

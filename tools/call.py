@@ -175,6 +175,10 @@ class ToolResultError(TypeError):
     """A tool returned a value that cannot become the text of its tool message (the user's bug)."""
 
 
+# The most bits of an int str() always writes out (Python refuses more than 4,300 digits).
+_LONGEST_INT_BITS = 14_000
+
+
 def _result_text(tool: Tool, value: Any) -> str:
     """`_to_text(value)`, or a `ToolResultError` naming the tool's function when it fails."""
     try:
@@ -196,6 +200,10 @@ def _to_text(value: Any) -> str:
         return ""
     if isinstance(value, dict | list | tuple):
         return json.dumps(value, ensure_ascii=False, default=str)
+    if isinstance(value, int) and abs(value).bit_length() > _LONGEST_INT_BITS:
+        # Past Python's 4,300-digit limit str() raises; the model's arguments can get there
+        digits = int(abs(value).bit_length() * math.log10(2)) + 1
+        return f"an integer of about {digits} digits, too long to write out"
     return str(value)
 
 
@@ -206,6 +214,17 @@ def _unknown_tool_message(name: str, available: list[str]) -> str:
     if close:
         message += f" Did you mean {close[0]!r}?"
     return message + f" Available tools: {', '.join(available) or 'none'}."
+
+
+def call_problems(tools: Mapping[str, Tool], name: Any, arguments: Any) -> list[str]:
+    """What `call_tool` would tell the model about this call before running it; [] if nothing.
+
+    For checking calls written by hand (demonstrations) as the model's are checked.
+    """
+    tool = tools.get(name) if isinstance(name, str) else None
+    if tool is None:
+        return [_unknown_tool_message(str(name), list(tools))]
+    return _check_arguments(tool, arguments)[0]
 
 
 def _check_arguments(tool: Tool, arguments: Any) -> tuple[list[str], dict[str, Any]]:

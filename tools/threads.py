@@ -87,7 +87,10 @@ def describe_error(error: BaseException) -> str:
     """
     if isinstance(error, UserCodeAborted):
         error = error.raised
-    text = str(error)
+    try:
+        text = str(error)
+    except Exception:  # its own __str__ fails: the type is all there is to say
+        text = ""
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 

@@ -201,8 +201,33 @@ def rows(env_class: Any, dataset: str | None, split: str, size: int | None = Non
         )
     parameters = inspect.signature(method).parameters
     if size is not None and "size" in parameters:
-        return method(split=split, size=size)
-    return _first(method(split=split) if "split" in parameters else method(), size)
+        return _checked_rows(method(split=split, size=size), method)
+    return _first(
+        _checked_rows(method(split=split) if "split" in parameters else method(), method), size
+    )
+
+
+def _checked_rows(rows: Any, method: Any) -> Any:
+    """What `dataset()` returned when it is a `datasets.Dataset` or a list of dicts.
+
+    Raises:
+        UsageError: Anything else, naming the method and what to return.
+    """
+    import datasets
+
+    owner = getattr(method, "__qualname__", "dataset")
+    if isinstance(rows, datasets.DatasetDict | datasets.IterableDatasetDict):
+        raise UsageError(
+            f"{owner}() returned a {type(rows).__name__} of the splits {list(rows)}; return one "
+            "split (a datasets.Dataset, e.g. `splits[split]`) or a list of dicts"
+        )
+    is_rows = isinstance(rows, list | tuple) and all(isinstance(row, dict) for row in rows)
+    if is_rows or isinstance(rows, datasets.Dataset | datasets.IterableDataset):
+        return rows
+    raise UsageError(
+        f"{owner}() returned {type(rows).__name__}; return a datasets.Dataset or a list of "
+        "dicts, one per task row"
+    )
 
 
 def _first(rows: Any, size: int | None) -> Any:

@@ -130,8 +130,14 @@ def check_values(config: "GRPOConfig") -> None:
         f"num_generations_eval={config.num_generations_eval} must be at least 1 (or None).",
     )
     require(
-        config.max_completion_length is None or config.max_completion_length >= 1,
-        f"max_completion_length={config.max_completion_length} must be at least 1 (or None).",
+        config.max_completion_length is not None,
+        "max_completion_length=None: every episode needs a budget of completion tokens (its "
+        "model and tool turns count against it), where TRL leaves it to the generator's own "
+        "limit. Set a number of tokens (the default is 512).",
+    )
+    require(
+        config.max_completion_length is not None and config.max_completion_length >= 1,
+        f"max_completion_length={config.max_completion_length} must be at least 1.",
     )
     require(
         config.entropy_coef_min <= config.entropy_coef_max and config.entropy_coef_delta >= 0,

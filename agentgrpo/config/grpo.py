@@ -111,8 +111,8 @@ class GRPOConfig(
     remove_unused_columns: bool = field(
         default=False,
         metadata={
-            "help": "Drop dataset columns other than 'prompt'. Keep False when reward functions "
-            "or environments read other columns."
+            "help": "Drop dataset columns other than 'prompt', 'image' and 'images', as TRL "
+            "does. Keep False when reward functions or environments read other columns."
         },
     )
     # None until __post_init__ resolves it, a bool from then on, as TrainingArguments expects.

@@ -40,33 +40,50 @@ def _as_groups(rewards_N: torch.Tensor, num_generations: int) -> torch.Tensor:
     return rewards_N.view(-1, num_generations)
 
 
+def nanstd(values: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """The unbiased (n - 1) std of the non-NaN entries along `dim`; NaN where fewer than two.
+
+    Examples:
+        >>> nanstd(torch.tensor([[1.0, 3.0, float("nan")], [2.0, float("nan"), float("nan")]]), 1)
+        tensor([1.4142,    nan])
+
+    """
+    count = (~values.isnan()).sum(dim=dim, keepdim=True)
+    centred = values - values.nanmean(dim=dim, keepdim=True)
+    variance = centred.square().nansum(dim=dim, keepdim=True) / (count - 1).clamp(min=1)
+    std = torch.where(count > 1, variance.sqrt(), float("nan"))
+    return std if keepdim else std.squeeze(dim)
+
+
 def group_std(rewards_N: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """Unbiased standard deviation of the rewards within each group.
+    """Unbiased standard deviation of the rewards within each group, NaN rewards left out.
 
     The trainer logs the fraction of groups whose std is 0 (``frac_reward_zero_std``): such a
     group teaches nothing, since every advantage in it is 0.
 
     Args:
-        rewards_N: One reward per episode, shape (N,), groups contiguous.
+        rewards_N: One reward per episode, shape (N,), groups contiguous; NaN for an episode no
+            reward function scored.
         num_generations: Group size G (>= 2); N must be a multiple of it.
 
     Returns:
-        std_M: One std per group, shape (N // G,); the (n - 1) estimator, as ``torch.std``.
+        std_M: One std per group, shape (N // G,); the (n - 1) estimator over the group's
+        non-NaN rewards, NaN where it has fewer than two (as TRL's ``nanstd``).
 
     Examples:
         >>> group_std(torch.tensor([1.0, 1.0, 0.0, 2.0]), 2).tolist()
         [0.0, 1.4142135381698608]
 
     """
-    return _as_groups(rewards_N, num_generations).std(dim=1)
+    return nanstd(_as_groups(rewards_N, num_generations), dim=1)
 
 
 def _scale_by_group(centred_M_G: torch.Tensor, groups_M_G: torch.Tensor) -> torch.Tensor:
-    return centred_M_G / (groups_M_G.std(dim=1, keepdim=True) + STD_EPS)
+    return centred_M_G / (nanstd(groups_M_G, dim=1, keepdim=True) + STD_EPS)
 
 
 def _scale_by_batch(centred_M_G: torch.Tensor, groups_M_G: torch.Tensor) -> torch.Tensor:
-    return centred_M_G / (groups_M_G.std() + STD_EPS)
+    return centred_M_G / (nanstd(groups_M_G.reshape(-1), dim=0) + STD_EPS)
 
 
 def _no_scale(centred_M_G: torch.Tensor, groups_M_G: torch.Tensor) -> torch.Tensor:
@@ -87,7 +104,9 @@ def group_advantages(
 
     Args:
         rewards_N: One reward per episode, shape (N,), groups of ``num_generations`` contiguous.
-            Rewards must be finite: a NaN spreads to every advantage of its group.
+            NaN marks an episode no reward function scored: as in TRL 1.16, it is left out of
+            its group's mean and of every std, and its advantage is 0. Other rewards must be
+            finite.
         num_generations: Group size G; N must be a multiple of it. G = 1 (TRL allows it for
             evaluation, `num_generations_eval=1`) gives every episode advantage 0: a group of
             one has no baseline. Training needs G >= 2 (`GRPOConfig` checks it).
@@ -95,10 +114,11 @@ def group_advantages(
             ``"group"``: the group's std + 1e-4 (unit spread within each group; GRPO).
             ``"batch"``: the std of all N rewards + 1e-4 (PPO Lite).
             ``"none"``: nothing (Dr. GRPO: a per-group std weights easy and hard tasks unequally).
-            Stds are unbiased (n - 1), as ``torch.std``.
+            Stds are unbiased (n - 1), as ``torch.std``; a group (or batch) with fewer than two
+            scored episodes has no spread, and its advantages are 0.
 
     Returns:
-        advantages_N: Shape (N,), same order as ``rewards_N``.
+        advantages_N: Shape (N,), same order as ``rewards_N``; never NaN.
 
     Raises:
         ValueError: On an unknown ``scale`` or a batch that is not whole groups.
@@ -106,6 +126,8 @@ def group_advantages(
     Examples:
         >>> group_advantages(torch.tensor([1.0, 0, 0, 1]), 4, scale="none").tolist()
         [0.5, -0.5, -0.5, 0.5]
+        >>> group_advantages(torch.tensor([1.0, float("nan"), 0, 2]), 4, scale="none").tolist()
+        [0.0, 0.0, -1.0, 1.0]
 
     """
     if scale not in _SCALES:
@@ -113,8 +135,9 @@ def group_advantages(
     if num_generations == 1 and rewards_N.dim() == 1:
         return torch.zeros_like(rewards_N)  # a group of one has no baseline: no signal
     groups_M_G = _as_groups(rewards_N, num_generations)
-    centred_M_G = groups_M_G - groups_M_G.mean(dim=1, keepdim=True)
-    return _SCALES[scale](centred_M_G, groups_M_G).reshape(-1)
+    centred_M_G = groups_M_G - groups_M_G.nanmean(dim=1, keepdim=True)
+    advantages_N = _SCALES[scale](centred_M_G, groups_M_G).reshape(-1)
+    return advantages_N.masked_fill(advantages_N.isnan(), 0.0)
 
 
 def _normalise_within_groups(rewards_N_F: torch.Tensor, num_generations: int) -> torch.Tensor:

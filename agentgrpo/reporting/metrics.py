@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from agentgrpo.learner.advantages import group_std, nanstd
 from rollout import Episode
 
 if TYPE_CHECKING:
@@ -130,8 +131,9 @@ def reward_metrics(
 
     `reward` and `reward_std` are the batch mean and std of the weighted sum of the raw
     columns, whatever `multi_objective_aggregation` is (an episode no function applies to is
-    left out). `frac_reward_zero_std` is the share of episodes whose advantage was divided by
-    a zero std: its group's std of `rewards_N`, or the batch's when `layout.batch_scaled`.
+    left out; a std over fewer than two episodes is NaN, as TRL's). `frac_reward_zero_std` is
+    the share of episodes whose advantage was divided by a zero std: its group's std of
+    `rewards_N`, or the batch's when `layout.batch_scaled` (NaN rewards left out).
 
     Examples:
         >>> nan = float("nan")
@@ -144,18 +146,18 @@ def reward_metrics(
     metrics = {}
     for name, values_N in zip(layout.names, rewards_N_F.T, strict=True):
         metrics[f"rewards/{name}/mean"] = float(values_N.nanmean())
-        metrics[f"rewards/{name}/std"] = float(_nanstd(values_N))
+        metrics[f"rewards/{name}/std"] = float(nanstd(values_N, dim=0))
     weights_F = torch.tensor(list(layout.weights_F), dtype=rewards_N_F.dtype)
     weighted_N = (rewards_N_F * weights_F).nansum(dim=1)
     weighted_N = weighted_N.masked_fill(rewards_N_F.isnan().all(dim=1), float("nan"))
     metrics["reward"] = float(weighted_N.nanmean())
-    metrics["reward_std"] = float(_nanstd(weighted_N))
+    metrics["reward_std"] = float(nanstd(weighted_N, dim=0))
     if layout.num_generations < 2:  # a lone episode: nothing to scale by
         zero_std_N = torch.ones_like(rewards_N)
     elif layout.batch_scaled:
-        zero_std_N = torch.full_like(rewards_N, float(rewards_N.std() < 1e-8))
+        zero_std_N = torch.full_like(rewards_N, float(nanstd(rewards_N, dim=0) < 1e-8))
     else:
-        stds_M = rewards_N.view(-1, layout.num_generations).std(dim=1)
+        stds_M = group_std(rewards_N, layout.num_generations)
         zero_std_N = (stds_M < 1e-8).float().repeat_interleave(layout.num_generations)
     metrics["frac_reward_zero_std"] = float(zero_std_N.mean())
     return metrics
@@ -207,9 +209,3 @@ def _fork_frequency(rows_N: torch.Tensor, turns_N: torch.Tensor) -> float:
     """
     continued = float((turns_N - 1).clamp(min=0).sum())
     return float((rows_N - 1).sum()) / continued if continued else 0.0
-
-
-def _nanstd(values_N: torch.Tensor) -> torch.Tensor:
-    """The unbiased std of the non-NaN values; 0 with fewer than two of them."""
-    present = values_N[~values_N.isnan()]
-    return present.std() if present.numel() > 1 else torch.tensor(0.0)

@@ -1,7 +1,8 @@
 """Calling user reward functions the way TRL's GRPOTrainer does, with loud user errors.
 
-The calling convention. Each reward function is called once per batch of N completions, with
-keyword arguments:
+The calling convention. Each reward function is called once per batch of N completions (in
+training, a group: the G completions of one task, scored the moment its last episode ends, where
+TRL calls it once with the whole generation batch), with keyword arguments:
 
 - ``prompts``, ``completions``, ``completion_ids``: one entry per completion (text or message
   lists; token ids); ``completions_ids`` is the same list as ``completion_ids``;
@@ -13,10 +14,10 @@ A function receives only the arguments it names (verifiers style: ``def f(comple
 answer)``), or all of them when it takes ``**kwargs`` (TRL style). A parameter named
 ``responses`` receives the completions (the name Unsloth-style cards use), unless a dataset
 column has that name. A named parameter that is not
-available and has no default is a user error (`ValueError`). It returns a list (or tuple) with
-one float per completion, or None where the reward does not apply to that sample; None becomes
-NaN in the reward matrix. ``async def`` functions are awaited; sync ones run in worker threads,
-so all the functions of a batch run concurrently.
+available and has no default is a user error (`ValueError`). It returns a list (or tuple, or a
+1-D numpy array or torch tensor) with one float per completion, or None where the reward does
+not apply to that sample; None becomes NaN in the reward matrix. ``async def`` functions are
+awaited; sync ones run in worker threads, so all the functions of a batch run concurrently.
 
 Failures the user caused stop the run with `RewardFunctionError`, naming the function and the
 row: a function that raises (to name the row, it is called again on one completion at a time,
@@ -373,11 +374,13 @@ def _checked_rewards(func: RewardFunction, value: Any, batch: RewardBatch) -> li
     """The function's rewards as floats (NaN for None), or a loud error saying what is wrong."""
     n = len(batch)
     first_row = _show_row(batch.rows[0]) if n else "{}"
+    if not isinstance(value, list | tuple) and hasattr(value, "tolist"):
+        value = value.tolist()  # a 1-D numpy array or torch tensor, as TRL takes them
     if not isinstance(value, list | tuple):
-        hint = " (convert it with .tolist())" if hasattr(value, "tolist") else ""
         raise RewardFunctionError(
-            f"reward function {func.name!r} returned {type(value).__name__}{hint}; it must "
-            f"return a list with one float (or None) per completion. First row: {first_row}"
+            f"reward function {func.name!r} returned {type(value).__name__}; it must return a "
+            f"list (or a 1-D array) with one float (or None) per completion. First row: "
+            f"{first_row}"
         )
     if len(value) != n:
         raise RewardCountError(

@@ -330,6 +330,7 @@ def test_every_trl_loss_type_is_accepted(make):
         (dict(num_generations=None), "set num_generations >= 2"),
         (dict(num_generations_eval=0), "num_generations_eval=0 must be at least 1"),
         (dict(max_completion_length=0), "max_completion_length=0 must be at least 1"),
+        (dict(max_completion_length=None), "every episode needs a budget of completion tokens"),
         (dict(top_entropy_quantile=1.5), r"top_entropy_quantile=1.5 must be in \[0, 1\]"),
         (dict(top_entropy_quantile=-0.1), "top_entropy_quantile=-0.1"),
         (dict(max_tool_calling_iterations=-1), "max_tool_calling_iterations=-1 must be >= 0"),

@@ -254,9 +254,11 @@ def test_evaluation_generates_and_reports_eval_rewards(tokenizer, tmp_path):
 
 
 def test_a_custom_rollout_func_replaces_the_engine(tokenizer, tmp_path):
+    called_with = []
+
     def rollout_func(prompts, trainer):
-        g = trainer.args.num_generations
-        ids = [tokenizer.encode(p) for p in prompts for _ in range(g)]
+        called_with.append(prompts)
+        ids = [tokenizer.encode(p) for p in prompts]
         completions = [[42, 43, tokenizer.eos_token_id] for _ in ids]
         return {
             "prompt_ids": ids,
@@ -277,6 +279,9 @@ def test_a_custom_rollout_func_replaces_the_engine(tokenizer, tmp_path):
         rollout_func=rollout_func,
     )
     trainer.train()
+    [prompts] = called_with  # as TRL 1.16 calls it: each row's prompt G times in a row
+    g = trainer.args.num_generations
+    assert prompts == [p for p in prompts[::g] for _ in range(g)] and len(set(prompts)) > 1
     assert logged(trainer, "reward") == [0.5]
     assert trainer.state.log_history[0]["completions/mean_length"] == 2  # env tokens excluded
 

@@ -80,6 +80,35 @@ def test_an_environment_without_demonstrations_is_a_clear_error():
         environment_demonstrations(None, 2, seed=0)
 
 
+def _call(name, arguments):
+    function = {"name": name, "arguments": arguments}
+    return {"role": "assistant", "content": "", "tool_calls": [{"function": function}]}
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        (_call("incrementt", {"step": 1}), "unknown tool 'incrementt'. Did you mean 'increment'?"),
+        (_call("increment", {"step": "two"}), "argument 'step' must be an integer"),
+        (_call("increment", '{"step": 1}'), "arguments must be a JSON object"),
+        ({"role": "tool", "name": "increment", "content": 3}, "content is int, not str"),
+    ],
+)
+def test_demonstrations_the_run_would_not_accept_are_refused_naming_where(message, expected):
+    class Shown(Counter):
+        @classmethod
+        def demonstrations(cls, n, seed=0):
+            [good] = Counter.demonstrations(1, seed=seed)
+            return [good, [{"role": "user", "content": "Go."}, message]][:n]
+
+    with pytest.raises(
+        ValueError, match=r"Shown\.demonstrations\(\): conversation 1, message 1: "
+    ) as caught:
+        environment_demonstrations(Shown, 2, seed=0)
+    assert expected in str(caught.value)
+    assert len(environment_demonstrations(Shown, 1, seed=0)) == 1  # the good one passes
+
+
 def test_trainer_warm_starts_before_grpo_and_not_on_resume(tokenizer, tmp_path, capsys):
     model = tiny_llama(tokenizer)
     before = [p.detach().clone() for p in model.parameters()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import textwrap
 
 import anyio
@@ -174,6 +175,16 @@ def test_files_with_the_same_name_in_different_folders_do_not_collide(tmp_path):
     b = resolve_environment(f"{tmp_path}/b/env.py:E")
     assert a is not b
     assert (a().reset(), b().reset()) == ("from a", "from b")
+
+
+def test_a_file_imports_the_modules_beside_it_as_python_file_py_would(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the test's own sys.path comes back
+    (tmp_path / "beside_the_env_file.py").write_text("START = 'at 3'\n")
+    (tmp_path / "sib.py").write_text(
+        "from beside_the_env_file import START\n\n"
+        "class E:\n    def reset(self):\n        return START\n"
+    )
+    assert resolve_environment(f"{tmp_path}/sib.py:E")().reset() == "at 3"
 
 
 @pytest.mark.parametrize(
@@ -535,6 +546,8 @@ def test_a_reward_that_raises_is_an_error_naming_the_class():
         ("1.0", "a string"),
         (None, "return a float"),
         ([1.0], "return a float"),
+        pytest.param(10**400, "return a float", id="float-overflows"),
+        pytest.param(10**5000, "returned a int that cannot be shown", id="past-repr-digits"),
     ],
 )
 def test_a_reward_that_is_not_a_finite_number_is_an_error(returned, expected):

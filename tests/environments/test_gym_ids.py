@@ -19,7 +19,7 @@ from environments import (
     tool_names,
 )
 from environments.contract import episode_limits
-from environments.gym_ids import MAX_TURNS
+from environments.gym_ids import MAX_TURNS, _parse
 from rollout import Finish
 from tests.support.cli import eval_figures, tiny_run
 from tests.support.episodes import chatml_engine, scripted_backend, tool_call
@@ -95,6 +95,13 @@ def test_the_reward_is_the_episode_return():
     assert env.done and env.terminated
     assert env.reward() == -13.0
     env.close()
+
+
+def test_python_literals_are_the_values_they_name_as_json_ones_are():
+    assert _parse("FrozenLake-v1,is_slippery=False,map_name=4x4,seed=None,n= 8") == (
+        "FrozenLake-v1",
+        {"is_slippery": False, "map_name": "4x4", "seed": None, "n": 8},
+    )
 
 
 def test_make_arguments_follow_the_id_and_give_another_class():

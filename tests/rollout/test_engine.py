@@ -374,6 +374,28 @@ async def test_plain_tool_functions_work_without_an_environment(tokenizer):
     assert episode.env_reward is None and episode.environment is None
 
 
+def test_two_plain_tools_of_one_name_are_refused(tokenizer):
+    def add(a: int) -> int:
+        """Add one.
+
+        Args:
+            a: The number.
+        """
+        return a + 1
+
+    def add_two(a: int) -> int:
+        """Add two.
+
+        Args:
+            a: The number.
+        """
+        return a + 2
+
+    add_two.__name__ = "add"
+    with pytest.raises(ValueError, match="two tools are named 'add'"):
+        RolloutEngine(scripted(tokenizer, []), tokenizer, tools=[add, add_two])
+
+
 async def test_a_slow_reset_does_not_stall_the_other_episodes(tokenizer):
     fast_finished = threading.Event()
 

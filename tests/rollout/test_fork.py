@@ -303,8 +303,7 @@ def test_grpo_trains_through_qwen3s_template_forking_every_turn(tokenizer, tmp_p
 
 def test_a_rollout_func_with_episode_ids_trains_on_every_row(tokenizer, tmp_path):
     def rollout_func(prompts, trainer):
-        g = trainer.args.num_generations
-        ids = [tokenizer.encode(p) for p in prompts for _ in range(g)]
+        ids = [tokenizer.encode(p) for p in prompts]  # each row's prompt G times, as TRL's
         eos = tokenizer.eos_token_id
         return {  # each episode: a first row, then a second whose prompt rewrote the first
             "prompt_ids": [p for p in ids for p in (p, p + [42])],

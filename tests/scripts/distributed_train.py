@@ -162,7 +162,7 @@ def fixed_completions(
             for _ in range(trainer.accelerator.process_index + 1):
                 policy(ids_1_T)
     prompt_ids, completion_ids = [], []
-    for prompt in prompts:
+    for prompt in prompts[::generations]:  # each row's prompt comes G times in a row
         ids = tokenizer(prompt)["input_ids"]
         for k in range(generations):
             start = zlib.crc32(f"{prompt}/{k}".encode()) % 10_000 + 1_000

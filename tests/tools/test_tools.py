@@ -474,6 +474,31 @@ async def test_an_exception_in_the_tool_becomes_an_error_message():
     assert result.content == "Error: increment() raised ValueError: step must be positive"
 
 
+class _BrokenMessage(Exception):
+    def __str__(self) -> str:
+        raise AttributeError("no message")
+
+
+@pytest.mark.anyio
+async def test_an_exception_whose_message_fails_names_only_its_type():
+    def fail() -> None:
+        """Always fail."""
+        raise _BrokenMessage
+
+    result = await call_tool(_tools(fail), "fail", {}, timeout_s=1.0)
+    assert (result.content, result.error) == ("Error: fail() raised _BrokenMessage", "exception")
+
+
+@pytest.mark.anyio
+async def test_an_integer_too_long_to_write_out_is_said_so_to_the_model():
+    # The model's arguments make it (Counter's increment with a 4,300-digit step): data.
+    result = await call_tool({"give": _returning(10**5000)}, "give", {}, timeout_s=1.0)
+    assert (result.content, result.error) == (
+        "an integer of about 5001 digits, too long to write out",
+        None,
+    )
+
+
 @pytest.mark.anyio
 async def test_an_exception_without_a_message_names_only_its_type():
     async def fail() -> None:

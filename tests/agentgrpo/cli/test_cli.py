@@ -118,6 +118,28 @@ def test_missing_dataset(user_error, tmp_path):
     assert "not found" in missing
 
 
+@pytest.mark.parametrize(
+    ("returned", "expected"),
+    [
+        ("None", "Rows.dataset() returned NoneType; return a datasets.Dataset or a list of dicts"),
+        ("(r for r in [{'n': 1}])", "Rows.dataset() returned generator; return"),
+        (
+            "datasets.DatasetDict(train=datasets.Dataset.from_list([{'n': 1}]))",
+            "Rows.dataset() returned a DatasetDict of the splits ['train']; return one split",
+        ),
+    ],
+)
+def test_a_dataset_method_returning_something_else_than_rows_is_named(
+    user_error, tmp_path, returned, expected
+):
+    (tmp_path / "envs.py").write_text(
+        "import datasets\n\nclass Rows:\n    def reset(self, **row):\n        return 'Hi.'\n"
+        "    def reward(self) -> float:\n        return 0.0\n"
+        f"    @classmethod\n    def dataset(cls, split='train'):\n        return {returned}\n"
+    )
+    assert expected in user_error("eval", "envs.py:Rows")
+
+
 def test_unknown_reward_function(user_error):
     assert "did you mean" in user_error(
         "eval", "env:Counter", "--reward", "agentgrpo.rewards:acuracy_reward"

@@ -97,3 +97,21 @@ def test_a_group_of_one_has_no_baseline_so_every_advantage_is_zero():
     rewards_N = torch.tensor([0.3, 1.0, -2.0])
     for scale in ("group", "batch", "none"):
         assert group_advantages(rewards_N, 1, scale).tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_an_unscored_episode_is_left_out_of_the_baseline_with_advantage_zero(scale):
+    # As TRL 1.16: group [nan, 1, 2, 3] has mean 2 and std 1 over its scored episodes, not the
+    # mean 1.5 of [0, 1, 2, 3]; the unscored episode's advantage is 0. A group with one scored
+    # episode has no spread: all its advantages are 0 when scaled.
+    rewards_N = torch.tensor([NAN, 1.0, 2, 3, NAN, 5, NAN, NAN])
+    advantages_N = group_advantages(rewards_N, 4, scale)
+    batch_std = torch.tensor([1.0, 2, 3, 5]).std().item()
+    divisor = {"group": 1 + 1e-4, "batch": batch_std + 1e-4, "none": 1.0}[scale]
+    expected = [0.0, -1 / divisor, 0.0, 1 / divisor, 0.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(advantages_N, torch.tensor(expected))
+
+
+def test_group_std_leaves_nan_out_and_is_nan_below_two_scored_episodes():
+    std_M = group_std(torch.tensor([NAN, 1.0, 3.0, NAN, NAN, 4.0]), 3)
+    assert std_M[0].item() == pytest.approx(math.sqrt(2)) and math.isnan(std_M[1].item())

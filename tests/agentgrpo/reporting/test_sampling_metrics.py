@@ -200,7 +200,7 @@ def test_a_rollout_func_logs_how_far_its_logprobs_are_from_the_trainers(tokenize
     played: list[list[int]] = []
 
     def rollout_func(prompts, trainer):
-        ids = [tokenizer.encode(p) for p in prompts for _ in range(trainer.args.num_generations)]
+        ids = [tokenizer.encode(p) for p in prompts]  # G times each
         played.extend(ids)
         return {
             "prompt_ids": ids,

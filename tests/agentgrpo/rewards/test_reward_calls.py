@@ -9,6 +9,7 @@ import threading
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+import numpy as np
 import pytest
 import torch
 
@@ -262,7 +263,7 @@ def test_the_wrong_number_of_rewards_is_an_error():
 @pytest.mark.parametrize(
     ("returned", "expected"),
     [
-        (torch.ones(4), r"returned Tensor \(convert it with .tolist\(\)\)"),
+        (torch.ones(()), "returned float; it must return a list"),  # a 0-d tensor's tolist()
         ({"a": 1.0}, "returned dict; it must return a list"),
         (None, "returned NoneType"),
     ],
@@ -273,6 +274,14 @@ def test_a_return_value_that_is_not_a_list_is_an_error(returned, expected):
 
     with pytest.raises(RewardFunctionError, match=expected):
         run_score([odd])
+
+
+@pytest.mark.parametrize("array", [torch.tensor([1.0, 0.0, 0.5, 2.0]), np.array([1, 0, 0.5, 2])])
+def test_a_one_dimensional_array_or_tensor_of_rewards_is_taken_as_trl_takes_it(array):
+    def as_array(completions):
+        return array
+
+    assert run_score([as_array])[:, 0].tolist() == [1.0, 0.0, 0.5, 2.0]
 
 
 @pytest.mark.parametrize(

@@ -560,6 +560,39 @@ def test_completions_no_reward_function_scores_are_logged_with_their_arguments_a
     )
 
 
+def test_a_completion_no_reward_function_scores_has_advantage_zero_as_in_trl(tokenizer, tmp_path):
+    # Each group is [unscored, 1.0]. TRL 1.16 leaves the unscored one out of the baseline: one
+    # scored completion has no spread, so every advantage is 0 and nothing moves. Scoring it 0
+    # instead would push the other completion up.
+    def every_other(completions, **kwargs):
+        return [None if i % 2 == 0 else 1.0 for i in range(len(completions))]
+
+    rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"]})
+    trainer = trainer_for(tokenizer, config(tmp_path), reward_funcs=every_other, train_dataset=rows)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["grad_norm"] == 0.0 and logged["frac_reward_zero_std"] == 0.0
+    assert logged["reward"] == 1.0 and logged["reward_std"] == 0.0
+
+
+@pytest.mark.parametrize("remove", [False, True])
+def test_remove_unused_columns_keeps_only_the_prompt_for_the_reward_functions(
+    remove, tokenizer, tmp_path
+):
+    rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"], "answer": ["blue", "hi"]})
+    seen = []
+
+    def noting_columns(completions, **kwargs):
+        seen.append(kwargs.get("answer"))
+        return [1.0] * len(completions)
+
+    args = config(tmp_path, remove_unused_columns=remove)
+    trainer = trainer_for(tokenizer, args, reward_funcs=noting_columns, train_dataset=rows)
+    trainer.train()
+    expected = [None] if remove else [["blue"] * 2, ["hi"] * 2]  # TRL keeps prompt, images
+    assert sorted(seen, key=str) == sorted(expected * (2 if remove else 1), key=str)
+
+
 # --- The Unsloth-style card in the seeds --------------------------------------------------
 
 
