@@ -19,8 +19,10 @@ Contract of `call_tool`:
   running until the function returns, but never keeps the process alive at exit. Async tools
   are awaited. Both run under `anyio.fail_after(timeout_s)` when `timeout_s` is not None.
 - The value returned becomes `content`: `str` as is, `None` as `""`, dict/list/tuple as JSON,
-  anything else with `str()`. A value that cannot (e.g. a dict with tuple keys) is the tool
-  author's bug, not the model's: `ToolResultError` names the tool's function.
+  anything else with `str()`. An int too long to write out (past Python's 4,300 digits, which
+  the model's arguments can reach), alone or inside a dict, list or tuple, becomes a note that
+  says so: that is data too. A value that cannot become text (e.g. a dict with tuple keys) is
+  the tool author's bug, not the model's: `ToolResultError` names the tool's function.
 """
 
 from __future__ import annotations
@@ -199,12 +201,57 @@ def _to_text(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, dict | list | tuple):
-        return json.dumps(value, ensure_ascii=False, default=str)
-    if isinstance(value, int) and abs(value).bit_length() > _LONGEST_INT_BITS:
-        # Past Python's 4,300-digit limit str() raises; the model's arguments can get there
-        digits = int(abs(value).bit_length() * math.log10(2)) + 1
-        return f"an integer of about {digits} digits, too long to write out"
+        return _json_text(value)
+    if _is_huge_int(value):
+        return _huge_int_note(value)
     return str(value)
+
+
+def _json_text(value: dict | list | tuple) -> str:
+    """`value` as JSON; an int too long to write out, at any depth, becomes its note.
+
+    Only a value that fails is walked (`_writable`), so plain results cost one `json.dumps`.
+    What still fails (a tuple key, a container inside itself) raises as `json.dumps` does.
+    """
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except ValueError:
+        return json.dumps(_writable(value, frozenset()), ensure_ascii=False, default=str)
+
+
+def _writable(value: Any, enclosing: frozenset[int]) -> Any:
+    """A copy of `value` with each int too long to write out, in dicts, lists and tuples, a note.
+
+    `enclosing` holds the ids of the containers `value` is inside, so that a container inside
+    itself raises `ValueError` as `json.dumps` does, rather than recursing for ever.
+    """
+    if _is_huge_int(value):
+        return _huge_int_note(value)
+    if not isinstance(value, dict | list | tuple):
+        return value
+    if id(value) in enclosing:
+        raise ValueError("Circular reference detected")
+    inside = enclosing | {id(value)}
+    if isinstance(value, dict):
+        return {
+            _huge_int_note(k) if _is_huge_int(k) else k: _writable(v, inside)
+            for k, v in value.items()
+        }
+    return [_writable(v, inside) for v in value]
+
+
+def _is_huge_int(value: Any) -> bool:
+    """Whether `value` is an int past Python's 4,300-digit limit, where str() raises.
+
+    The model's arguments can get there (a product of two long numbers): that is data.
+    """
+    return isinstance(value, int) and abs(value).bit_length() > _LONGEST_INT_BITS
+
+
+def _huge_int_note(value: int) -> str:
+    """What the model reads in place of an int too long to write out."""
+    digits = int(abs(value).bit_length() * math.log10(2)) + 1
+    return f"an integer of about {digits} digits, too long to write out"
 
 
 def _unknown_tool_message(name: str, available: list[str]) -> str:

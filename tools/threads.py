@@ -19,8 +19,9 @@ Contract of `run_in_daemon_thread(fn, label)`:
   delivers Ctrl-C to the main thread only, so nothing raised in a worker thread is one.)
 
 `is_signal` draws the same line for user code that runs in place (async tools, a method called
-directly): anyio's cancellation and a `KeyboardInterrupt` on the main thread are signals to the
-framework and must propagate; anything else user code raises is that code's failure.
+directly): the cancellation of the current task and a `KeyboardInterrupt` on the main thread
+are signals to the framework and must propagate; anything else user code raises is that code's
+failure, a `CancelledError` of some other task's included.
 
 `shield_unless_interrupted()` is a shielded cancel scope for waits that must outlast their
 task's cancellation (closing an environment after its episode failed) but not a Ctrl-C: a shield
@@ -32,6 +33,7 @@ Python's default: raise `KeyboardInterrupt`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -97,9 +99,12 @@ def describe_error(error: BaseException) -> str:
 def is_signal(error: BaseException) -> bool:
     """Whether `error`, raised out of user code, is a signal to the framework, not a failure.
 
-    Signals are anyio's cancellation (of the current task) and a `KeyboardInterrupt` raised on
-    the main thread, where a real Ctrl-C arrives. Everything else, `SystemExit` included, is the
-    failure of the code that raised it.
+    Signals are the cancellation of the current task (anyio's cancel scopes, a task group
+    that ends, asyncio's first Ctrl-C) and a `KeyboardInterrupt` raised on the main thread,
+    where a real Ctrl-C arrives. Everything else, `SystemExit` included, is the failure of the
+    code that raised it, and so is a `CancelledError` while the current task is not being
+    cancelled: on asyncio it is an ordinary exception, e.g. an inner task the code awaited was
+    cancelled (see `_cancelling`).
     """
     if isinstance(error, KeyboardInterrupt):
         return threading.current_thread() is threading.main_thread()
@@ -107,7 +112,21 @@ def is_signal(error: BaseException) -> bool:
         cancelled = anyio.get_cancelled_exc_class()
     except RuntimeError:  # no event loop in this thread: nothing here can be cancelled
         return False
-    return isinstance(error, cancelled)
+    return isinstance(error, cancelled) and _cancelling(cancelled)
+
+
+def _cancelling(cancelled: type[BaseException]) -> bool:
+    """Whether the current task is being cancelled, given the event loop's cancelled class.
+
+    On asyncio every cancellation of a task (anyio delivers a cancel scope's with
+    `Task.cancel()`, as asyncio does a Ctrl-C) counts in `Task.cancelling()` until the scope
+    that asked for it has handled it. trio's `Cancelled` cannot be raised by user code at all,
+    so there it is always trio's own cancellation.
+    """
+    if cancelled is not asyncio.CancelledError:
+        return True
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 @dataclass(eq=False)

@@ -9,6 +9,7 @@ naming them, and a process exits promptly whatever its tools still do. `SystemEx
 from __future__ import annotations
 
 import _thread
+import asyncio
 import gc
 import json
 import signal
@@ -151,14 +152,43 @@ async def test_system_exit_and_keyboard_interrupt_come_back_as_the_codes_failure
     assert caught.value.raised is raised and caught.value.__cause__ is raised
 
 
+async def signal_seen_while_cancelled() -> bool:
+    """What `is_signal` says of the cancellation a cancelled scope delivers to this task."""
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await anyio.sleep(10)
+        except anyio.get_cancelled_exc_class() as cancelled:
+            seen = is_signal(cancelled)
+            raise
+    assert scope.cancelled_caught
+    return seen
+
+
 @pytest.mark.anyio
 async def test_cancellation_and_a_ctrl_c_on_the_main_thread_are_signals_nothing_else_is():
-    assert is_signal(anyio.get_cancelled_exc_class()())
+    assert await signal_seen_while_cancelled()
     assert is_signal(KeyboardInterrupt())
     assert not is_signal(SystemExit(0))
     assert not is_signal(ValueError())
     in_a_worker = await DaemonThreads().run(lambda: is_signal(KeyboardInterrupt()), "probe")
     assert in_a_worker is False
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_cancel_scopes_cancellation_is_a_signal_on_every_backend(anyio_backend):
+    assert await signal_seen_while_cancelled()
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_error_of_another_task_is_not_a_signal():
+    inner = asyncio.create_task(asyncio.sleep(10))
+    asyncio.get_running_loop().call_later(0.01, inner.cancel)
+    with pytest.raises(asyncio.CancelledError) as caught:
+        await inner
+    assert not is_signal(caught.value)
+    assert not is_signal(asyncio.CancelledError())  # raised by hand: nothing is being cancelled
 
 
 # ---------------------------------------------------------------------- tools

@@ -500,6 +500,30 @@ async def test_an_integer_too_long_to_write_out_is_said_so_to_the_model():
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("value", "content"),
+    [
+        ({"product": 10**5000}, '{"product": "an integer of about 5001 digits, %s"}'),
+        ([1, (2, 10**5000)], '[1, [2, "an integer of about 5001 digits, %s"]]'),
+        ({10**5000: 1}, '{"an integer of about 5001 digits, %s": 1}'),
+    ],
+)
+async def test_an_integer_too_long_to_write_out_inside_a_dict_or_list_is_said_so_too(
+    value, content
+):
+    result = await call_tool({"give": _returning(value)}, "give", {}, timeout_s=1.0)
+    assert (result.content, result.error) == (content % "too long to write out", None)
+
+
+@pytest.mark.anyio
+async def test_a_result_that_contains_itself_is_still_an_error_naming_the_tools_function():
+    looped: list = [10**5000]
+    looped.append(looped)
+    with pytest.raises(ToolResultError, match="Circular reference"):
+        await call_tool({"give": _returning(looped)}, "give", {}, timeout_s=1.0)
+
+
+@pytest.mark.anyio
 async def test_an_exception_without_a_message_names_only_its_type():
     async def fail() -> None:
         """Always fail."""
@@ -604,6 +628,19 @@ async def test_cancellation_of_an_async_tool_is_not_turned_into_a_result():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+@pytest.mark.anyio
+async def test_an_async_tool_whose_inner_task_was_cancelled_fails_like_any_exception():
+    async def lookup() -> str:
+        """Look up, awaiting a request that something else cancels."""
+        request = asyncio.create_task(asyncio.sleep(10))
+        asyncio.get_running_loop().call_later(0.01, request.cancel)
+        await request
+        return "found"
+
+    result = await call_tool(_tools(lookup), "lookup", {}, timeout_s=5.0)
+    assert (result.content, result.error) == ("Error: lookup() raised CancelledError", "exception")
 
 
 # --- calculator ------------------------------------------------------------------------------
