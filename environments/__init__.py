@@ -76,6 +76,7 @@ from environments.contract import (
     check_environment,
     class_tools,
     environment_tools,
+    tool_method,
     tool_names,
 )
 from environments.counter import Counter
@@ -147,5 +148,6 @@ __all__ = [
     "run_environment_code",
     "run_environment_code_blocking",
     "task_names",
+    "tool_method",
     "tool_names",
 ]

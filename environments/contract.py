@@ -3,7 +3,9 @@
 Tool discovery is static: it reads the class, never instantiates it, so checking a class has no
 side effects. A tool is a public name (no leading ``_``), not reserved, whose class attribute is a
 plain function (sync or ``async def``), inherited ones included. Classmethods, staticmethods,
-properties, other descriptors and non-callables are not tools, nor is anything set on an instance.
+properties, other descriptors and non-callables are not tools. A public method wrapped by
+``functools.lru_cache`` or ``functools.cache`` is refused (`EnvironmentSpecError`), and so is an
+instance attribute that hides a tool (`tool_method`, when an episode binds its tools).
 
 How the engine calls them: each episode has its own instance, and the tool calls of one model
 turn on that instance run one at a time, in the order the model wrote them, so a tool may read
@@ -19,10 +21,10 @@ tool's becomes an error message for the model, and ``__init__``, ``reset``, ``re
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
-from environments.errors import EnvironmentSpecError
+from environments.errors import EnvironmentSpecError, async_method_message, both_rewards_message
 from tools import Tool, ToolDefinitionError, as_tool
 
 RESERVED_NAMES: frozenset[str] = frozenset(
@@ -112,6 +114,31 @@ def tool_names(cls: type) -> list[str]:
     )
 
 
+def _refuse_cached_methods(cls: type) -> None:
+    """Refuse a public method wrapped by ``functools.lru_cache`` or ``functools.cache``.
+
+    It reads as a tool, but is not a plain function: left out silently, the model would lack a
+    tool its author meant it to have; made a tool, its cache would keep every episode's
+    instance alive and answer from before the state changed.
+
+    Raises:
+        EnvironmentSpecError: Naming the class, the method and the fix.
+
+    """
+    for name in dir(cls):
+        found = inspect.getattr_static(cls, name)
+        if name.startswith("_") or name in RESERVED_NAMES or inspect.isfunction(found):
+            continue
+        if callable(found) and hasattr(found, "cache_info") and hasattr(found, "__wrapped__"):
+            raise EnvironmentSpecError(
+                f"{cls.__qualname__}.{name} is a public method, so it would be a tool, but "
+                "functools.lru_cache (or functools.cache) wraps it: that cache keeps every "
+                "episode's instance alive and answers from before the state changed. Remove "
+                "the decorator (cache inside the method, e.g. in a dict on self), or rename "
+                "it with a leading underscore if the model should not call it."
+            )
+
+
 def environment_tools(env: object) -> dict[str, Tool]:
     """Build a `Tool` for each tool method of a live environment, bound to that instance.
 
@@ -122,11 +149,34 @@ def environment_tools(env: object) -> dict[str, Tool]:
         Tool name to `Tool`, in sorted name order.
 
     Raises:
-        EnvironmentSpecError: A tool method lacks type hints or a usable docstring.
+        EnvironmentSpecError: A tool method lacks type hints or a usable docstring, or a
+            public method is cached (`functools.lru_cache`), which no tool may be.
 
     """
     cls = type(env)
+    _refuse_cached_methods(cls)
     return {name: _as_method_tool(cls, name, getattr(env, name)) for name in tool_names(cls)}
+
+
+def tool_method(env: object, name: str) -> Any:
+    """The tool method `name` of a live environment, bound to it, for the model to call.
+
+    Raises:
+        EnvironmentSpecError: An attribute set on the instance (e.g. ``self.submit = None`` in
+            ``reset``) hides the class's tool of that name, so every call would fail; the
+            message names the class, the tool and the attribute.
+
+    """
+    shadow = getattr(env, "__dict__", {})
+    if name in shadow:
+        cls = type(env).__qualname__
+        raise EnvironmentSpecError(
+            f"{cls}.{name} is a tool, but the instance attribute self.{name} (a "
+            f"{type(shadow[name]).__name__}, set in __init__ or reset) hides it, so every "
+            f"call the model makes to {name} would fail; rename the attribute (e.g. "
+            f"self._{name}) or the tool"
+        )
+    return getattr(env, name)
 
 
 def class_tools(cls: type) -> dict[str, Tool]:
@@ -136,9 +186,11 @@ def class_tools(cls: type) -> dict[str, Tool]:
     instance before calling them, e.g. ``dataclasses.replace(tool, fn=getattr(env, name))``.
 
     Raises:
-        EnvironmentSpecError: A tool method lacks type hints or a usable docstring.
+        EnvironmentSpecError: A tool method lacks type hints or a usable docstring, or a
+            public method is cached (`functools.lru_cache`), which no tool may be.
 
     """
+    _refuse_cached_methods(cls)
     placeholder = _Unbound()
     return {
         name: _as_method_tool(cls, name, inspect.getattr_static(cls, name).__get__(placeholder))
@@ -146,16 +198,20 @@ def class_tools(cls: type) -> dict[str, Tool]:
     }
 
 
-def check_environment(cls: type) -> None:
+def check_environment(cls: type, factory: Callable[[], Any] | None = None) -> None:
     """Check that a class meets the `Environment` contract, without instantiating it.
 
-    Checks that ``reset`` is a method whose parameters can be passed by name, that every tool
-    method yields a JSON schema, and that the optional members have the right kind: ``reward``
-    and ``close`` methods, ``dataset`` a classmethod, ``done`` not a method (it is read as a
-    bool, and a method is always truthy).
+    Checks that the engine can make an instance with no arguments, that ``reset`` is a plain
+    method whose parameters can be passed by name, that every tool method yields a JSON
+    schema, and that the optional members have the right kind: ``reward`` (or ``get_reward``,
+    not both) and ``close`` methods, ``reset`` and ``close`` not ``async def``, ``dataset`` and
+    ``demonstrations`` classmethods, ``done`` not a method (it is read as a bool, and a method
+    is always truthy).
 
     Args:
         cls: The environment class to check.
+        factory: What makes the instances, when it is not `cls` itself (a function, or
+            ``functools.partial(cls, size=3)``); then ``cls.__init__`` may require arguments.
 
     Raises:
         EnvironmentSpecError: The first problem found, naming the class, the member and the fix.
@@ -163,29 +219,70 @@ def check_environment(cls: type) -> None:
     """
     if not inspect.isclass(cls):
         raise EnvironmentSpecError(f"expected an environment class, got {cls!r}")
-    name = cls.__qualname__
+    if factory is None or factory is cls:
+        _check_init(cls)
     _check_reset(cls)
-    for member in ("reward", "close"):
+    _check_methods(cls)
+    for member in _CALLED_ON_THE_CLASS:
+        _check_classmethod(cls, member)
+    if inspect.isfunction(inspect.getattr_static(cls, "done", None)):
+        raise EnvironmentSpecError(
+            f"{cls.__qualname__}.done is a method, but the engine reads `done` as a bool and a "
+            "method is always true; make it an attribute (set self.done = True) or a @property"
+        )
+    episode_limits(cls)
+    run_defaults(cls)
+    class_tools(cls)
+
+
+def _check_init(cls: type) -> None:
+    """Refuse a class whose ``__init__`` requires arguments: the engine calls ``cls()``."""
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # no signature to read; making an instance will tell
+        return
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    required = [p.name for p in parameters if p.default is p.empty and p.kind not in variadic]
+    if required:
+        name = cls.__qualname__
+        raise EnvironmentSpecError(
+            f"{name}.__init__ requires {', '.join(map(repr, required))}, but the engine makes "
+            f"each episode's instance with no arguments, as {name}(); give the parameters "
+            f"defaults, or pass a factory that supplies them, e.g. environment_factory="
+            f"functools.partial({name}, {required[0]}=...)"
+        )
+
+
+def _check_methods(cls: type) -> None:
+    """``reward``, ``get_reward`` and ``close`` are methods; one reward; ``close`` is sync."""
+    name = cls.__qualname__
+    for member in ("reward", "get_reward", "close"):
         if hasattr(cls, member) and not callable(getattr(cls, member)):
             raise EnvironmentSpecError(
                 f"{name}.{member} must be a method `def {member}(self)`, "
                 f"not {type(getattr(cls, member)).__name__}"
             )
-    if hasattr(cls, "dataset") and not isinstance(
-        inspect.getattr_static(cls, "dataset"), classmethod | staticmethod
+    if getattr(cls, "reward", None) is not None and getattr(cls, "get_reward", None) is not None:
+        raise EnvironmentSpecError(both_rewards_message(name))
+    if inspect.iscoroutinefunction(getattr(cls, "close", None)):
+        raise EnvironmentSpecError(async_method_message(name, "close"))
+
+
+_CALLED_ON_THE_CLASS = {
+    "dataset": "returning the task rows",
+    "demonstrations": "`demonstrations(cls, n, seed=0)` returning conversations for a warm start",
+}
+
+
+def _check_classmethod(cls: type, member: str) -> None:
+    """`member`, if the class has it, is a classmethod (or staticmethod): it has no instance."""
+    if hasattr(cls, member) and not isinstance(
+        inspect.getattr_static(cls, member), classmethod | staticmethod
     ):
         raise EnvironmentSpecError(
-            f"{name}.dataset must be a @classmethod returning the task rows, so it can be "
-            "called without an instance"
+            f"{cls.__qualname__}.{member} must be a @classmethod {_CALLED_ON_THE_CLASS[member]}, "
+            "so it can be called without an instance"
         )
-    if inspect.isfunction(inspect.getattr_static(cls, "done", None)):
-        raise EnvironmentSpecError(
-            f"{name}.done is a method, but the engine reads `done` as a bool and a method is "
-            "always true; make it an attribute (set self.done = True) or a @property"
-        )
-    episode_limits(cls)
-    run_defaults(cls)
-    class_tools(cls)
 
 
 EPISODE_LIMITS = ("max_completion_length", "max_turns")
@@ -290,6 +387,8 @@ def _check_reset(cls: type) -> None:
         raise EnvironmentSpecError(
             f"{name}.reset must be a plain instance method: each episode resets its own instance"
         )
+    if inspect.iscoroutinefunction(reset):
+        raise EnvironmentSpecError(async_method_message(name, "reset"))
     try:
         parameters = list(inspect.signature(reset).parameters.values())[1:]  # [0] is self
     except (TypeError, ValueError):  # a callable without a signature; reset will tell

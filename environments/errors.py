@@ -35,7 +35,7 @@ class EnvironmentCloseError(RuntimeError):
 
 
 class EnvironmentDoneError(RuntimeError):
-    """Reading ``done`` (a property) raised."""
+    """Reading ``done`` (a property) raised, or its value has no truth (``bool()`` raised)."""
 
 
 class EnvironmentTimeoutError(RuntimeError):
@@ -48,3 +48,17 @@ class EnvironmentTimeoutError(RuntimeError):
     def __init__(self, message: str, still_running: bool = True):
         super().__init__(message)
         self.still_running = still_running
+
+
+def async_method_message(name: str, member: str) -> str:
+    """Why class `name`'s ``async def`` `member` (``reset``, ``close``) is refused; the fix."""
+    return (
+        f"{name}.{member}() is async; make it a plain method (`def {member}`): the engine "
+        "runs reset and close synchronously, in a daemon thread (only tools and reward may be "
+        "async def)"
+    )
+
+
+def both_rewards_message(name: str) -> str:
+    """Why class `name`, which defines both ``reward`` and ``get_reward``, is refused."""
+    return f"{name} defines both reward() and get_reward(); keep one (they mean the same)"

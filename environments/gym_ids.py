@@ -13,7 +13,7 @@
   own docstring and ``get_action_meanings()`` where it has one;
 - the reward is the episode return, the sum of the step rewards;
 - rows: ``dataset(split)`` gives one prompt per row with a seed (``"train"`` from 0,
-  ``"eval"`` from 1,000,000), and the members of a group share the engine's seed;
+  ``"eval"`` from 1,000,000), and each episode resets with its row's seed;
 - ``episode_limits``: ``max_turns`` is the env's ``max_episode_steps``, at most 20, and
   ``max_completion_length`` allows each turn a call and the frame it returns.
 
@@ -37,6 +37,7 @@ from gymnasium.spaces import Text
 
 from environments.errors import EnvironmentSpecError
 from environments.gym_adapter import GymEnvironment, gym_environment
+from tools.threads import describe_error
 
 MAX_TURNS = 20  # a cap on model turns: longer games cost more than they teach a small model
 _TURN_TOKENS = 56  # a tool call, the template around it and the frame's "(Down)" line
@@ -127,8 +128,9 @@ def gym_id_environment(spec: str) -> type[GymEnvironment]:
 
     Raises:
         EnvironmentSpecError: The id is not registered (the message lists close matches), the
-            arguments are malformed or refused by the env, the observation is not text, or the
-            action space is neither `Discrete` nor `Text`.
+            module named before it (``gym:MODULE:ENV_ID``) does not import, the arguments are
+            malformed or refused by the env, the observation is not text, or the action space
+            is neither `Discrete` nor `Text`.
 
     Examples:
         >>> FrozenLake = gym_id_environment("FrozenLake-v1,is_slippery=false")
@@ -233,18 +235,33 @@ def _build(env_id: str, kwargs: dict[str, Any], label: str) -> type[GymEnvironme
     return cls
 
 
+# What an env's constructor raises for arguments it refuses: an unknown name (TypeError), a
+# value it cannot use (FrozenLake's map_name=9x9: KeyError; others: ValueError, an assert).
+_REFUSED_ARGUMENTS = (TypeError, LookupError, ValueError, AssertionError)
+
+
 def _make(env_id: str, kwargs: dict[str, Any], label: str) -> gymnasium.Env:
-    """Make one env to read its spaces; a missing id or a refused argument is the user's error."""
+    """Make one env to read its spaces; a missing id, module or a refused argument is the user's.
+
+    Each is an `EnvironmentSpecError` naming `label` (the spec) and keeping the original
+    error's text. Anything else the env raises is its own bug and propagates.
+    """
     try:
         return gymnasium.make(env_id, **kwargs)
     except gymnasium.error.Error as error:
         raise EnvironmentSpecError(
             f"{label}: {str(error).rstrip('.')}{_close_matches(env_id)}"
         ) from None
-    except TypeError as error:
+    except ImportError as error:  # e.g. gym:MODULE:ENV_ID, and MODULE does not import
         raise EnvironmentSpecError(
-            f"{label}: gymnasium.make({env_id!r}, {kwargs}) refused its arguments: {error}"
-        ) from None
+            f"{label}: gymnasium.make({env_id!r}) could not import a module it needs "
+            f"({describe_error(error)}); install it, or put its folder on sys.path (PYTHONPATH)"
+        ) from error
+    except _REFUSED_ARGUMENTS as error:
+        raise EnvironmentSpecError(
+            f"{label}: gymnasium.make({env_id!r}, {kwargs}) refused its arguments: "
+            f"{describe_error(error)}"
+        ) from error
 
 
 def _close_matches(env_id: str) -> str:

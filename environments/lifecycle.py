@@ -29,6 +29,8 @@ from environments.errors import (
     EnvironmentRewardError,
     EnvironmentSpecError,
     EnvironmentTimeoutError,
+    async_method_message,
+    both_rewards_message,
 )
 from tools.call import is_image
 from tools.threads import (
@@ -117,14 +119,15 @@ def reset_environment(
 
     Only the columns that ``reset`` names as parameters are passed (all of them if it takes
     ``**kwargs``), so a dataset can carry columns such as ``prompt`` that the environment
-    ignores. ``seed`` is passed as ``seed=`` when ``reset`` has a ``seed`` parameter or
-    ``**kwargs``; the members of a group get the same seed so they start from the same state.
-    A ``seed`` argument that is not None overrides a row column named ``seed``.
+    ignores. ``seed=`` is passed when ``reset`` has a ``seed`` parameter or ``**kwargs``: the
+    row's own ``seed`` column where it has one that is not None (the row names its game, as
+    TRL passes it: a held-out split's seeds stay held out), else the `seed` argument. Either
+    way the members of a group, which share a row, start from the same state.
 
     Args:
         env: A fresh environment instance.
         row: One dataset row, column name to value.
-        seed: The group's seed, or None.
+        seed: The group's seed, or None; used where the row has no seed of its own.
 
     Returns:
         What ``reset`` returned: text the engine appends to the last user message, or None;
@@ -132,9 +135,9 @@ def reset_environment(
         images (at least one), appended in order (an image alone comes back as a list).
 
     Raises:
-        EnvironmentResetError: ``reset`` needs a column the row lacks, raised (chained), or
-            returned something other than ``str`` or None. The message names the class and
-            shows the row.
+        EnvironmentResetError: ``reset`` needs a column the row lacks, raised (chained), is
+            ``async def``, or returned something other than ``str`` or None. The message names
+            the class and shows the row.
 
     """
     name = type(env).__qualname__
@@ -155,16 +158,23 @@ def reset_environment(
         raise EnvironmentResetError(
             f"{name}.reset() raised {describe_error(error)}. Row: {_show(row)}"
         ) from error
+    return _observation(name, text, row)
+
+
+def _observation(name: str, text: Any, row: Mapping[str, Any]) -> str | list[Any] | None:
+    """What class `name`'s ``reset`` returned, checked (see `reset_environment`)."""
+    if inspect.iscoroutine(text):  # an async def reset: refused by check_environment too
+        text.close()
+        raise EnvironmentResetError(f"{async_method_message(name, 'reset')}. Row: {_show(row)}")
     if is_image(text):
         return [text]
     if _texts_and_images(text):
         return [_valid_text(name, v, row) if isinstance(v, str) else v for v in text]
     if text is not None and not isinstance(text, str):
-        _close_if_coroutine(text)
         raise EnvironmentResetError(
             f"{name}.reset() returned {type(text).__name__}; it must return str (text appended "
             f"to the last user message), an image or a list of texts and images (for a "
-            f"vision-language model), or None, synchronously. Row: {_show(row)}"
+            f"vision-language model), or None. Row: {_show(row)}"
         )
     return None if text is None else _valid_text(name, text, row)
 
@@ -248,9 +258,7 @@ def _reward_method(env: object) -> Callable[[], Any] | None:
     present = [m for m in ("reward", "get_reward") if getattr(env, m, None) is not None]
     name = type(env).__qualname__
     if len(present) == 2:
-        raise EnvironmentSpecError(
-            f"{name} defines both reward() and get_reward(); keep one (they mean the same)"
-        )
+        raise EnvironmentSpecError(both_rewards_message(name))
     if not present:
         return None
     method = getattr(env, present[0])
@@ -311,22 +319,35 @@ def is_done(env: object) -> bool:
 
     Raises:
         EnvironmentSpecError: ``done`` is a method, which would always read as true.
-        EnvironmentDoneError: Reading ``done`` (a property) raised (chained).
+        EnvironmentDoneError: Reading ``done`` (a property) raised, or its value has no truth
+            (``bool()`` raised, e.g. a numpy array of several elements); chained.
 
     """
+    name = type(env).__qualname__
     try:
         done = getattr(env, "done", False)
     except BaseException as error:
         if is_signal(error):
             raise
-        raise EnvironmentDoneError(
-            f"{type(env).__qualname__}.done raised {describe_error(error)}"
-        ) from error
+        raise EnvironmentDoneError(f"{name}.done raised {describe_error(error)}") from error
     if inspect.ismethod(done):
         raise EnvironmentSpecError(
-            f"{type(env).__qualname__}.done is a method; make it a bool attribute or @property"
+            f"{name}.done is a method; make it a bool attribute or @property"
         )
-    return bool(done)
+    return _truth(done, name)
+
+
+def _truth(done: object, name: str) -> bool:
+    """`bool(done)`, or an `EnvironmentDoneError` naming the class when it has no truth value."""
+    try:
+        return bool(done)
+    except BaseException as error:
+        if is_signal(error):
+            raise
+        raise EnvironmentDoneError(
+            f"{name}.done is a {type(done).__name__} whose truth cannot be told "
+            f"({describe_error(error)}); set it to a bool, e.g. self.done = bool(...)"
+        ) from error
 
 
 def close_environment(env: object) -> None:
@@ -349,7 +370,7 @@ def close_environment(env: object) -> None:
         raise EnvironmentCloseError(f"{name}.close() raised {describe_error(error)}") from error
     if inspect.iscoroutine(result):
         result.close()
-        raise EnvironmentSpecError(f"{name}.close() is async; make it a plain method")
+        raise EnvironmentSpecError(async_method_message(name, "close"))
 
 
 def close_after_failure(env: object, failure: BaseException) -> None:
@@ -376,15 +397,27 @@ def _reset_arguments(
     try:
         parameters = inspect.signature(reset).parameters.values()
     except (TypeError, ValueError):  # no introspectable signature: pass everything
-        return {**row, "seed": seed}, []
+        return {**row, "seed": _own_seed(row, seed)}, []
     by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     named = {p.name: p for p in parameters if p.kind in by_name}
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
     kwargs = {key: value for key, value in row.items() if takes_any or key in named}
-    if (takes_any or "seed" in named) and (seed is not None or "seed" not in kwargs):
-        kwargs["seed"] = seed
+    if takes_any or "seed" in named:
+        kwargs["seed"] = _own_seed(row, seed)
     missing = [p.name for p in named.values() if p.default is p.empty and p.name not in kwargs]
     return kwargs, missing
+
+
+def _own_seed(row: Mapping[str, Any], seed: int | None) -> int | None:
+    """The seed a row's episodes reset with: its ``seed`` column where not None, else `seed`.
+
+    Examples:
+        >>> _own_seed({"seed": 1_000_000}, 7), _own_seed({"seed": None}, 7), _own_seed({}, None)
+        (1000000, 7, None)
+
+    """
+    own = row.get("seed")
+    return seed if own is None else own
 
 
 def _finite_float(value: object, name: str) -> float:

@@ -346,7 +346,7 @@ def _environment_tools(
     if factory is None:
         return {}
     cls = factory if isinstance(factory, type) else _probe_class(factory, timeout_s)
-    check_environment(cls)
+    check_environment(cls, factory)
     return class_tools(cls)
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import math
 import sys
 import textwrap
 
 import anyio
+import numpy as np
 import pytest
 
 from environments import (
@@ -14,6 +17,7 @@ from environments import (
     Counter,
     Environment,
     EnvironmentCloseError,
+    EnvironmentDoneError,
     EnvironmentResetError,
     EnvironmentRewardError,
     EnvironmentSpecError,
@@ -87,7 +91,8 @@ class Everything:
     def close(self) -> None:
         pass
 
-    def demonstrations(self) -> list:
+    @classmethod
+    def demonstrations(cls, n: int, seed: int = 0) -> list:
         return []
 
     def _private(self) -> None:
@@ -376,6 +381,22 @@ def test_check_refuses_a_non_class():
         ("def reset(self): pass\ndef dataset(self): return []", "dataset must be a @classmethod"),
         ("def reset(self): pass\nreward = 1.0", "reward must be a method"),
         ("def reset(self): pass\nclose = None", "close must be a method"),
+        ("async def reset(self): pass", "reset() is async; make it a plain method"),
+        ("def reset(self): pass\nasync def close(self): pass", "close() is async; make it a"),
+        (
+            "def reset(self): pass\ndef reward(self): return 1.0\ndef get_reward(self): return 1",
+            "defines both reward() and get_reward(); keep one",
+        ),
+        (
+            "def reset(self): pass\ndef demonstrations(self, n): return []",
+            "demonstrations must be a @classmethod",
+        ),
+        (
+            "def __init__(self, size, level=1): pass\ndef reset(self): pass",
+            "__init__ requires 'size', but the engine makes each episode's instance with no "
+            "arguments, as Broken(); give the parameters defaults, or pass a factory that "
+            "supplies them, e.g. environment_factory=functools.partial(Broken, size=...)",
+        ),
     ],
 )
 def test_check_refuses_misdefined_contract_members(body, expected):
@@ -385,6 +406,50 @@ def test_check_refuses_misdefined_contract_members(body, expected):
         check_environment(namespace["Broken"])
     assert "Broken" in str(caught.value)
     assert expected in str(caught.value)
+
+
+def test_a_class_made_by_a_factory_may_require_init_arguments():
+    class Sized:
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+        def reset(self) -> None:
+            pass
+
+    check_environment(Sized, functools.partial(Sized, size=3))
+
+
+@pytest.mark.parametrize(
+    "cache", [functools.cache, functools.lru_cache(maxsize=8)], ids=["cache", "lru_cache"]
+)
+def test_a_cached_public_method_is_refused_naming_it_not_silently_left_out(cache):
+    class Lookup:
+        def reset(self) -> None:
+            pass
+
+        @cache
+        def find(self, key: str) -> str:
+            """Find a key.
+
+            Args:
+                key: The key.
+            """
+            return key
+
+    with pytest.raises(EnvironmentSpecError, match=r"Lookup\.find is a public method.*lru_cache"):
+        check_environment(Lookup)
+
+
+def test_an_async_reset_is_refused_at_run_time_with_the_message_of_the_check():
+    class Slow:
+        async def reset(self) -> None:
+            pass
+
+    with pytest.raises(EnvironmentSpecError) as checked:
+        check_environment(Slow)
+    with pytest.raises(EnvironmentResetError) as at_run_time:
+        reset_environment(Slow(), {"prompt": "Go."}, seed=0)
+    assert str(at_run_time.value) == f"{checked.value}. Row: {{'prompt': 'Go.'}}"
 
 
 def test_done_may_be_an_attribute_or_a_property():
@@ -462,12 +527,14 @@ def test_group_members_get_the_same_seed():
     assert {env.got["seed"] for env in group} == {42}
 
 
-def test_the_seed_argument_overrides_a_seed_column_unless_it_is_none():
+def test_a_rows_own_seed_column_is_passed_and_the_seed_argument_only_where_it_has_none():
     env = SeededRecorder()
     reset_environment(env, {"target": 1, "seed": 5}, seed=9)
+    assert env.got["seed"] == 5  # the row names its game, as TRL passes reset(**row)
+    reset_environment(env, {"target": 1, "seed": None}, seed=9)
     assert env.got["seed"] == 9
-    reset_environment(env, {"target": 1, "seed": 5}, seed=None)
-    assert env.got["seed"] == 5
+    reset_environment(env, {"target": 1}, seed=None)
+    assert env.got["seed"] is None
 
 
 def test_a_missing_required_column_names_class_parameter_and_row():
@@ -587,6 +654,26 @@ def test_defining_both_reward_and_get_reward_is_an_error():
 
     with pytest.raises(EnvironmentSpecError, match="both reward"):
         reward_of(Both())
+
+
+def test_an_async_reward_whose_inner_task_was_cancelled_is_a_reward_error():
+    class Judge:
+        async def reward(self) -> float:
+            scoring = asyncio.create_task(asyncio.sleep(10))
+            asyncio.get_running_loop().call_later(0.01, scoring.cancel)
+            await scoring
+            return 1.0
+
+    with pytest.raises(EnvironmentRewardError, match=r"Judge\.reward\(\) raised CancelledError"):
+        reward_of(Judge())
+
+
+def test_a_done_whose_truth_cannot_be_told_is_an_error_naming_the_class():
+    class Grid:
+        done = np.array([True, False])
+
+    with pytest.raises(EnvironmentDoneError, match=r"Grid\.done is a ndarray whose truth"):
+        is_done(Grid())
 
 
 def test_done_defaults_to_false_and_follows_the_attribute():

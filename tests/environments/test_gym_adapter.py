@@ -494,12 +494,12 @@ def test_guess_number_demonstrations_search_games_of_other_sizes_than_the_task()
 
 
 def test_a_group_plays_the_same_game_through_the_engine_and_every_env_is_closed(tokenizer):
-    secret = started(GuessNumber, seed=10).env.unwrapped.secret
+    row = GuessNumber.dataset("eval")[0]
+    secret = started(GuessNumber, seed=row["seed"]).env.unwrapped.secret  # the row's own game
     wrong = 1 if secret != 1 else 2
     turns = [tool_call("guess", number=wrong), tool_call("guess", number=secret), "never"]
     backend = scripted_backend(tokenizer, turns)
     engine = chatml_engine(backend, tokenizer, GuessNumber, max_completion_length=512, max_turns=5)
-    row = GuessNumber.dataset("eval")[0]
     episodes = anyio.run(engine.run, [row], 3, 10)
     for episode in episodes:
         assert episode.finish is Finish.ENV_DONE

@@ -165,6 +165,8 @@ def test_an_env_without_a_text_observation_is_refused_saying_why(spec):
         ("gym:", "names no gymnasium id"),
         ("gym:FrozenLake-v1,slippery", "is not key=value"),
         ("gym:FrozenLake-v1,colour=1", "refused its arguments"),
+        ("gym:FrozenLake-v1,map_name=9x9", "refused its arguments: KeyError: '9x9'"),
+        ("gym:nosuchmod:Echo-v0", "could not import .*No module named 'nosuchmod'"),
     ],
 )
 def test_malformed_or_refused_arguments_are_spec_errors(spec, message):
@@ -190,6 +192,23 @@ def test_a_scripted_group_reaches_the_goal_and_scores_the_episode_return(tokeniz
         assert tool_results[-1].endswith("\nHFF[G] (episode over)")
         assert episode.messages[0]["content"].endswith("\n[S]FFF\nFHFH\nFFFH\nHFFG")
         assert episode.environment.env is None  # closed
+
+
+def test_each_episode_resets_with_its_rows_seed_so_eval_plays_the_held_out_games(tokenizer):
+    cls = resolve_environment("gym:Taxi-v4")
+    rows = [cls.dataset("eval")[i] for i in (0, 1)]  # seeds 1,000,000 and 1,000,001
+    engine = chatml_engine(scripted_backend(tokenizer, ["No move."]), tokenizer, cls, max_turns=1)
+    episodes = anyio.run(engine.run, rows, 1, 10)  # the engine's seeds would be 10 and 11
+
+    def frame(seed):
+        env = cls()
+        shown = env.reset(seed=seed)
+        env.close()
+        return shown
+
+    assert [frame(r["seed"]) for r in rows] != [frame(10), frame(11)]  # so the check tells
+    for episode, row in zip(episodes, rows, strict=True):
+        assert episode.messages[0]["content"].endswith(frame(row["seed"]))
 
 
 # The command line
