@@ -100,6 +100,7 @@ def episode_config_of(config: Any) -> EpisodeConfig:
     return EpisodeConfig(
         max_completion_length=config.max_completion_length,
         max_turns=config.episode_max_turns,
+        max_tool_rounds=config.max_tool_calling_iterations,
         tool_timeout_s=config.tool_timeout_s,
         environment_timeout_s=config.environment_timeout_s,
         temperature=config.temperature,

@@ -30,6 +30,7 @@ from environments import (
     read_reward,
     reset_environment,
     run_environment_code,
+    tool_method,
 )
 from rollout.backend import GenerationBackend
 from rollout.images import (
@@ -65,7 +66,12 @@ class EpisodeConfig:
 
     Attributes:
         max_completion_length: Budget of completion tokens per episode, tool turns included.
-        max_turns: The most model turns per episode.
+        max_turns: The most model turns per episode. The calls of the last turn still run (a
+            final ``submit``), and the episode ends after them (MAX_TURNS).
+        max_tool_rounds: The most turns whose tool calls run (TRL's
+            ``max_tool_calling_iterations``): a later turn that calls tools ends the episode
+            there (MAX_TURNS) without running them, so its messages end with that call. None:
+            only `max_turns` limits them.
         max_prompt_length: The most prompt tokens (None: only the context limit applies).
         tool_timeout_s: Per-call tool timeout (None: no timeout).
         environment_timeout_s: Seconds each of the environment's ``__init__``, ``reset``,
@@ -77,6 +83,7 @@ class EpisodeConfig:
 
     max_completion_length: int = 256
     max_turns: int = 10
+    max_tool_rounds: int | None = None
     max_prompt_length: int | None = None
     tool_timeout_s: float | None = 30.0
     environment_timeout_s: float | None = 120.0
@@ -286,10 +293,13 @@ def _with_observation(
     environment-owned data): its text is the user's message, and when `reset` returns None
     the message is empty, as in TRL (the environment's tools and the template still frame
     the task). A list (texts and images, for a vision-language model) is added as content
-    parts, in order (`rollout.images.observation_parts`).
+    parts, in order (`rollout.images.with_observation_parts`), and so is a text when the last
+    user message's content is already parts (its images kept).
     """
     if isinstance(observation, list):
         return with_observation_parts(messages, observation)
+    if observation and messages and isinstance(messages[-1].get("content"), list):
+        return with_observation_parts(messages, [observation])
     if not messages:
         return [{"role": "user", "content": observation or ""}]
     if not observation:
@@ -300,8 +310,12 @@ def _with_observation(
 
 
 def _bind(tools: Mapping[str, Tool], env: Any) -> dict[str, Tool]:
-    """The class's tools, calling this episode's instance."""
-    return {name: dataclasses.replace(t, fn=getattr(env, name)) for name, t in tools.items()}
+    """The class's tools, calling this episode's instance (after its ``reset``).
+
+    Raises:
+        EnvironmentSpecError: An instance attribute hides one of them (`tool_method`).
+    """
+    return {name: dataclasses.replace(t, fn=tool_method(env, name)) for name, t in tools.items()}
 
 
 def _start(
@@ -363,6 +377,8 @@ async def _turn(
     state.messages.append(assistant_message(text, parsed))
     if not parsed.tool_calls and not parsed.errors:
         return Finish.STOP
+    if ctx.config.max_tool_rounds is not None and state.turns > ctx.config.max_tool_rounds:
+        return Finish.MAX_TURNS  # every earlier turn ran its calls: no more may run
     results = await run_calls(parsed.tool_calls, tools, ctx.tools.keys(), ctx.config.tool_timeout_s)
     _count(state, parsed, results)
     tool_messages = [tool_message(r.name, r.content, r.images) for r in results]

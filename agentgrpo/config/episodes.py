@@ -18,8 +18,9 @@ class ToolCallingFields:
     max_tool_calling_iterations: int | None = field(
         default=None,
         metadata={
-            "help": "Most tool-calling turns per episode. None: no limit but the token budget. "
-            "See max_turns."
+            "help": "Most turns whose tool calls run, as in TRL: a later turn that calls tools "
+            "ends the episode there (finish max_turns), its calls not run. None: no limit but "
+            "max_turns and the token budget."
         },
     )
 

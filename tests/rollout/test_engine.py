@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import threading
 
 import anyio
 import pytest
 
-from environments import Counter, EnvironmentResetError
+from environments import Counter, EnvironmentResetError, EnvironmentSpecError
 from rollout import (
     Episode,
     EpisodeConfig,
@@ -24,6 +26,7 @@ from rollout import (
     TemplateDriftError,
     ToolTemplateError,
 )
+from rollout.episode import _with_observation
 from tests.support.episodes import (
     COUNTER_ROW,
     COUNTER_TURNS,
@@ -184,6 +187,19 @@ async def test_max_turns_cuts_the_episode_off(tokenizer):
     assert episode.stats.turns == 2
     assert episode.messages[-1]["role"] == "tool"
     assert single_row(episode).loss_mask[-1] == 1  # the last tool turn is recorded, not tokenised
+
+
+@pytest.mark.parametrize("rounds", [0, 1])
+async def test_calls_past_the_tool_round_limit_are_not_run_and_end_the_episode(rounds, tokenizer):
+    # TRL's max_tool_calling_iterations: that many turns' calls run; the next turn's do not.
+    config = EpisodeConfig(max_completion_length=512, max_turns=5, max_tool_rounds=rounds)
+    backend = scripted(tokenizer, [call("increment", step=3)])
+    [episode] = await engine(tokenizer, backend, config=config).run([ROW])
+    assert episode.finish is Finish.MAX_TURNS
+    assert (episode.stats.turns, episode.stats.tool_calls) == (rounds + 1, rounds)
+    assert episode.environment.value == 3 * rounds  # the last call changed nothing
+    assert episode.messages[-1]["role"] == "assistant" and episode.messages[-1]["tool_calls"]
+    assert single_row(episode).loss_mask[-1] == 1
 
 
 async def test_the_token_budget_counts_tool_tokens_and_is_passed_to_the_generator(tokenizer):
@@ -579,3 +595,92 @@ async def test_the_engine_plays_each_episode_with_the_player_it_is_given(tokeniz
 def test_a_player_cannot_come_with_an_environment_or_tools(tokenizer):
     with pytest.raises(ValueError, match="pass player= without environment_factory or tools"):
         engine(tokenizer, scripted(tokenizer, ["ok"]), player=OneCompletionPlayer)
+
+
+# User code the engine must not misread
+
+
+class Quiz:
+    """Its reset sets state named like its tool: every call would fail."""
+
+    def reset(self, answer: int = 4) -> str:
+        self.answer, self.submit = answer, None
+        return "What is 2 + 2?"
+
+    def submit(self, answer: int) -> str:
+        """Submit your answer.
+
+        Args:
+            answer: The answer.
+        """
+        return "Submitted."
+
+
+async def test_an_attribute_that_hides_a_tool_stops_the_run_naming_class_tool_and_attribute(
+    tokenizer,
+):
+    backend = scripted(tokenizer, [call("submit", answer=4)])
+    eng = engine(tokenizer, backend, environment_factory=Quiz)
+    with pytest.raises(EnvironmentSpecError) as caught:
+        await eng.run([{"prompt": "Answer."}])
+    assert str(caught.value).startswith(
+        "Quiz.submit is a tool, but the instance attribute self.submit (a NoneType, set in "
+        "__init__ or reset) hides it"
+    )
+
+
+class Lookup(Counter):
+    async def lookup(self, key: str) -> str:
+        """Look a key up, awaiting a request that something else cancels.
+
+        Args:
+            key: The key.
+        """
+        request = asyncio.create_task(asyncio.sleep(10))
+        asyncio.get_running_loop().call_later(0.01, request.cancel)
+        await request
+        return "found"
+
+
+async def test_an_async_tool_whose_inner_task_was_cancelled_is_an_exception_the_model_reads(
+    tokenizer,
+):
+    backend = scripted(tokenizer, [call("lookup", key="a"), "Done."])
+    [episode] = await engine(tokenizer, backend, environment_factory=Lookup).run([ROW])
+    assert episode.finish is Finish.STOP
+    assert episode.stats.tool_errors == {"exception": 1}
+    assert episode.messages[2]["content"] == "Error: lookup() raised CancelledError"
+
+
+class SizedCounter(Counter):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+async def test_a_factory_may_supply_the_arguments_its_class_requires(tokenizer):
+    factory = functools.partial(SizedCounter, size=3)
+    backend = scripted(tokenizer, COUNTER_TURNS)
+    [episode] = await engine(tokenizer, backend, environment_factory=factory).run([ROW])
+    assert (episode.environment.size, episode.env_reward) == (3, 1.0)
+
+
+async def test_reset_text_after_a_prompt_of_content_parts_is_one_more_text_part(tokenizer):
+    parts = [{"type": "text", "text": "Make the counter reach 7."}]
+    row = {"prompt": [{"role": "user", "content": parts}], "target": 7}
+    [episode] = await engine(tokenizer, scripted(tokenizer, ["Ok."])).run([row])
+    assert episode.messages[0]["content"] == [
+        *parts,
+        {"type": "text", "text": "\n"},
+        {"type": "text", "text": "The counter is at 0."},
+    ]
+
+
+def test_reset_text_after_a_prompt_with_an_image_keeps_the_image():
+    picture = object()  # stands for a PIL image: parts are kept as they are
+    parts = [{"type": "image", "image": picture}, {"type": "text", "text": "What colour?"}]
+    [message] = _with_observation([{"role": "user", "content": parts}], "Answer in one word.")
+    assert message["content"] == [
+        *parts,
+        {"type": "text", "text": "\n"},
+        {"type": "text", "text": "Answer in one word."},
+    ]
