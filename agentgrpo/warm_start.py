@@ -10,7 +10,8 @@ conversation is several rows, as an episode is.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,14 +20,19 @@ from environments import class_tools
 from rollout import ChatRenderer
 from rollout.demonstrations import DemonstrationRow, demonstration_ids
 from tools import Tool, call_problems
+from tools.threads import describe_error
 
 
-def environment_demonstrations(environment: Any, n: int, seed: int) -> list[list[dict]]:
+def environment_demonstrations(
+    environment: Any, n: int, seed: int
+) -> list[Sequence[Mapping[str, Any]]]:
     """`n` conversations from the environment class's `demonstrations(n, seed)`.
 
     Raises:
-        ValueError: There is no environment class, it has no `demonstrations`, or it returned
-            fewer conversations than asked for.
+        ValueError: There is no environment class, it has no `demonstrations` classmethod that
+            can be called as `demonstrations(n, seed=seed)`, the call raised, or it returned
+            something else than at least `n` conversations (lists of message dicts) the run
+            would accept; the message names the method, and the conversation and message.
 
     """
     name = getattr(environment, "__name__", type(environment).__name__)
@@ -37,11 +43,69 @@ def environment_demonstrations(environment: Any, n: int, seed: int) -> list[list
             f"`demonstrations(n, seed) -> list[list[dict]]`; {name} has none. Add one, or set "
             f"warm_start_steps=0."
         )
-    conversations = list(method(n, seed=seed))
+    _check_callable_on_the_class(environment, method, name, n, seed)
+    try:
+        returned = method(n, seed=seed)
+    except Exception as error:
+        raise ValueError(
+            f"{name}.demonstrations({n}, seed={seed}) raised {describe_error(error)}"
+        ) from error
+    conversations = _conversations(returned, name)
     if len(conversations) < n:
         raise ValueError(f"{name}.demonstrations({n}) returned {len(conversations)} conversations")
     check_demonstrations(conversations[:n], class_tools(environment), name)
     return conversations[:n]
+
+
+_SHAPE = "return a list of conversations, each a list of messages (dicts with role and content)"
+
+
+def _check_callable_on_the_class(
+    environment: type, method: Callable[..., Any], name: str, n: int, seed: int
+) -> None:
+    """Raise ValueError unless `method` is a classmethod (or staticmethod) taking `(n, seed=)`."""
+    static = inspect.getattr_static(environment, "demonstrations")
+    if inspect.isfunction(static):  # a plain method: called on the class, n would be `self`
+        raise ValueError(
+            f"{name}.demonstrations is an instance method; make it a @classmethod "
+            f"`demonstrations(cls, n, seed=0)`: the warm start calls it on the class"
+        )
+    try:
+        inspect.signature(method).bind(n, seed=seed)
+    except TypeError as error:
+        raise ValueError(
+            f"{name}.demonstrations cannot be called as demonstrations({n}, seed={seed}) "
+            f"({error}); give it the signature `demonstrations(cls, n, seed=0)`"
+        ) from None
+    except ValueError:  # no signature to read: the call tells
+        pass
+
+
+def _conversations(returned: Any, name: str) -> list[Sequence[Mapping[str, Any]]]:
+    """`returned` as a list of conversations, each checked to be a list of message dicts.
+
+    Raises:
+        ValueError: `returned` is not a list (or other iterable) of conversations, or one of
+            them is not a list of dicts; the message names the conversation and message.
+    """
+    if isinstance(returned, str | bytes | Mapping) or not isinstance(returned, Iterable):
+        raise ValueError(f"{name}.demonstrations() returned {type(returned).__name__}; {_SHAPE}")
+    conversations = list(returned)
+    for c, conversation in enumerate(conversations):
+        if isinstance(conversation, str | bytes | Mapping) or not isinstance(
+            conversation, Sequence
+        ):
+            raise ValueError(
+                f"{name}.demonstrations(): conversation {c} is a {type(conversation).__name__}, "
+                f"not a list of messages; {_SHAPE}"
+            )
+        for m, message in enumerate(conversation):
+            if not isinstance(message, Mapping):
+                raise ValueError(
+                    f"{name}.demonstrations(): conversation {c}, message {m} is a "
+                    f"{type(message).__name__}, not a dict; {_SHAPE}"
+                )
+    return conversations
 
 
 def check_demonstrations(
@@ -68,9 +132,15 @@ def check_demonstrations(
 def _message_problems(message: Mapping[str, Any], tools: Mapping[str, Tool]) -> list[str]:
     if message.get("role") == "tool" and not isinstance(message.get("content"), str):
         return [f"a tool message's content is {type(message.get('content')).__name__}, not str."]
+    calls = message.get("tool_calls") or []
+    if isinstance(calls, str | Mapping) or not isinstance(calls, Sequence):
+        return [f"tool_calls is a {type(calls).__name__}, not a list of calls."]
     problems = []
-    for call in message.get("tool_calls") or []:
+    for call in calls:
         function = call.get("function", {}) if isinstance(call, Mapping) else {}
+        if not isinstance(function, Mapping):
+            problems.append(f"a call's function is a {type(function).__name__}, not a dict.")
+            continue
         problems += call_problems(tools, function.get("name"), function.get("arguments"))
     return problems
 

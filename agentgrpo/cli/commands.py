@@ -112,7 +112,7 @@ def _run_in_folder(
     if checkpoint is not None and _finished(checkpoint, config):
         return _finish_without_training(trainer, checkpoint, final)
     attach_run_callbacks(trainer)
-    _print_start(namespace.env, settings, trainer, len(train_rows), checkpoint)
+    _print_start(namespace.env, settings, trainer, train_rows, checkpoint)
     started = time.monotonic()
     if not _train(trainer, checkpoint, namespace):
         return INTERRUPTED
@@ -392,7 +392,7 @@ _RESUME_OPTIONS = {"--output-dir": True, "--resume-from-checkpoint": True, "--re
 
 
 def _print_start(
-    env: str, settings: dict[str, Any], trainer: Any, rows: int, checkpoint: str | None
+    env: str, settings: dict[str, Any], trainer: Any, rows: Any, checkpoint: str | None
 ) -> None:
     from agentgrpo.devices import describe_device
     from agentgrpo.precision import describe_precision, mixed_precision_dtype
@@ -405,7 +405,7 @@ def _print_start(
     # DeepSpeed casts the module to its mixed precision when it prepares it (ZeRO-3 builds it so)
     weights = autocast if trainer.is_deepspeed_enabled and autocast else trainer.model.dtype
     lines = {
-        "environment": f"{env} ({rows} rows)",
+        "environment": f"{env} ({len(rows) if hasattr(rows, '__len__') else 'streamed'} rows)",
         "model": settings["model"] or sources.DEFAULT_MODEL,
         "device": f"{describe_device(args.device, os.environ)} x {args.world_size} process(es)",
         "precision": describe_precision(weights, autocast),

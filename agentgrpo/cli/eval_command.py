@@ -31,19 +31,18 @@ def evaluate(namespace: argparse.Namespace) -> int:
     device = _eval_device(namespace)
     source = sources.task_source(namespace.env, sources.env_args(namespace.env_args))
     rows = sources.rows(source, namespace.dataset, namespace.split, namespace.dataset_size)
-    if namespace.num_episodes is not None:
-        rows = rows.select(range(min(namespace.num_episodes, len(rows))))
+    rows = list(sources.first(rows, namespace.num_episodes))  # each is played, streams included
     engine, scorer, weights, where = _eval_engine(namespace, source, device)
     print(
         f"evaluating {namespace.model or sources.DEFAULT_MODEL} on {namespace.env} "
-        f"({len(rows)} rows, split {namespace.split!r}, temperature {namespace.temperature}) "
-        f"on {where}",
+        f"({len(rows)} rows, {_split_line(namespace, source)}, temperature "
+        f"{namespace.temperature}) on {where}",
         flush=True,
     )
     started = time.monotonic()
     report, episodes, rewards = anyio.run(
         lambda: play_and_report(
-            engine, scorer, list(rows), weights, namespace.success_threshold, namespace.seed
+            engine, scorer, rows, weights, namespace.success_threshold, namespace.seed
         )
     )
     print(report.table())
@@ -51,6 +50,16 @@ def evaluate(namespace: argparse.Namespace) -> int:
     if namespace.episodes_file:
         _write_episodes(Path(namespace.episodes_file), episodes, rewards)
     return 0
+
+
+def _split_line(namespace: argparse.Namespace, source: Any) -> str:
+    """Which split the rows are, for the start-up line: none where their source has no splits."""
+    split = sources.split_read(source, namespace.dataset, namespace.split)
+    if split is not None:
+        return f"split {split!r}"
+    if namespace.dataset is not None:
+        return f"no split: {namespace.dataset} has none"
+    return f"no split: {sources.source_name(source)}'s dataset() takes none"
 
 
 def _eval_device(namespace: argparse.Namespace) -> Any:

@@ -253,7 +253,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     if not file.is_file():
         raise UsageError(f"config file not found: {file.resolve()}")
     try:
-        content = yaml.safe_load(file.read_text())
+        content = yaml.safe_load(_read_text(file, "config file"))
     except yaml.YAMLError as error:
         raise UsageError(f"config file {file} is not valid YAML: {error}") from None
     if content is None:
@@ -261,6 +261,23 @@ def read_config_file(path: str) -> dict[str, Any]:
     if not isinstance(content, Mapping):
         raise UsageError(f"config file {file} must hold a mapping of field: value, not a list")
     return {str(key).replace("-", "_"): value for key, value in content.items()}
+
+
+def _read_text(file: Path, what: str) -> str:
+    """The UTF-8 text of `file`, which the user named as `what`.
+
+    Raises:
+        UsageError: The file cannot be read, or is not UTF-8 text; the message names it.
+    """
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise UsageError(
+            f"{what} {file} is not UTF-8 text (byte {error.start}: {error.reason}); save it as "
+            f"UTF-8"
+        ) from None
+    except OSError as error:
+        raise UsageError(f"{what} {file} cannot be read: {error.strerror or error}") from None
 
 
 BUILTIN_TEMPLATE = "chatml_tools"  # the default model's own template cannot show tools
@@ -279,7 +296,7 @@ def template_source(value: str) -> str:
         return value
     file = Path(value).expanduser()
     if file.is_file():
-        return file.read_text(encoding="utf-8")
+        return _read_text(file, "--chat-template file")
     if file.suffix in (".jinja", ".j2", ".txt"):
         raise UsageError(f"--chat-template file not found: {file.resolve()}")
     return value

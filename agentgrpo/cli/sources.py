@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from agentgrpo.cli.options import UsageError
 from environments import check_environment, resolve_environment
 from environments.contract import episode_limits
 from environments.resolve import load_attribute
+from tools.threads import describe_error
 
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 DEFAULT_MODEL = "the embedded SmolLM2-135M-Instruct"
@@ -176,16 +177,24 @@ def rows(env_class: Any, dataset: str | None, split: str, size: int | None = Non
     """The task rows: `--dataset` if given, else the environment's (or agent's) `dataset(split)`.
 
     `size` (`--dataset-size`) is passed to a `dataset()` that takes `size` (the rows are then
-    generated, as for `rg:TASK`); other rows are cut to their first `size`.
+    generated, as for `rg:TASK`); other rows are cut to their first `size`. The rows come back
+    as a `datasets.Dataset`, a `datasets.IterableDataset` or a list of dicts (a tuple of dicts
+    becomes a list), each as it was given, never converted to another: a list stays as the
+    environment wrote it (`datasets.Dataset.from_list` would fill missing keys with None and
+    drop keys the first row lacks). `first` cuts any of them.
 
     Raises:
-        UsageError: There is neither, or the source cannot be read, or `size` is below 1.
+        UsageError: There is neither, the source cannot be read, `dataset()` raises or returns
+            no rows or something else than rows, or `size` is below 1.
 
     """
     if size is not None and size < 1:
         raise UsageError(f"--dataset-size must be at least 1, got {size}")
     if dataset is not None:
-        return _first(_load_dataset(dataset, split), size)
+        loaded = _load_dataset(dataset, split)
+        if not _has_rows(loaded):
+            raise UsageError(f"--dataset {dataset!r} has no rows; pass a file with task rows")
+        return first(loaded, size)
     method = getattr(env_class, "dataset", None)
     if method is None and not isinstance(env_class, type):
         raise UsageError(
@@ -199,16 +208,63 @@ def rows(env_class: Any, dataset: str | None, split: str, size: int | None = Non
             f"pass --dataset FILE.jsonl (or a datasets-loadable name), or give the class "
             f"`@classmethod def dataset(cls, split='train')`"
         )
-    parameters = inspect.signature(method).parameters
+    return first(_dataset_rows(method, split, size), size)
+
+
+def split_read(source: Any, dataset: str | None, split: str) -> str | None:
+    """The split `rows(source, dataset, split)` reads, or None where its source has no splits.
+
+    None for a `dataset()` without a `split` parameter (it returns the same rows whatever the
+    split) and for a `--dataset` file or saved folder (one set of rows); `split` otherwise.
+    """
+    if dataset is not None:
+        path = Path(dataset).expanduser()
+        return None if path.suffix in _FILE_FORMATS or _is_saved_dataset(path) else split
+    method = getattr(source, "dataset", None)
+    return split if method is not None and "split" in _parameters(method) else None
+
+
+def _dataset_rows(method: Callable[..., Any], split: str, size: int | None) -> Any:
+    """What `method` (a `dataset()`) returns for `split` (and `size`, if it takes one), checked.
+
+    Raises:
+        UsageError: The call raised, or returned something else than rows, or no rows; the
+            message names the call as made, e.g. `Class.dataset(split='eval')`.
+    """
+    parameters = _parameters(method)
+    arguments: dict[str, Any] = {"split": split} if "split" in parameters else {}
     if size is not None and "size" in parameters:
-        return _checked_rows(method(split=split, size=size), method)
-    return _first(
-        _checked_rows(method(split=split) if "split" in parameters else method(), method), size
-    )
+        arguments["size"] = size
+    shown = ", ".join(f"{name}={value!r}" for name, value in arguments.items())
+    call = f"{getattr(method, '__qualname__', 'dataset')}({shown})"
+    try:
+        returned = method(**arguments)
+    except Exception as error:
+        raise UsageError(
+            f"{call} raised {describe_error(error)}; make it return that split's rows (a "
+            f"datasets.Dataset or a list of dicts), or pass --dataset FILE.jsonl"
+        ) from None
+    checked = _checked_rows(returned, method)
+    if not _has_rows(checked):
+        raise UsageError(
+            f"{call} returned no rows; return at least one task row, or pass --dataset FILE.jsonl"
+        )
+    return checked
+
+
+def _parameters(method: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
+    """`method`'s parameters by name; none where it has no signature to read (a builtin)."""
+    try:
+        return inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return {}
 
 
 def _checked_rows(rows: Any, method: Any) -> Any:
-    """What `dataset()` returned when it is a `datasets.Dataset` or a list of dicts.
+    """What `dataset()` returned when it is a `datasets.Dataset` or a list (or tuple) of dicts.
+
+    A tuple comes back as a list, so that every later step sees one of the three kinds of
+    rows that `first` cuts.
 
     Raises:
         UsageError: Anything else, naming the method and what to return.
@@ -221,8 +277,9 @@ def _checked_rows(rows: Any, method: Any) -> Any:
             f"{owner}() returned a {type(rows).__name__} of the splits {list(rows)}; return one "
             "split (a datasets.Dataset, e.g. `splits[split]`) or a list of dicts"
         )
-    is_rows = isinstance(rows, list | tuple) and all(isinstance(row, dict) for row in rows)
-    if is_rows or isinstance(rows, datasets.Dataset | datasets.IterableDataset):
+    if isinstance(rows, list | tuple) and all(isinstance(row, dict) for row in rows):
+        return list(rows)
+    if isinstance(rows, datasets.Dataset | datasets.IterableDataset):
         return rows
     raise UsageError(
         f"{owner}() returned {type(rows).__name__}; return a datasets.Dataset or a list of "
@@ -230,8 +287,29 @@ def _checked_rows(rows: Any, method: Any) -> Any:
     )
 
 
-def _first(rows: Any, size: int | None) -> Any:
-    return rows if size is None else rows.select(range(min(size, len(rows))))
+def _has_rows(rows: Any) -> bool:
+    """Whether `rows` holds at least one row (a stream is read up to its first)."""
+    if hasattr(rows, "__len__"):
+        return len(rows) > 0
+    return next(iter(rows), None) is not None
+
+
+def first(rows: Any, count: int | None) -> Any:
+    """The first `count` of `rows` (all of them for None), of the kind they came as.
+
+    `rows` is what `rows()` returns: a list of dicts (sliced), a `datasets.Dataset`
+    (`select`) or a `datasets.IterableDataset` (`take`, read as it is played).
+
+    >>> first([{"n": 1}, {"n": 2}, {"n": 3}], 2)
+    [{'n': 1}, {'n': 2}]
+    """
+    if count is None:
+        return rows
+    if isinstance(rows, list):
+        return rows[:count]
+    if hasattr(rows, "__len__"):
+        return rows.select(range(min(count, len(rows))))
+    return rows.take(count)
 
 
 def reward_functions(specs: list[str]) -> list[Callable[..., Any]]:
@@ -319,7 +397,7 @@ def _load_dataset(source: str, split: str) -> Any:
             if not path.is_file():
                 raise UsageError(f"--dataset file not found: {path.resolve()}")
             return datasets.load_dataset(_FILE_FORMATS[path.suffix], data_files=str(path))["train"]
-        if path.is_dir() and (path / "dataset_info.json").is_file():
+        if _is_saved_dataset(path):
             return datasets.load_from_disk(str(path))
         return datasets.load_dataset(source, split=split)
     except UsageError:
@@ -330,6 +408,11 @@ def _load_dataset(source: str, split: str) -> Any:
             f".json/.jsonl/.csv/.parquet file, a folder saved with save_to_disk, or a name "
             f"datasets.load_dataset can read"
         ) from None
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a folder `datasets.Dataset.save_to_disk` wrote (one set of rows)."""
+    return path.is_dir() and (path / "dataset_info.json").is_file()
 
 
 def played_by(source: Any) -> dict[str, Any]:

@@ -163,7 +163,9 @@ def check_template(setup: Setup) -> CheckResult:
     except ToolTemplateError as error:
         return CheckResult("template", Status.FAIL, _first_sentence(error), _TEMPLATE_FIX)
     except Exception as error:  # a template that does not compile or render
-        return CheckResult("template", Status.FAIL, f"cannot render: {error}", _TEMPLATE_FIX)
+        return CheckResult(
+            "template", Status.FAIL, f"cannot render: {what_happened(error)}", _TEMPLATE_FIX
+        )
     return CheckResult("template", Status.OK, "renders tool schemas, tool calls and tool results")
 
 
@@ -183,7 +185,7 @@ def check_parser(setup: Setup) -> CheckResult:
     try:
         parser = setup.chosen_parser()
     except ValueError as error:
-        return CheckResult("parser", Status.FAIL, str(error), _PARSER_FIX)
+        return CheckResult("parser", Status.FAIL, what_happened(error), _PARSER_FIX)
     call = probe_call(setup.schemas)["function"]
     message = {"role": "assistant", "content": "", "tool_calls": [probe_call(setup.schemas)]}
     turn = assistant_turn(setup.renderer(), [_USER], message)
@@ -311,8 +313,17 @@ def _quote(text: str, width: int = 60) -> str:
     return repr(text[:width]) + ("..." if len(text) > width else "")
 
 
+def what_happened(error: BaseException) -> str:
+    """`error`'s message, or its type's name where the message is empty (`TimeoutError()`).
+
+    >>> what_happened(TimeoutError()), what_happened(ValueError("no rows"))
+    ('TimeoutError', 'no rows')
+    """
+    return str(error) or type(error).__name__
+
+
 def _first_sentence(error: Exception) -> str:
-    text = str(error)
+    text = what_happened(error)
     return text.split(". ", 1)[0].rstrip(".")
 
 

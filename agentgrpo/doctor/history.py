@@ -15,7 +15,14 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agentgrpo.doctor.checks import CheckResult, Setup, Status, probe_call, shared_prefix
+from agentgrpo.doctor.checks import (
+    CheckResult,
+    Setup,
+    Status,
+    probe_call,
+    shared_prefix,
+    what_happened,
+)
 from rollout import ChatRenderer
 
 _REASONING = "<think>\nFirst I look the word up.\n</think>"
@@ -71,7 +78,7 @@ def check_history(setup: Setup) -> CheckResult:
         return CheckResult(
             "history",
             Status.FAIL,
-            f"the template fails on a conversation with two tool turns: {error}",
+            f"the template fails on a conversation with two tool turns: {what_happened(error)}",
             "use a template that renders multi-turn tool conversations",
         )
     for (_, shorter), (end, longer) in itertools.pairwise(texts):

@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 
-from agentgrpo.doctor.checks import CheckResult, Setup, Status
+from agentgrpo.doctor.checks import CheckResult, Setup, Status, what_happened
 from environments import (
     check_environment,
     class_tools,
@@ -20,6 +20,7 @@ from environments import (
 )
 from rollout import ChatRenderer, RolloutEngine, prompt_messages
 from tools import run_in_daemon_thread
+from tools.threads import describe_error
 
 RESET_TIMEOUT_S = 60.0
 """How long the environment's constructor, `reset` and `close` may take before the check fails."""
@@ -48,11 +49,23 @@ def check_environment_runs(
                 "give it `@classmethod def dataset(cls, split='train')`, or pass --dataset "
                 "to `agentgrpo run`",
             )
-        row = dict(next(iter(rows())))
+        first = next(iter(rows()), None)
+        if first is None:
+            return CheckResult(
+                "environment",
+                Status.FAIL,
+                f"{name}: its task rows are empty, so reset was not tried",
+                "return at least one row from dataset(), or pass --dataset to `agentgrpo run`",
+            )
+        row = dict(first)
         observation = anyio.run(_reset_and_close, env_class, row)
         _check_tools_render(setup, [t.schema for t in tools.values()], row, observation)
+    except _DidNotReturn as error:
+        fix = "make it return promptly: does it wait on a server, a lock or input?"
+        return CheckResult("environment", Status.FAIL, f"{name}: {error}", fix)
     except Exception as error:
-        return CheckResult("environment", Status.FAIL, f"{name}: {error}", _ENVIRONMENT_FIX)
+        message = f"{name}: {what_happened(error)}"
+        return CheckResult("environment", Status.FAIL, message, _ENVIRONMENT_FIX)
     shown = ", ".join(tools) or "no tools"
     return CheckResult(
         "environment",
@@ -64,19 +77,38 @@ def check_environment_runs(
 _ENVIRONMENT_FIX = "see docs/environments.md for the contract; the message names what broke"
 
 
+class _DidNotReturn(TimeoutError):
+    """The environment's constructor, `reset` or `close` outlasted `RESET_TIMEOUT_S`."""
+
+
 async def _reset_and_close(env_class: type, row: Mapping[str, Any]) -> str | list[Any] | None:
-    """Build and reset an instance on `row` (seed 0), then close it; return what reset did."""
+    """Build and reset an instance on `row` (seed 0), then close it; return what reset did.
+
+    Raises:
+        _DidNotReturn: The three calls together took over `RESET_TIMEOUT_S`; the message names
+            the one that had not returned.
+    """
+    running = f"{env_class.__qualname__}()"
 
     def run() -> str | list[Any] | None:
+        nonlocal running
         env = create_environment(env_class)
+        running = "reset()"
         try:
             return reset_environment(env, row, 0)
         finally:
+            running = "close()"
             close_environment(env)
 
-    with anyio.fail_after(RESET_TIMEOUT_S):
-        label = f"{env_class.__qualname__}() and reset()"
-        return await run_in_daemon_thread(run, label=label)
+    try:
+        with anyio.fail_after(RESET_TIMEOUT_S):
+            label = f"{env_class.__qualname__}() and reset()"
+            return await run_in_daemon_thread(run, label=label)
+    except TimeoutError:
+        raise _DidNotReturn(
+            f"{running} had not returned after {RESET_TIMEOUT_S:g} s (doctor's limit for the "
+            f"constructor, reset() and close() together)"
+        ) from None
 
 
 def _check_tools_render(
@@ -112,9 +144,7 @@ def check_generation(
     try:
         episodes = anyio.run(functools.partial(engine.run, played, 1, 0))
     except Exception as error:
-        return CheckResult(
-            "generate", Status.FAIL, f"{type(error).__name__}: {error}", "fix what it names"
-        )
+        return CheckResult("generate", Status.FAIL, describe_error(error), "fix what it names")
     calling = sum(e.stats.tool_calls > 0 for e in episodes)
     calls = sum(e.stats.tool_calls for e in episodes)
     parse_failures = sum(e.stats.tool_errors.get("parse", 0) for e in episodes)

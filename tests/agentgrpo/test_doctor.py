@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -236,6 +237,49 @@ def test_an_environment_with_an_undocumented_tool_fails_the_contract(tokenizer):
 def test_an_environment_without_rows_is_a_warning(tokenizer):
     result = check_environment_runs(Counter, None, setup(tokenizer))
     assert result.status is Status.WARNING and "dataset()" in result.message
+
+
+def test_an_environment_whose_rows_are_empty_fails_saying_so(tokenizer):
+    result = check_environment_runs(Counter, lambda: [], setup(tokenizer))
+    assert result.status is Status.FAIL
+    assert result.message == "Counter: its task rows are empty, so reset was not tried"
+    assert "at least one row" in result.fix
+
+
+def test_an_environment_whose_reset_hangs_fails_naming_the_call_and_the_limit(
+    tokenizer, monkeypatch
+):
+    from agentgrpo.doctor import live
+
+    released = threading.Event()
+
+    class Hangs(Counter):
+        def reset(self, target: int) -> str:
+            released.wait(30)
+            return ""
+
+    monkeypatch.setattr(live, "RESET_TIMEOUT_S", 0.5)
+    try:
+        result = check_environment_runs(Hangs, Counter.dataset, setup(tokenizer))
+    finally:
+        released.set()
+    assert result.status is Status.FAIL
+    assert "Hangs: reset() had not returned after 0.5 s (" in result.message
+    assert "return promptly" in result.fix
+
+
+def test_the_command_names_an_empty_dataset_and_its_split(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "envs.py").write_text(
+        "from environments import Counter\n\nclass Empty(Counter):\n    @classmethod\n"
+        "    def dataset(cls, split='train'):\n        return []\n"
+    )
+    args = ["doctor", "envs.py:Empty", "--model", str(tiny_model_dir)]
+    assert main([*args, "--chat-template", "chatml_tools"]) == 1
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "environment" in line]
+    assert line.startswith("fail    environment Empty: Empty.dataset(split='train') returned no")
 
 
 # ---------------------------------------------------------------------- generation

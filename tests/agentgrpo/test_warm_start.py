@@ -80,6 +80,55 @@ def test_an_environment_without_demonstrations_is_a_clear_error():
         environment_demonstrations(None, 2, seed=0)
 
 
+class Messages(Counter):
+    @classmethod
+    def demonstrations(cls, n, seed=0):  # one conversation's messages, not a list of them
+        return Counter.demonstrations(1, seed=seed)[0]
+
+
+class Nothing(Counter):
+    @classmethod
+    def demonstrations(cls, n, seed=0):
+        return None
+
+
+class OfInstances(Counter):
+    def demonstrations(self, n, seed=0):
+        return Counter.demonstrations(n, seed=seed)
+
+
+class Unseeded(Counter):
+    @classmethod
+    def demonstrations(cls, n):
+        return Counter.demonstrations(n)
+
+
+class Raising(Counter):
+    @classmethod
+    def demonstrations(cls, n, seed=0):
+        raise KeyError("level")
+
+
+@pytest.mark.parametrize(
+    ("environment", "expected"),
+    [
+        (Messages, "Messages.demonstrations(): conversation 0 is a dict, not a list of messages; "
+         "return a list of conversations, each a list of messages"),
+        (Nothing, "Nothing.demonstrations() returned NoneType; return a list of conversations"),
+        (OfInstances, "OfInstances.demonstrations is an instance method; make it a @classmethod"),
+        (Unseeded, "Unseeded.demonstrations cannot be called as demonstrations(2, seed=0)"),
+        (Raising, "Raising.demonstrations(2, seed=0) raised KeyError: 'level'"),
+    ],
+)  # fmt: skip
+def test_demonstrations_of_the_wrong_shape_or_kind_are_refused_saying_what_to_return(
+    environment, expected
+):
+    with pytest.raises(ValueError) as caught:
+        environment_demonstrations(environment, 2, seed=0)
+    assert str(caught.value).startswith(expected)
+    assert "\n" not in str(caught.value)  # one `error:` line on the command line
+
+
 def _call(name, arguments):
     function = {"name": name, "arguments": arguments}
     return {"role": "assistant", "content": "", "tool_calls": [{"function": function}]}

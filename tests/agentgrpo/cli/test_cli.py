@@ -140,6 +140,86 @@ def test_a_dataset_method_returning_something_else_than_rows_is_named(
     assert expected in user_error("eval", "envs.py:Rows")
 
 
+def write_rows_environment(folder: Path, dataset: str) -> None:
+    """`folder/envs.py` with class `Rows`, a Counter whose `dataset` body is `dataset`."""
+    (folder / "envs.py").write_text(
+        "import datasets\nfrom environments import Counter\n\nclass Rows(Counter):\n"
+        f"    @classmethod\n{textwrap.indent(textwrap.dedent(dataset), '    ')}"
+    )
+
+
+LISTED = """\
+def dataset(cls, split='train'):
+    rows = [{'prompt': [{'role': 'user', 'content': 'Reach 3.'}], 'target': 3} for _ in range(4)]
+    return [rows[0], *({**row, 'level': n} for n, row in enumerate(rows[1:]))]
+"""
+
+
+@pytest.mark.parametrize("cut", [["--num-episodes", "2"], ["--dataset-size", "2"]])
+def test_rows_given_as_a_list_of_dicts_are_cut_to_the_episodes_asked_for(
+    tiny_model_dir, tmp_path, monkeypatch, capsys, cut
+):
+    monkeypatch.chdir(tmp_path)
+    write_rows_environment(tmp_path, LISTED)
+    status = main(
+        ["eval", "envs.py:Rows", "--model", str(tiny_model_dir), "--chat-template",
+         "chatml_tools", "--max-completion-length", "8", *cut]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "(2 rows, split 'eval'," in out and eval_figures(out)["episodes"] == "2"
+
+
+def test_run_cuts_a_list_of_dicts_to_dataset_size_keeping_each_row_as_written(tmp_path):
+    from agentgrpo.cli import sources
+    from environments import resolve_environment
+
+    write_rows_environment(tmp_path, LISTED)
+    source = resolve_environment(f"{tmp_path / 'envs.py'}:Rows")
+    rows = sources.rows(source, None, "train", 3)
+    assert rows == source.dataset()[:3]  # not a datasets.Dataset: no key filled, none dropped
+
+
+def test_a_dataset_method_that_takes_no_split_is_not_said_to_give_one(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    write_rows_environment(tmp_path, LISTED.replace("cls, split='train'", "cls"))
+    status = main(
+        ["eval", "envs.py:Rows", "--model", str(tiny_model_dir), "--chat-template",
+         "chatml_tools", "--max-completion-length", "8", "--num-episodes", "1"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "(1 rows, no split: Rows's dataset() takes none," in out and "'eval'" not in out
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("return {'train': []}[split]", "raised KeyError: 'eval'"),
+        ("raise RuntimeError('cannot reach the data server')", "raised RuntimeError: cannot reach"),
+        ("raise ValueError(f'unknown split {split}')", "raised ValueError: unknown split eval"),
+    ],
+)
+def test_a_dataset_method_that_raises_is_named_as_called_with_its_error(
+    user_error, tmp_path, body, expected
+):
+    write_rows_environment(tmp_path, f"def dataset(cls, split='train'):\n    {body}\n")
+    message = user_error("eval", "envs.py:Rows")
+    assert message.startswith(f"error: Rows.dataset(split='eval') {expected}")
+    assert "--dataset FILE.jsonl" in message
+
+
+@pytest.mark.parametrize("empty", ["[]", "datasets.Dataset.from_dict({'prompt': []})"])
+def test_a_dataset_method_that_returns_no_rows_is_refused_naming_the_split(
+    user_error, tmp_path, tiny_model_dir, empty
+):
+    write_rows_environment(tmp_path, f"def dataset(cls, split='train'):\n    return {empty}\n")
+    message = user_error("eval", "envs.py:Rows", "--model", str(tiny_model_dir))
+    assert message.startswith("error: Rows.dataset(split='eval') returned no rows; return at")
+
+
 def test_unknown_reward_function(user_error):
     assert "did you mean" in user_error(
         "eval", "env:Counter", "--reward", "agentgrpo.rewards:acuracy_reward"

@@ -141,6 +141,22 @@ def test_a_bad_config_file_value_names_the_file_and_the_key(user_error, tmp_path
     assert message.startswith(f"error: config file {config}: {expected}")
 
 
+@pytest.mark.parametrize(
+    ("option", "name", "what"),
+    [
+        ("--config", "run.yaml", "config file"),
+        ("--chat-template", "t.jinja", "--chat-template file"),
+    ],
+)
+def test_a_file_that_is_not_utf8_text_is_named(user_error, tmp_path, option, name, what):
+    (tmp_path / name).write_bytes(b"\xff\xfe bad")
+    message = user_error("run", "env:Counter", option, name)
+    assert (
+        message
+        == f"error: {what} {name} is not UTF-8 text (byte 0: invalid start byte); save it as UTF-8"
+    )
+
+
 # ---------------------------------------------------------------------- model and output folder
 
 
