@@ -16,12 +16,15 @@ logger = logging.getLogger(__name__)
 
 
 def training_rows(
-    dataset: Any, environment_factory: Any, rows_needed: int | None
+    dataset: Any, environment_factory: Any, rows_needed: int | None, shuffle_seed: int | None
 ) -> torch.utils.data.Dataset | Sequence[Mapping[str, Any]]:
     """The rows to train on, as a map-style dataset.
 
     - A `datasets.Dataset` (or any sized dataset of dicts) is used as is.
-    - An iterable dataset is read up to `rows_needed` rows (what `max_steps` consumes).
+    - An iterable dataset is read up to `rows_needed` rows (what `max_steps` consumes). With a
+      `shuffle_seed` (`shuffle_dataset`), one with a `shuffle` method (`datasets.
+      IterableDataset`) is read through its buffered shuffle of that seed, as TRL reads it,
+      rather than from the head of the stream in order.
     - No dataset: the environment's `dataset()` if it defines one; else the environment owns
       the tasks (its `reset` states them, TRL's environment-owned data) and each round plays
       prompt-less rows, `rows_needed` of them.
@@ -41,6 +44,8 @@ def training_rows(
             return dataset
         if rows_needed is None:
             raise ValueError("an IterableDataset needs max_steps > 0 to know how far to read it")
+        if shuffle_seed is not None and hasattr(dataset, "shuffle"):
+            dataset = dataset.shuffle(seed=shuffle_seed)
         return list(itertools.islice(dataset, rows_needed))
     env_class = environment_factory if isinstance(environment_factory, type) else None
     if env_class is not None and hasattr(env_class, "dataset"):

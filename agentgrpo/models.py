@@ -176,10 +176,17 @@ def router_aux_loss_coef(model: Any, configured: float | None) -> float:
     return float(configured or 0.0) if with_experts else 0.0
 
 
+#: The padding and truncation sides of a tokenizer or processor the trainer loads itself (TRL's).
+TRAINER_SIDES = {"padding_side": "left", "truncation_side": "left"}
+
+
 def load_tokenizer(
     model: Any, processing_class: Any = None, load_kwargs: dict[str, Any] | None = None
 ) -> Any:
     """The tokenizer to use: the one given, else the model's own, with a pad token set.
+
+    The model's own pads and truncates on the left, as TRL loads it (`TRAINER_SIDES`), so a
+    script that batch-generates with `trainer.processing_class` pads its prompts as there.
 
     Args:
         model: The policy (its name or path locates the tokenizer).
@@ -189,7 +196,8 @@ def load_tokenizer(
     """
     if processing_class is None:
         name = getattr(model, "name_or_path", None) or model.config._name_or_path
-        processing_class = AutoTokenizer.from_pretrained(name, **(load_kwargs or {}))
+        kwargs = TRAINER_SIDES | (load_kwargs or {})
+        processing_class = AutoTokenizer.from_pretrained(name, **kwargs)
     if processing_class.pad_token is None:
         processing_class.pad_token = processing_class.eos_token
     return processing_class
@@ -389,7 +397,7 @@ def tokenizer_and_processor(
     """
     if processing_class is None and is_vision_model(model):
         name = getattr(model, "name_or_path", None) or model.config._name_or_path
-        processing_class = load_processor(name, **(load_kwargs or {}))
+        processing_class = load_processor(name, **(TRAINER_SIDES | (load_kwargs or {})))
     if not is_vision_processor(processing_class):
         return load_tokenizer(model, processing_class, load_kwargs), None
     tokenizer = load_tokenizer(model, processing_class.tokenizer)

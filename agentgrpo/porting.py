@@ -108,8 +108,22 @@ def warn_about_loss_settings(args: Any) -> None:
         logger.warning(text)
 
 
+CONTINUOUS_BATCHING_NOTE = (
+    "use_transformers_continuous_batching=True: agentgrpo's transformers backend batches "
+    "continuously already (a request joins the running batch at its next decoding step), so it "
+    "generates as usual; transformers' own engine and transformers_continuous_batching_config "
+    "are not used. Set use_vllm=True for vLLM."
+)
+
+
+def warn_about_generation_settings(args: Any) -> None:
+    """Log what generates when a TRL config asks for transformers' continuous batching."""
+    if args.use_transformers_continuous_batching and not args.use_vllm:
+        logger.warning(CONTINUOUS_BATCHING_NOTE)
+
+
 def check_arguments(args: GRPOConfig, num_generations: int | None) -> None:
-    """Check the trainer's `num_generations` and the optimizer; warn about the loss settings.
+    """Check the trainer's `num_generations` and the optimizer; warn about loss and generation.
 
     Raises:
         ValueError: `num_generations` differs from the config's (`check_num_generations`).
@@ -117,6 +131,7 @@ def check_arguments(args: GRPOConfig, num_generations: int | None) -> None:
     """
     check_num_generations(args.num_generations, num_generations)
     warn_about_loss_settings(args)
+    warn_about_generation_settings(args)
     check_optimizer(args.optim, args.device)
 
 

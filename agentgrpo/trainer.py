@@ -167,11 +167,12 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         )
         self.rollout_func = rollout_func
         self.plan = RoundPlan.from_config(args, args.world_size)
+        rows, shuffle_seed = self.plan.rows_needed, args.seed if args.shuffle_dataset else None
         super().__init__(
             model=model,
             args=args,
             data_collator=rows_collator,  # type: ignore[arg-type]  # rows are played, not tensorised
-            train_dataset=training_rows(train_dataset, environment_factory, self.plan.rows_needed),
+            train_dataset=training_rows(train_dataset, environment_factory, rows, shuffle_seed),
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
             callbacks=callbacks,

@@ -21,6 +21,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from agentgrpo.loss_step import LossStep
 from agentgrpo.reporting.trainer_log import TrainerLog
 from agentgrpo.rewards.calls import RewardFunction
 from agentgrpo.round_pipeline import RoundParts
+from agentgrpo.run_folder import explained_write_errors
 from agentgrpo.scoring import Scorer
 from rollout import RolloutEngine, load_template
 from rollout.agents import Agent
@@ -129,7 +131,7 @@ class TRLAttributes(AtomicCheckpoints):
 
     @property
     def continuous_batching_config(self) -> None:
-        """None: agentgrpo refuses `use_transformers_continuous_batching` (its own batches)."""
+        """None: agentgrpo's transformers backend batches continuously without transformers'."""
         return None
 
     # --- Rewards --------------------------------------------------------------------------------
@@ -401,6 +403,18 @@ class TRLAttributes(AtomicCheckpoints):
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         tags += [tag for tag in self._tag_names if tag not in tags]
         super().create_model_card(model_name=model_name, dataset=dataset_name, tags=tags)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Save a checkpoint, writing the model card into `output_dir` first, as TRL does.
+
+        The card is named after `hub_model_id`'s last part, else the output folder's name. A
+        folder that refuses the card's write is the same clear error as for the checkpoint.
+        """
+        hub_id = self.args.hub_model_id
+        folder = Path(str(self.args.output_dir))
+        with explained_write_errors(folder):
+            self.create_model_card(model_name=hub_id.split("/")[-1] if hub_id else folder.name)
+        super()._save_checkpoint(model, trial)
 
 
 def environment_reward(env_class: type) -> Callable[..., Any]:

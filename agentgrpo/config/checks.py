@@ -40,13 +40,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     ),
 }
 
-# TRL features agentgrpo does not implement: a True value is refused with this advice.
-_OTHER_GENERATOR = "generate with the transformers backend (the default) or use_vllm=True"
-_UNSUPPORTED: dict[str, str] = {
-    "use_transformers_continuous_batching": _OTHER_GENERATOR,
-    "use_transformers_paged": _OTHER_GENERATOR,
-}
-
 _SCALE_REWARDS_ALIASES = {"true": "group", "false": "none"}
 # Fields a negative value makes meaningless (a negative learning rate climbs the loss).
 _NOT_NEGATIVE = ("learning_rate", "beta", "temperature", "warm_start_learning_rate")
@@ -83,6 +76,14 @@ def normalize(config: "GRPOConfig") -> None:
             stacklevel=5,  # the caller of GRPOConfig(...)
         )
         config.vllm_importance_sampling_clip_max = config.vllm_importance_sampling_cap
+    if config.use_transformers_paged:
+        warnings.warn(
+            "`use_transformers_paged` is deprecated and will be removed in v2.0.0. Use "
+            "`use_transformers_continuous_batching` instead.",
+            FutureWarning,
+            stacklevel=5,  # the caller of GRPOConfig(...)
+        )
+        config.use_transformers_continuous_batching = True
 
 
 def check_numbers(config: "GRPOConfig") -> None:
@@ -116,9 +117,6 @@ def check_values(config: "GRPOConfig") -> None:
         if getattr(config, name) not in valid:
             choices = ", ".join(repr(v) for v in valid)
             raise ValueError(f"{name}={getattr(config, name)!r} is not one of {choices}.")
-    for name, advice in _UNSUPPORTED.items():
-        if getattr(config, name):
-            raise ValueError(f"{name}=True is not supported by agentgrpo yet; {advice}.")
     require(
         config.num_generations is not None and config.num_generations >= 2,
         "GRPO requires at least 2 generations per prompt to calculate the advantages. You "

@@ -56,23 +56,27 @@ class GenerationFields:
 
 @dataclass
 class OtherGeneratorFields:
-    """TRL's transformers generation engines: accepted so TRL configs load, refused when on."""
+    """TRL's transformers generation engines: accepted so TRL configs train unchanged.
+
+    agentgrpo's transformers backend batches continuously whatever these say; on, they are
+    logged as such (`porting.warn_about_generation_settings`).
+    """
 
     use_transformers_continuous_batching: bool = field(
         default=False,
         metadata={
-            "help": "Generate with transformers' continuous batching. Not supported by agentgrpo."
+            "help": "TRL: generate with transformers' continuous batching. agentgrpo's "
+            "transformers backend batches continuously already; True logs that it is used."
         },
     )
     transformers_continuous_batching_config: dict | str | None = field(
         default=None,
-        metadata={"help": "Arguments for transformers' `ContinuousBatchingConfig`."},
+        metadata={"help": "TRL: arguments for transformers' `ContinuousBatchingConfig`. Not read."},
     )
     use_transformers_paged: bool = field(
         default=False,
         metadata={
-            "help": "Deprecated alias of use_transformers_continuous_batching. Not supported by "
-            "agentgrpo."
+            "help": "Deprecated: sets use_transformers_continuous_batching (a FutureWarning)."
         },
     )
     vllm_importance_sampling_cap: float | None = field(

@@ -60,6 +60,13 @@ TRAINER_ARGUMENTS = (
     "environments",
 )
 
+#: Dataset columns no reward function receives, as in TRL 1.16 (a ``completion`` column, as in
+#: trl-lib/tldr, is the reference answer of supervised data; ``completion_ids`` is the trainer's).
+UNPASSED_COLUMNS = ("prompt", "completion", "completion_ids")
+
+#: Trainer arguments that would take a column's place; the trainer's own (TRL's) are the rest.
+_COLUMN_CLASHES = ("prompts", "completions")
+
 
 # Parameter names filled from another argument when nothing has their own name.
 _ALIASES = {"responses": "completions"}
@@ -105,8 +112,10 @@ class RewardBatch:
         completion_ids: The completion's token ids, one list per completion.
         rows: The dataset row each completion answers (shown in error messages).
         columns: Column name to one value per completion, passed as keyword arguments. None
-            (the default) takes every column of `rows` except ``prompt``; a row lacking a column
-            gives None there.
+            (the default) takes every column of `rows` but `UNPASSED_COLUMNS`; a row lacking a
+            column gives None there. A column named like one of the trainer's own arguments
+            (``trainer_state``, ``log_extra``, ``log_metric``, ``environments``) gives way to
+            it, as in TRL.
         environments: One environment instance per completion, or None when there are none
             (then ``environments`` is not an argument functions may name).
         trainer_state: The trainer's state (``transformers.TrainerState``), passed as is.
@@ -114,7 +123,7 @@ class RewardBatch:
         log_metric: ``log_metric(name, value)``: log a scalar metric for this step.
 
     Raises:
-        ValueError: The lengths disagree, or a column is named like a trainer argument.
+        ValueError: The lengths disagree, or a column is named ``prompts`` or ``completions``.
 
     """
 
@@ -130,7 +139,8 @@ class RewardBatch:
 
     def __post_init__(self) -> None:
         if self.columns is None:
-            names = dict.fromkeys(key for row in self.rows for key in row if key != "prompt")
+            keys = (key for row in self.rows for key in row if key not in UNPASSED_COLUMNS)
+            names = dict.fromkeys(keys)
             columns = {name: [row.get(name) for row in self.rows] for name in names}
             object.__setattr__(self, "columns", columns)
         n = len(self.completions)
@@ -142,7 +152,7 @@ class RewardBatch:
         wrong = {what: length for what, length in lengths.items() if length != n}
         if wrong:
             raise ValueError(f"RewardBatch has {n} completions but lengths {wrong}")
-        clashes = sorted(set(self._columns) & set(TRAINER_ARGUMENTS))
+        clashes = sorted(set(self._columns) & set(_COLUMN_CLASHES))
         if clashes:
             raise ValueError(
                 f"dataset columns {clashes} have the names of reward function arguments the "
@@ -242,7 +252,7 @@ def check_arguments(funcs: Sequence[RewardFunction], available: Collection[str])
     Args:
         funcs: The reward functions.
         available: The argument names the trainer will pass: `TRAINER_ARGUMENTS` (without
-            ``environments`` when there are none) and the dataset columns other than ``prompt``.
+            ``environments`` when there are none) and the dataset columns but `UNPASSED_COLUMNS`.
 
     Raises:
         ValueError: Naming the function, the parameter and the available names.
@@ -479,11 +489,11 @@ def check_trainer_arguments(
 
     Args:
         funcs: The reward functions.
-        dataset: The training rows; every column but ``prompt`` becomes an argument.
+        dataset: The training rows; every column but `UNPASSED_COLUMNS` becomes an argument.
         with_environments: Episodes have environments, so ``environments`` is passed.
     """
     names = getattr(dataset, "column_names", None)
     if names is None:
         names = list(dataset[0]) if len(dataset) else []
     available = [a for a in TRAINER_ARGUMENTS if with_environments or a != "environments"]
-    check_arguments(funcs, available + [name for name in names if name != "prompt"])
+    check_arguments(funcs, available + [name for name in names if name not in UNPASSED_COLUMNS])

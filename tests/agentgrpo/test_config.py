@@ -10,6 +10,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from agentgrpo.config import LOSS_TYPES, GRPOConfig
 from agentgrpo.config import grpo as config_module
+from agentgrpo.wiring import episode_config_of
 
 # (field, default) as TRL 1.16 declares them: a TRL script relies on these.
 TRL_DEFAULTS = [
@@ -392,13 +393,10 @@ def test_a_generation_batch_too_large_to_hold_is_refused_before_anything_is_allo
     assert make(per_device_train_batch_size=2**16, num_generations=2**16).generation_batch_size
 
 
-@pytest.mark.parametrize(
-    "flag",
-    ["use_transformers_continuous_batching", "use_transformers_paged"],
-)
-def test_a_trl_feature_agentgrpo_lacks_is_refused_not_ignored(make, flag):
-    with pytest.raises(ValueError, match=f"{flag}=True is not supported by agentgrpo yet"):
-        make(**{flag: True})
+def test_use_transformers_paged_is_trls_deprecated_name_of_continuous_batching(make):
+    with pytest.warns(FutureWarning, match="`use_transformers_paged` is deprecated"):
+        config = make(use_transformers_paged=True)
+    assert config.use_transformers_continuous_batching is True
 
 
 def test_sync_ref_model_is_accepted_with_a_kl_penalty(make):
@@ -448,6 +446,12 @@ def test_episode_max_turns_resolves_max_turns_then_tool_iterations_then_the_toke
     make, kwargs, turns
 ):
     assert make(**kwargs).episode_max_turns == turns
+
+
+@pytest.mark.parametrize(("iterations", "turns"), [(None, 3), (0, 3), (2, 3)])
+def test_episodes_run_at_most_max_tool_calling_iterations_turns_of_calls(make, iterations, turns):
+    episodes = episode_config_of(make(max_turns=3, max_tool_calling_iterations=iterations))
+    assert (episodes.max_turns, episodes.max_tool_rounds) == (turns, iterations)
 
 
 # --- Command line and saving ------------------------------------------------------------------

@@ -88,6 +88,31 @@ def test_a_function_with_kwargs_receives_every_column_but_prompt_and_the_trainer
     assert "prompt" not in seen and "environments" not in seen
 
 
+def test_completion_columns_reach_no_function_and_the_trainers_arguments_win_as_in_trl():
+    # trl-lib/tldr has a `completion` column (the reference summary); TRL 1.16 passes neither it
+    # nor a `completion_ids` column, and its own trainer_state and log_* replace same-named ones.
+    rows = [
+        row | {"completion": "ref", "completion_ids": [0], "trainer_state": "col", "log_metric": 1}
+        for row in ROWS
+    ]
+    seen = {}
+
+    def trl_style(completions, **kwargs):
+        seen.update(kwargs)
+        return [1.0] * len(completions)
+
+    state = object()
+    run_score([trl_style], make_batch(rows=rows, trainer_state=state))
+    assert "completion" not in seen and seen["completion_ids"] == [[1, 2], [3], [4, 5, 6], [7]]
+    assert seen["trainer_state"] is state and callable(seen["log_metric"])
+
+
+@pytest.mark.parametrize("column", ["prompts", "completions"])
+def test_a_column_named_like_the_prompts_or_completions_is_refused_naming_it(column):
+    with pytest.raises(ValueError, match=rf"dataset columns \['{column}'\] have the names"):
+        make_batch(rows=[row | {column: "x"} for row in ROWS])
+
+
 def test_completions_ids_as_trl_documents_it_is_an_alias_of_completion_ids():
     # TRL's docs (custom reward function, Example 1) name it `completions_ids`.
     def reward_func(completions_ids, **kwargs):

@@ -442,6 +442,40 @@ def test_create_model_card_takes_trls_arguments(tokenizer, tmp_path):
     assert all(tag in card for tag in ("mine", "trl", "grpo", "agentgrpo"))
 
 
+def test_each_checkpoint_writes_the_model_card_into_the_output_folder_as_trl_does(
+    tokenizer, tmp_path
+):
+    rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"]})
+    args = config(tmp_path / "my-run", save_strategy="steps", save_steps=1)
+    trainer_for(tokenizer, args, reward_funcs=one, train_dataset=rows).train()
+    card = (tmp_path / "my-run" / "README.md").read_text()
+    assert "my-run" in card and (tmp_path / "my-run" / "checkpoint-1").is_dir()
+
+
+def test_a_tokenizer_the_trainer_loads_pads_and_truncates_on_the_left_as_trls(
+    tokenizer, tiny_model_dir, tmp_path
+):
+    rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"]})
+    trainer = GRPOTrainer(
+        model=str(tiny_model_dir), args=config(tmp_path), reward_funcs=one, train_dataset=rows
+    )
+    sides = trainer.processing_class.padding_side, trainer.processing_class.truncation_side
+    assert sides == ("left", "left")
+
+
+def test_transformers_continuous_batching_trains_on_agentgrpos_own_and_says_so(
+    tokenizer, tmp_path, caplog
+):
+    rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"]})
+    args = config(tmp_path, use_transformers_continuous_batching=True)
+    with caplog.at_level(logging.WARNING, logger="agentgrpo.porting"):
+        trainer = trainer_for(tokenizer, args, reward_funcs=one, train_dataset=rows)
+    [note] = [r.message for r in caplog.records if "continuous_batching" in r.message]
+    assert note.startswith("use_transformers_continuous_batching=True: agentgrpo's transformers")
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
 # --- Datasets -----------------------------------------------------------------------------
 
 
@@ -483,6 +517,20 @@ def test_an_iterable_eval_set_first_given_to_evaluate_is_streamed_without_dispat
     trainer = trainer_for(tokenizer, args, reward_funcs=one, train_dataset=train_rows)
     assert trainer.evaluate(eval_dataset=stream(["A", "B", "C"]))["eval_reward"] == 1.0
     assert trainer.args.accelerator_config.dispatch_batches is False
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_an_iterable_train_set_is_read_through_its_seeded_shuffle_unless_told_not_to(
+    shuffle, tokenizer, tmp_path
+):
+    # TRL 1.16 reads a stream through `IterableDataset.shuffle(seed=args.seed)` by default.
+    prompts = [f"Row {i}" for i in range(200)]
+    args = config(tmp_path, max_steps=2, shuffle_dataset=shuffle, seed=3)
+    trainer = trainer_for(tokenizer, args, reward_funcs=one, train_dataset=stream(prompts))
+    read = [row["prompt"] for row in trainer.train_dataset]
+    shuffled = [row["prompt"] for row in stream(prompts).shuffle(seed=3)][: len(read)]
+    assert read == (shuffled if shuffle else prompts[: len(read)])
+    assert len(read) == 4 and (read != prompts[:4]) == shuffle
 
 
 def test_iterable_datasets_force_one_worker_and_dispatch_batches_off_and_refuse_it_on(
