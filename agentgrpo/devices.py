@@ -314,3 +314,32 @@ def check_sharded_launch(environ: Mapping[str, str], engine: str) -> None:
             "processes. Launch on GPUs, or on CPU use examples/accelerate/deepspeed_zero2.yaml "
             "or deepspeed_zero3.yaml (DeepSpeed shards over gloo) or ddp.yaml"
         )
+
+
+def skip_unused_deepspeed_build(environ: Mapping[str, str]) -> bool:
+    """Under DeepSpeed on CPU processes, keep DeepSpeed from compiling an op ZeRO never calls.
+
+    DeepSpeed's torch backend, on its CPU accelerator, JIT-compiles its shared-memory
+    all-reduce (`deepspeed_shm_comm`: about a minute of g++ on 2 cores the first time, cached
+    under ~/.cache/torch_extensions) as its process group starts. Only `inference_all_reduce`
+    calls that op (DeepSpeed's tensor-parallel inference layers), and without it that call falls
+    back to torch.distributed's all_reduce; ZeRO training talks through torch.distributed alone.
+    Marking the op incompatible before the process group starts skips the build.
+
+    Args:
+        environ: The process environment (`accelerate launch` sets `ACCELERATE_USE_DEEPSPEED`).
+
+    Returns:
+        Whether the build is skipped: a DeepSpeed launch and DeepSpeed's accelerator is the CPU.
+    """
+    if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return False
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:  # accelerate says what to install when it starts DeepSpeed
+        return False
+    if get_accelerator().device_name() != "cpu":
+        return False
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return True

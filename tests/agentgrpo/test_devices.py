@@ -23,6 +23,7 @@ from agentgrpo.devices import (
     parse_device,
     pin_training_device,
     resolve_device,
+    skip_unused_deepspeed_build,
     visible_devices,
 )
 from agentgrpo.learner.batch import collate_episodes
@@ -311,3 +312,15 @@ def test_the_trainer_serves_micro_batches_on_its_device(tokenizer, tmp_path):
         if isinstance(value, torch.Tensor):
             assert value.device == trainer.args.device
     assert batch.old_logprobs_B_C is not None and batch.ref_logprobs_B_C is not None
+
+
+def test_a_deepspeed_launch_on_cpu_skips_deepspeeds_shared_memory_all_reduce_build(monkeypatch):
+    """ZeRO on CPU processes never calls the op, and building it costs a minute of g++."""
+    deepspeed = pytest.importorskip("deepspeed")
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", True)
+    assert not skip_unused_deepspeed_build({})
+    assert not skip_unused_deepspeed_build({"ACCELERATE_USE_DEEPSPEED": "false"})
+    assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"]
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    GRPOConfig(output_dir="unused", report_to="none", use_cpu=True)
+    assert not deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"]

@@ -472,6 +472,7 @@ def test_agentgrpo_run_trains_sharded_and_saves_the_whole_model(engine, tiny_mod
     DeepSpeed's bf16 weights; FSDP2 over gloo launches in float32. Until the first update the
     reference model computes exactly what the policy does: the first step's KL is 0 (under
     ZeRO-2 it was 1.5e-7 when the reference kept float32 weights against DeepSpeed's bf16).
+    DeepSpeed builds none of its ops (its shared-memory all-reduce took a minute of g++).
     """
     out_dir = tmp_path / "run"
     precision = LAUNCH_PRECISION[engine]
@@ -485,8 +486,11 @@ def test_agentgrpo_run_trains_sharded_and_saves_the_whole_model(engine, tiny_mod
         *("--num-generations", "4", "--max-completion-length", "16", "--beta", "0.1"),
         *("--report-to", "none", "--save-strategy", "no"),
     ]
-    returncode, output = run_in_own_group(command, CPU_ENV)
+    extensions = tmp_path / "torch_extensions"  # where DeepSpeed would JIT-build its ops
+    env = {**CPU_ENV, "TORCH_EXTENSIONS_DIR": str(extensions)}
+    returncode, output = run_in_own_group(command, env)
     assert returncode == 0, output[-6000:]
+    assert not list(extensions.rglob("deepspeed_shm_comm"))  # only inference calls it
     assert f"  precision    {precision['summary']}\n" in output
     assert recorded_steps(out_dir) == [1, 2]
     logs = read_metrics(out_dir / METRICS_FILE)
