@@ -185,7 +185,8 @@ def test_an_agent_past_its_timeout_ends_as_an_error(tokenizer):
         await anyio.sleep(30)
         return 1.0
 
-    [episode] = play(agent_engine(tokenizer, Agent(slow, timeout_s=0.5), turns=["ok"]), rows=[{}])
+    # 5 s leaves the first request time to be answered on a loaded machine; then it sleeps past
+    [episode] = play(agent_engine(tokenizer, Agent(slow, timeout_s=5), turns=["ok"]), rows=[{}])
     assert episode.finish is Finish.ERROR
     assert "timeout" in episode.error
 
