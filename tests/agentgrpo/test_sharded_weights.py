@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
+from agentgrpo.devices import skip_unused_deepspeed_build
 from agentgrpo.reference_sync import REFERENCE_FILE, SyncReference
 from agentgrpo.sharded_weights import (
     _frozen_zero3_config,
@@ -83,8 +85,18 @@ def test_an_fsdp2_model_is_streamed_whole_while_its_parameters_stay_shards(
 
 @pytest.fixture
 def deepspeed_process(one_process_group, monkeypatch):
-    """The one-process group, with the local rank DeepSpeed reads as a launcher sets it."""
+    """The one-process group as a DeepSpeed launch on CPU processes runs it.
+
+    The local rank DeepSpeed reads is set as a launcher sets it, and, as `GRPOConfig` does
+    under such a launch, DeepSpeed skips building the shared-memory all-reduce that only its
+    inference layers call (a minute of g++ the first time).
+    """
     monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    import deepspeed
+
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", True)
+    assert skip_unused_deepspeed_build(os.environ)
 
 
 def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
