@@ -22,6 +22,8 @@ import math
 import operator
 from collections.abc import Callable
 
+from tools.syntax import parse_expression
+
 MAX_EXPRESSION_CHARS = 1000
 MAX_EXPONENT = 10_000
 MAX_RESULT_BITS = 10_000  # about 3,000 decimal digits
@@ -80,7 +82,7 @@ def calculator(expression: str) -> str:
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression is longer than {MAX_EXPRESSION_CHARS} characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        tree = parse_expression(expression.strip())
     except SyntaxError as exc:
         raise ValueError(f"not a valid arithmetic expression: {exc.msg}") from None
     try:

@@ -25,6 +25,7 @@ from rollout.parsers.common import (
     _tool_call,
 )
 from rollout.types import ParsedTurn, ToolCall
+from tools.syntax import parse_expression
 
 _CallsOrErrors = list[ToolCall | _BadCall]
 
@@ -291,7 +292,7 @@ def _python_expression(code: str) -> ast.expr:
     try:
         with warnings.catch_warnings():  # an invalid escape such as '\d' only warns
             warnings.simplefilter("ignore")
-            return ast.parse(code, mode="eval").body
+            return parse_expression(code).body
     except SyntaxError as exc:
         if "integer string conversion" in exc.msg:  # said as `_json_int` says it
             limit = sys.get_int_max_str_digits()
