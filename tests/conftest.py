@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -12,6 +14,17 @@ from rollout import Episode
 from tests.support.episodes import COUNTER_TURNS, scripted_episode
 from tests.support.teach import teach
 from tests.support.tiny_model import tiny_llama
+
+
+def pytest_configure(config) -> None:
+    """Let Ctrl-C interrupt the tests' processes, even where the suite began with it ignored.
+
+    A shell without job control starts a background command (`make test &` in a script) with
+    SIGINT ignored, which every process a test starts would inherit: the tests of Ctrl-C would
+    then wait for an interrupt that never comes.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
