@@ -19,10 +19,12 @@ import ast
 import asyncio
 import re
 import shlex
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from agentgrpo.cli import build_parser
 from agentgrpo.cli.options import check_unknown_options
@@ -148,3 +150,45 @@ def test_the_readme_links_point_at_files():
     assert len(local) >= 10
     missing = [target for target in local if not (ROOT / target).exists()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+GOOD_PAGE = """# A page
+
+See [the other section](#a-section) and [the API](api.md).
+
+## A section
+"""
+BROKEN_PAGES = {  # the page, and what its error names
+    "link": ("# A page\n\nSee [a missing page](missing.md).\n", "missing.md"),
+    "anchor": ("# A page\n\nSee [a section](api.md#no-such-section).\n", "#no-such-section"),
+    "api reference": ("# A page\n\n::: agentgrpo.no_such_name\n", "agentgrpo.no_such_name"),
+}
+
+
+def build_docs(tmp_path: Path, page: str) -> subprocess.CompletedProcess:
+    """`make docs` on a site of the repository's mkdocs.yml whose pages are `page` and api.md."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.md").write_text(page)
+    (docs / "api.md").write_text("# API\n\n::: agentgrpo.GRPOConfig\n")
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    config.update(docs_dir=str(docs), nav=["index.md", "api.md"])
+    config["hooks"] = [str(ROOT / hook) for hook in config["hooks"]]
+    (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config))
+    command = ["make", "-s", "-C", str(ROOT), "docs", f"MKDOCS_CONFIG={tmp_path / 'mkdocs.yml'}"]
+    command.append(f"SITE_DIR={tmp_path / 'site'}")
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_make_docs_builds_a_site_whose_links_anchors_and_references_resolve(tmp_path):
+    built = build_docs(tmp_path, GOOD_PAGE)
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert (tmp_path / "site" / "api" / "index.html").read_text().count("GRPOConfig") > 1
+
+
+@pytest.mark.parametrize("broken", BROKEN_PAGES)
+def test_make_docs_fails_on_a_broken_link_anchor_or_api_reference(broken, tmp_path):
+    page, named = BROKEN_PAGES[broken]
+    built = build_docs(tmp_path, page)
+    assert built.returncode != 0, f"make docs passed a page with a broken {broken}"
+    assert named in built.stderr

@@ -25,6 +25,7 @@ import pytest
 from rollout import RolloutEngine
 from tests.support.episodes import scripted_backend, tool_call
 from tests.support.paths import REPO
+from tests.support.venvs import make_venv
 from tools import as_tool, call_tool, python, python_tool
 
 pytestmark = [
@@ -451,11 +452,7 @@ with socket.create_server(("127.0.0.1", 0)) as server, socket.socket(socket.AF_U
 def venv_under_tmp() -> Iterator[Path]:
     """A virtual environment under /tmp (as CI images have), seeing this one's packages."""
     folder = Path("/tmp") / f"agentgrpo-test-venv-{os.getpid()}"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(folder)],
-        check=True,
-        timeout=300,
-    )
+    make_venv(folder)
     yield folder
     shutil.rmtree(folder)
 
