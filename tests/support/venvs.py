@@ -8,6 +8,7 @@ them itself: a `.pth` file that adds each of this interpreter's site folders, th
 from __future__ import annotations
 
 import json
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +16,12 @@ from pathlib import Path
 SITE_FOLDERS = "import json, site; print(json.dumps(site.getsitepackages()))"
 
 
-def make_venv(folder: Path, python: str = sys.executable) -> Path:
-    """A venv at `folder` (no pip) that imports what `python` imports; its interpreter's path."""
-    subprocess.run([python, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=300)
+def make_venv(folder: Path) -> Path:
+    """A venv at `folder` (no pip) that imports what this interpreter imports; its interpreter."""
+    command = [sys.executable, "-m", "venv", "--without-pip", str(folder)]
+    subprocess.run(command, check=True, timeout=300)
     new_python = folder / "bin" / "python"
-    lines = [f"import site; site.addsitedir({str(path)!r})" for path in site_folders(python)]
+    lines = [f"import site; site.addsitedir({path!r})" for path in site.getsitepackages()]
     (site_folders(str(new_python))[0] / "agentgrpo-tests.pth").write_text("\n".join(lines) + "\n")
     return new_python
 
