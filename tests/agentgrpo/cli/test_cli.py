@@ -349,3 +349,7 @@ def test_default_run_on_smollm2(tmp_path, smollm2_path):
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [entry["step"] for entry in logged if "reward" in entry] == [1, 2]
     assert (out / "model" / "model.safetensors").is_file()
+    # Nothing of DeepSpeed or vLLM runs here, so neither says a word (accelerate imports
+    # DeepSpeed, whose accelerator guess warned on every CPU run).
+    said = (result.stdout + result.stderr).lower()
+    assert "deepspeed" not in said and "vllm" not in said and "accelerator" not in said

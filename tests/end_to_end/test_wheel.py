@@ -1,0 +1,18 @@
+"""The package as a wheel: CI's part of `bench/check_wheel.py` (the whole check installs torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.support.paths import REPO
+
+
+def test_the_wheel_installs_with_its_data_and_its_command_starts_outside_the_checkout():
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "check_wheel.py"), "--quick"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    passed = [line for line in done.stdout.splitlines() if line.startswith("ok ")]
+    assert len(passed) >= 10 and done.stdout.endswith("\n0 failed\n"), done.stdout
