@@ -15,6 +15,9 @@ from tests.support.episodes import COUNTER_TURNS, scripted_episode
 from tests.support.teach import teach
 from tests.support.tiny_model import tiny_llama
 
+# process_marker: the `process` marker, kept true; pytester: tests of that plugin.
+pytest_plugins = ["tests.support.process_marker", "pytester"]
+
 
 def pytest_configure(config) -> None:
     """Let Ctrl-C interrupt the tests' processes, even where the suite began with it ignored.

@@ -118,6 +118,7 @@ def test_every_layer_is_a_real_package():
 
 
 @pytest.mark.parametrize("package", LAYERS)
+@pytest.mark.process
 def test_importing_a_layer_never_imports_vllm(package):
     code = f"import sys, {package}; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

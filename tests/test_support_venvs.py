@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 
+import pytest
+
 from tests.support.paths import REPO
 from tests.support.venvs import make_venv, site_folders
 
@@ -23,6 +25,7 @@ print(subprocess.run([sys.argv[1] + "/system/bin/python", "-c", "{IMPORTS}"]).re
 """
 
 
+@pytest.mark.process
 def test_a_venv_made_inside_a_venv_imports_the_outer_venvs_packages(tmp_path):
     # The outer venv sees a package only it has (agentgrpo_probe), as a developer's venv would.
     probe = tmp_path / "probe"

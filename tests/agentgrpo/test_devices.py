@@ -314,6 +314,7 @@ def test_the_trainer_serves_micro_batches_on_its_device(tokenizer, tmp_path):
     assert batch.old_logprobs_B_C is not None and batch.ref_logprobs_B_C is not None
 
 
+@pytest.mark.process
 def test_a_deepspeed_launch_on_cpu_skips_deepspeeds_shared_memory_all_reduce_build(monkeypatch):
     """ZeRO on CPU processes never calls the op, and building it costs a minute of g++."""
     deepspeed = pytest.importorskip("deepspeed")

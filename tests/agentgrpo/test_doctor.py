@@ -359,6 +359,7 @@ def doctor(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.process
 def test_the_command_passes_the_embedded_model_with_counter(smollm2_path):
     result = doctor("env:Counter")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -373,6 +374,7 @@ def test_the_command_passes_the_embedded_model_with_counter(smollm2_path):
     ]
 
 
+@pytest.mark.process
 def test_the_command_fails_a_chat_template_file_that_ignores_tools(smollm2_path, tmp_path):
     template = tmp_path / "plain.jinja"
     template.write_text(IGNORES_TOOLS)
@@ -383,6 +385,7 @@ def test_the_command_fails_a_chat_template_file_that_ignores_tools(smollm2_path,
     assert "fix: pass --chat-template chatml_tools" in line
 
 
+@pytest.mark.process
 def test_the_command_fails_a_model_whose_own_template_cannot_show_tools(tiny_model_dir):
     result = doctor("--model", str(tiny_model_dir), "env:Counter")
     assert result.returncode == 1, result.stdout + result.stderr
@@ -394,6 +397,7 @@ def test_generate_without_an_environment_is_a_usage_error(capsys):
     assert "--generate plays episodes of ENV" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_run_stops_at_start_up_when_a_check_fails(tiny_model_dir, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "agentgrpo", "run", "env:Counter", "--model", str(tiny_model_dir),
@@ -409,6 +413,7 @@ def test_run_stops_at_start_up_when_a_check_fails(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_generate_plays_sampled_episodes_with_the_embedded_model(smollm2_path):
     result = doctor("--generate", "2", "env:Counter")
     assert result.returncode == 0, result.stdout + result.stderr

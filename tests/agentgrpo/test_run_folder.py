@@ -64,6 +64,7 @@ def release(process: subprocess.Popen) -> None:
     assert process.returncode == 0
 
 
+@pytest.mark.process
 def test_a_second_run_into_a_busy_output_folder_fails_at_once_naming_the_other_pid(
     other_run, tmp_path, capsys
 ):
@@ -78,6 +79,7 @@ def test_a_second_run_into_a_busy_output_folder_fails_at_once_naming_the_other_p
     assert "Traceback" not in err
 
 
+@pytest.mark.process
 def test_the_lock_is_free_again_once_its_holder_exits(other_run, tmp_path):
     holder = other_run(tmp_path)
     with pytest.raises(OutputDirBusy, match=f"pid {holder.pid}"), hold(tmp_path):
@@ -87,6 +89,7 @@ def test_the_lock_is_free_again_once_its_holder_exits(other_run, tmp_path):
         assert (tmp_path / LOCK_FILE).read_text() == f"{os.getpid()}\n"
 
 
+@pytest.mark.process
 def test_one_process_may_hold_its_own_folder_twice_and_frees_it_after(other_run, tmp_path):
     with hold(tmp_path), hold(tmp_path):
         pass
@@ -130,6 +133,7 @@ def read_only(tmp_path):
     subprocess.run(["umount", "--lazy", str(folder)], check=True)
 
 
+@pytest.mark.process
 def test_a_save_onto_a_full_disk_says_the_disk_is_full_and_names_the_folder(small_disk):
     with pytest.raises(OutputDirUnwritable) as error, explained_write_errors(small_disk):
         torch.save(torch.zeros(1 << 20), small_disk / "weights.pt")  # 4 MiB
@@ -139,6 +143,7 @@ def test_a_save_onto_a_full_disk_says_the_disk_is_full_and_names_the_folder(smal
     assert "free some space on its disk" in str(error.value)
 
 
+@pytest.mark.process
 def test_a_save_into_a_read_only_folder_says_why(read_only):
     reason = "Read-only file system" if os.geteuid() == 0 else "Permission denied"
     expected = pytest.raises(OutputDirUnwritable, match=f"{read_only}: {reason}")
@@ -153,6 +158,7 @@ def test_a_save_failure_the_folder_did_not_cause_passes_through_unchanged(tmp_pa
         raise RuntimeError("a bug")  # in a folder with room: not the folder's fault
 
 
+@pytest.mark.process
 def test_a_run_whose_disk_fills_up_ends_with_one_error_line(
     small_disk, tiny_model_dir, capsys, monkeypatch
 ):
@@ -181,6 +187,7 @@ def callback_args(folder: Path, step: int = 1):
     return args, TrainerState(global_step=step, max_steps=3, epoch=0.0), TrainerControl()
 
 
+@pytest.mark.process
 def test_a_metrics_line_onto_a_full_disk_says_the_disk_is_full_and_names_the_folder(small_disk):
     fill(small_disk)
     with pytest.raises(OutputDirUnwritable) as error:  # before: a plain OSError
@@ -190,6 +197,7 @@ def test_a_metrics_line_onto_a_full_disk_says_the_disk_is_full_and_names_the_fol
     )
 
 
+@pytest.mark.process
 def test_an_episode_file_onto_a_full_disk_says_so_and_leaves_no_temporary_file(
     small_disk, tokenizer
 ):
@@ -204,6 +212,7 @@ def test_an_episode_file_onto_a_full_disk_says_so_and_leaves_no_temporary_file(
     assert list((small_disk / "episodes").iterdir()) == []
 
 
+@pytest.mark.process
 def test_metrics_and_episode_samples_into_a_read_only_folder_say_why(read_only, tokenizer):
     reason = "Read-only file system" if os.geteuid() == 0 else "Permission denied"
     args, state, control = callback_args(read_only)

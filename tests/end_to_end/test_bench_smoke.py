@@ -6,7 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.paths import REPO
+
+pytestmark = pytest.mark.process
 
 BENCH = REPO / "bench" / "rollout.py"
 

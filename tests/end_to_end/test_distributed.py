@@ -36,6 +36,8 @@ from tests.support.paths import REPO, SCRIPTS
 from tests.support.tiny_model import tiny_reward_model
 from tests.support.vllm_support import free_port
 
+pytestmark = pytest.mark.process
+
 ROOT = REPO
 NUM_GENERATIONS = 4  # as in distributed_train.py
 

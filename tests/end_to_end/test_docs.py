@@ -180,6 +180,7 @@ def build_docs(tmp_path: Path, page: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.process
 def test_make_docs_builds_a_site_whose_links_anchors_and_references_resolve(tmp_path):
     built = build_docs(tmp_path, GOOD_PAGE)
     assert built.returncode == 0, built.stdout + built.stderr
@@ -187,6 +188,7 @@ def test_make_docs_builds_a_site_whose_links_anchors_and_references_resolve(tmp_
 
 
 @pytest.mark.parametrize("broken", BROKEN_PAGES)
+@pytest.mark.process
 def test_make_docs_fails_on_a_broken_link_anchor_or_api_reference(broken, tmp_path):
     page, named = BROKEN_PAGES[broken]
     built = build_docs(tmp_path, page)

@@ -22,6 +22,8 @@ from accelerate.utils import DistributedType
 
 from tests.support.paths import REPO
 
+pytestmark = pytest.mark.process
+
 ROOT = REPO
 EXAMPLES = ROOT / "examples"
 # For all four together; "does not hang", not a speed check: about 170 s at a load average

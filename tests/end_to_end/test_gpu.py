@@ -138,6 +138,7 @@ def test_agentgrpo_eval_plays_on_the_device_in_the_training_precision(
 
 
 @ON_EACH_DEVICE
+@pytest.mark.process
 def test_agentgrpo_run_trains_on_the_device_and_says_so(device, model_dir, tmp_path):
     (tmp_path / "sums.py").write_text(ENVIRONMENT)
     out = tmp_path / "out"

@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from agentgrpo.checkpoints import checked_checkpoint
 
+pytestmark = pytest.mark.process
+
 # Counter whose reset is the busy moment a test waits for: `resetting-*` exists while a reset
 # sleeps SLOW_RESET_S seconds (a slow tool), `played-*` once it is done (generation follows).
 SLOW_COUNTER = """

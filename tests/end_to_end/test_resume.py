@@ -83,6 +83,7 @@ def logged_steps(out: Path) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_a_run_killed_during_a_save_and_mid_step_resumes_to_the_same_weights(
     tiny_model_dir, tmp_path
 ):
@@ -125,6 +126,7 @@ def test_a_run_killed_during_a_save_and_mid_step_resumes_to_the_same_weights(
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_a_run_killed_after_a_checkpoint_every_two_steps_resumes_to_the_same_weights(
     tiny_model_dir, tmp_path
 ):

@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.paths import REPO
+
+pytestmark = pytest.mark.process
 
 
 def test_the_wheel_installs_with_its_data_and_its_command_starts_outside_the_checkout():

@@ -180,6 +180,7 @@ def test_run_and_eval_use_the_environments_limits_unless_told_otherwise(tmp_path
     assert counter.max_completion_length == RUN_DEFAULTS["max_completion_length"]
 
 
+@pytest.mark.process
 def test_the_start_up_summary_shows_the_limits_and_where_they_came_from(tiny_model_dir, tmp_path):
     from tests.support.cli import tiny_run
 
@@ -196,6 +197,7 @@ def test_the_start_up_summary_shows_the_limits_and_where_they_came_from(tiny_mod
     assert any("reward" in entry for entry in logged)
 
 
+@pytest.mark.process
 def test_the_start_up_summary_names_the_environments_run_defaults(tiny_model_dir, tmp_path):
     from tests.support.cli import tiny_run
 

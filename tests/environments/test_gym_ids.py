@@ -230,6 +230,7 @@ def test_a_gym_id_the_cli_cannot_play_is_one_error_line(capsys, spec, expected):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_run_and_eval_take_a_gym_id(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     result = tiny_run(

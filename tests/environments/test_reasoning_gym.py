@@ -116,6 +116,7 @@ def test_an_episode_submitting_the_right_answer_scores_one(tokenizer):
     assert episode.finish is Finish.ENV_DONE and episode.env_reward == 1.0
 
 
+@pytest.mark.process
 def test_envs_lists_the_tasks():
     result = subprocess.run(
         [sys.executable, "-m", "agentgrpo", "envs"], capture_output=True, text=True, timeout=120
@@ -125,6 +126,7 @@ def test_envs_lists_the_tasks():
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_run_and_eval_a_task_on_the_tiny_model(tiny_model_dir, tmp_path):
     def agentgrpo(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(

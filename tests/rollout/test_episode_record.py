@@ -296,6 +296,7 @@ def test_log_episodes_off_writes_no_record(tokenizer, tmp_path):
     assert recorded_steps(tmp_path) == []
 
 
+@pytest.mark.process
 def test_the_cli_run_writes_the_record(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(

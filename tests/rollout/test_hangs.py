@@ -502,6 +502,7 @@ async def test_a_close_that_hangs_after_the_episode_failed_is_a_note_on_its_erro
 # ---------------------------------------------------------------------- the process exits
 
 
+@pytest.mark.process
 def test_the_interpreter_exits_promptly_after_a_tool_that_blocks_for_ever(tiny_model_dir):
     started = time.monotonic()
     done = subprocess.run(
@@ -537,6 +538,7 @@ class StuckCounter(Counter):
 """
 
 
+@pytest.mark.process
 def test_agentgrpo_run_exits_after_a_tool_that_blocks_for_ever(
     tmp_path, tokenizer, tool_calling_tiny_model
 ):
@@ -577,6 +579,7 @@ class LeakyCounter(Counter):
 """
 
 
+@pytest.mark.process
 def test_agentgrpo_run_exits_after_training_though_the_environment_left_a_thread_running(
     tmp_path, tiny_model_dir
 ):
@@ -594,6 +597,7 @@ def test_agentgrpo_run_exits_after_training_though_the_environment_left_a_thread
     assert "leftover watcher" in done.stderr
 
 
+@pytest.mark.process
 def test_the_exit_watchdog_keeps_the_status_and_flushes_the_output():
     script = (
         "import threading\n"
@@ -623,6 +627,7 @@ async def test_a_shield_that_ctrl_c_ends_stands_in_front_of_the_sigint_handler_o
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.process
 def test_a_first_ctrl_c_stops_a_run_whose_close_never_returns(smollm2_path):
     run = subprocess.Popen(
         [sys.executable, str(SCRIPTS / "stuck_close.py"), str(smollm2_path)],

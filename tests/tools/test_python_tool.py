@@ -29,6 +29,7 @@ from tests.support.venvs import make_venv
 from tools import as_tool, call_tool, python, python_tool
 
 pytestmark = [
+    pytest.mark.process,
     pytest.mark.anyio,
     pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux"),
 ]

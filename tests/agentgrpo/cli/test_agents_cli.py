@@ -106,6 +106,7 @@ def task(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("source", [OPENAI_AGENT, SDK_AGENT], ids=["openai", "agents-sdk"])
+@pytest.mark.process
 def test_a_short_run_trains_on_exactly_what_the_endpoint_sampled(
     source, task, tiny_model_dir, tmp_path, monkeypatch
 ):
@@ -156,6 +157,7 @@ def test_an_agent_run_without_rows(user_error, tmp_path):
     assert "agent solve has no task rows of its own; pass --dataset" in message
 
 
+@pytest.mark.process
 def test_the_example_agent_brings_its_own_rows(tiny_model_dir):
     """examples/calculator_agent.py: eval takes the held-out rows of its module's dataset()."""
     root = REPO

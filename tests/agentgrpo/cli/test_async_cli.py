@@ -10,6 +10,7 @@ from tests.support.cli import agentgrpo
 
 
 @pytest.mark.slow  # two whole CLI runs: about a minute at a load of 10 on 2 cores
+@pytest.mark.process
 def test_an_async_run_trains_logs_staleness_and_resumes(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     common = (

@@ -17,6 +17,7 @@ from environments import Counter
 from tests.support.cli import agentgrpo, eval_figures, tiny_run
 
 
+@pytest.mark.process
 def test_envs_lists_every_builtin_with_one_line_each_then_the_environment_sources():
     result = agentgrpo("envs")
     assert result.returncode == 0, result.stderr
@@ -37,6 +38,7 @@ def test_envs_lists_every_builtin_with_one_line_each_then_the_environment_source
     assert "rg:TASK" in sources  # reasoning-gym's tasks, or how to install them
 
 
+@pytest.mark.process
 def test_run_help_documents_every_option():
     result = agentgrpo("run", "--help")
     assert result.returncode == 0
@@ -50,6 +52,7 @@ def test_no_command_prints_help(capsys):
     assert "run" in capsys.readouterr().out
 
 
+@pytest.mark.process
 def test_python_dash_m_and_the_console_script_agree():
     script = Path(sys.executable).with_name("agentgrpo")
     if not script.exists():
@@ -293,6 +296,7 @@ def test_long_episodes_turn_gradient_checkpointing_on_unless_told_otherwise():
 # ---------------------------------------------------------------------- end to end
 
 
+@pytest.mark.process
 def test_run_then_eval_on_the_tiny_model(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     result = tiny_run(
@@ -336,6 +340,7 @@ def test_run_then_eval_on_the_tiny_model(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_default_run_on_smollm2(tmp_path, smollm2_path):
     """The main job as a user runs it, cut to a few steps: the embedded model, its warm start."""
     out = tmp_path / "run"

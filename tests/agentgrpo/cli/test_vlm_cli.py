@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rollout.images import load_processor
 from tests.support.cli import agentgrpo
 from tests.support.vlm_models import saved_vlm
 
 
+@pytest.mark.process
 def test_a_run_of_a_vlm_folder_on_colour_square_keeps_each_picture_as_a_file(tmp_path):
     vlm = saved_vlm("qwen2_5_vl", tmp_path / "vlm")
     out = tmp_path / "run"

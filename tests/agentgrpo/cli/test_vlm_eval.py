@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.support.cli import agentgrpo
 from tests.support.vlm_models import saved_vlm
 
 
+@pytest.mark.process
 def test_eval_of_a_vlm_folder_shows_the_model_the_pictures(tmp_path):
     vlm = saved_vlm("idefics3", tmp_path / "vlm")
     episodes = tmp_path / "episodes.txt"

@@ -53,6 +53,7 @@ def hide(monkeypatch, *modules: str) -> None:
     importlib.util.find_spec("trackio") is None,
     reason="needs trackio: pip install 'agentgrpo[trackio]' (make install does)",
 )
+@pytest.mark.process
 def test_a_run_reports_its_metrics_and_completions_to_trackio_offline(tiny_model_dir, tmp_path):
     out, store = tmp_path / "run", tmp_path / "trackio"
     # Of trackio's settings only TRACKIO_DIR: no Space, server or bucket from the environment.

@@ -149,6 +149,7 @@ def charts(browser) -> dict[str, str]:
     )
 
 
+@pytest.mark.process
 def test_the_served_page_shows_the_run_and_follows_it(real_run, browser, tokenizer, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(real_run, run_dir)
@@ -192,6 +193,7 @@ def first_line_url(server: subprocess.Popen, timeout_s: float = 120) -> str:
     return line.split()[2]
 
 
+@pytest.mark.process
 def test_the_html_file_opens_filters_and_compares_steps(real_run, browser, tokenizer, tmp_path):
     from selenium.webdriver.support.ui import Select
 

@@ -16,6 +16,9 @@ from agentgrpo.rewards import (
 )
 from agentgrpo.rewards.math_check import MathChecker
 
+# accuracy_reward compares answers in a child process, started by whichever test needs it first.
+pytestmark = pytest.mark.process
+
 
 def accuracy(completion, gold):
     [reward] = accuracy_reward([completion], solution=[gold])

@@ -480,6 +480,7 @@ TRL_INSTALLED = importlib.util.find_spec("trl") is not None
 
 @pytest.mark.slow
 @pytest.mark.skipif(not TRL_INSTALLED, reason="needs trl (make install puts 1.16.0 in)")
+@pytest.mark.process
 def test_the_keys_listed_for_trl_are_what_trl_logs(tiny_model_dir, tmp_path):
     # About 40 s: TRL's import brings vLLM's; a process of its own keeps it out of this one.
     script = SUPPORT / "trl_logged_keys.py"

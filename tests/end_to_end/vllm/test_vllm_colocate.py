@@ -34,7 +34,7 @@ from tests.support.vllm_support import (
     vllm_counter_engine,
 )
 
-pytestmark = needs_vllm
+pytestmark = [*needs_vllm, pytest.mark.process]
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ from tests.support.vllm_support import (
     without_multiprocessing_flag,
 )
 
-pytestmark = needs_vllm
+pytestmark = [*needs_vllm, pytest.mark.process]
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from tests.support.vllm_support import (
 )
 from tests.support.vlm_vllm import idefics3_with_heads_of_32, logprob_gap, play
 
-pytestmark = needs_vllm
+pytestmark = [*needs_vllm, pytest.mark.process]
 
 
 @pytest.fixture(scope="module")

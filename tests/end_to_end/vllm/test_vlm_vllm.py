@@ -15,7 +15,7 @@ from tests.support.trainer import colour_square_run
 from tests.support.vllm_support import colocated_backend, needs_vllm
 from tests.support.vlm_vllm import idefics3_with_heads_of_32, logprob_gap, picture, play
 
-pytestmark = needs_vllm
+pytestmark = [*needs_vllm, pytest.mark.process]
 
 
 @pytest.fixture(scope="module")

@@ -352,6 +352,7 @@ COUNTER_SCRIPT = [
 # ---------------------------------------------------------------------- the command line
 
 
+@pytest.mark.process
 def test_run_and_eval_a_single_turn_environment(env_dir, tiny_model_dir, tmp_path, monkeypatch):
     replies = tmp_path / "replies.jsonl"
     monkeypatch.setenv("REPLIES", str(replies))
@@ -393,6 +394,7 @@ def test_run_and_eval_a_single_turn_environment(env_dir, tiny_model_dir, tmp_pat
     assert reply["choices"][0]["token_ids"]  # the integration asked for the token ids
 
 
+@pytest.mark.process
 def test_run_and_eval_a_tool_environment_with_the_taught_tiny_model(
     env_dir, tool_calling_tiny_model, tokenizer, tmp_path, monkeypatch
 ):

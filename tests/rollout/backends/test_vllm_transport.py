@@ -60,6 +60,7 @@ def test_the_backend_is_nccl_on_gpus_and_gloo_on_cpu():
     assert backend_for(torch.device("cpu")) == "gloo"
 
 
+@pytest.mark.process
 def test_a_gloo_broadcast_delivers_every_tensor_exactly():
     received = broadcast_round_trip("cpu")
     assert list(received) == list(WEIGHTS)
