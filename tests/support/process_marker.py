@@ -29,6 +29,7 @@ INCIDENTAL = {"ldconfig", "file", "lscpu", "uname", "git", "gcc", "g++", "cc", "
 # process, which a time limit can kill, started by whichever comparison comes first).
 DOCTESTS = {"agentgrpo.rewards.builtin.accuracy_reward", "agentgrpo.rewards.builtin.answers_match"}
 _started: list[str] = []  # the commands of the processes started in this pytest process
+_first = pytest.StashKey[int]()  # a test's index into `_started` when its set-up began
 
 
 def _counting(start: Callable[..., Any], name: Callable[..., str]) -> Callable[..., Any]:
@@ -45,6 +46,7 @@ def _counting(start: Callable[..., Any], name: Callable[..., str]) -> Callable[.
 
 
 def _command(popen: subprocess.Popen, args: Any, *_: Any, **__: Any) -> str:
+    """The command line a `Popen(args, ...)` runs, cut to 200 characters."""
     return str(args if isinstance(args, str) else " ".join(map(str, args)))[:200]
 
 
@@ -82,6 +84,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             f"@pytest.mark.{MARKER}: mark it (or its module, when a module-scoped fixture "
             'starts them), so that `-m "not process"` leaves it out'
         )
-
-
-_first = pytest.StashKey[int]()
