@@ -20,6 +20,7 @@ package data is there, and that the console script starts (`agentgrpo envs`, `ag
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -87,18 +88,13 @@ def build_wheel(checks: Checks, folder: Path) -> Path:
     return found[0] if found else wheels / "missing.whl"
 
 
-def imported_from(checks: Checks, python: Path, name: str, venv: Path, cwd: Path) -> None:
-    """Check that `python` imports the package `name` from inside `venv`."""
-    output = run_quietly(python, WHERE.format(name=name), cwd)
-    checks.check(f"{name} is imported from the venv", str(venv) in output, output.strip())
-
-
 def package_data(checks: Checks, python: Path, venv: Path, cwd: Path) -> None:
-    """Check that the installed packages hold every file of PACKAGE_DATA."""
+    """Check that each package of PACKAGE_DATA is imported from `venv` and holds its files."""
     for package, files in PACKAGE_DATA.items():
-        imported_from(checks, python, package, venv, cwd)
-        folder = Path(run_quietly(python, WHERE.format(name=package), cwd).strip().strip('"'))
-        missing = [name for name in files if not (folder.parent / name).is_file()]
+        where = run_quietly(python, WHERE.format(name=package), cwd).strip()
+        checks.check(f"{package} is imported from the venv", str(venv) in where, where)
+        folder = Path(json.loads(where)).parent if where else venv / "missing"
+        missing = [name for name in files if not (folder / name).is_file()]
         detail = f"missing {missing}" if missing else ""
         checks.check(f"{package} holds {', '.join(files)}", not missing, detail)
 
