@@ -11,18 +11,18 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agentgrpo.async_trainer import AsyncGRPOConfig, AsyncGRPOTrainer
     from agentgrpo.config import GRPOConfig
-    from agentgrpo.trainer import GRPOTrainer
+    from agentgrpo.training.async_trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+    from agentgrpo.training.trainer import GRPOTrainer
 
 __version__ = "0.1.0"
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "GRPOConfig", "GRPOTrainer"]
 
 _LAZY = {
     "GRPOConfig": "agentgrpo.config",
-    "GRPOTrainer": "agentgrpo.trainer",
-    "AsyncGRPOConfig": "agentgrpo.async_trainer",
-    "AsyncGRPOTrainer": "agentgrpo.async_trainer",
+    "GRPOTrainer": "agentgrpo.training.trainer",
+    "AsyncGRPOConfig": "agentgrpo.training.async_trainer",
+    "AsyncGRPOTrainer": "agentgrpo.training.async_trainer",
 }
 
 

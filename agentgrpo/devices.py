@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from agentgrpo.placement import Placement
 from agentgrpo.precision import describe_precision
 
 DEVICE_FORMS = "cpu, cuda or cuda:N (N counts the GPUs CUDA can see, from 0)"
@@ -211,7 +212,7 @@ def _gpus(device: torch.device) -> int:
     return torch.cuda.device_count()
 
 
-def check_launch(environ: Mapping[str, str], accelerator: Any) -> None:
+def check_launch(environ: Mapping[str, str], placement: Placement) -> None:
     """Refuse a launch that accelerate runs otherwise than it was asked to.
 
     Its processes run one by one (`check_processes_joined`), FSDP asked for and not run
@@ -219,17 +220,11 @@ def check_launch(environ: Mapping[str, str], accelerator: Any) -> None:
 
     Args:
         environ: The process environment.
-        accelerator: The run's `Accelerator`.
+        placement: How accelerate runs it.
     """
-    engine = engine_name(accelerator)
-    check_processes_joined(environ, accelerator.num_processes)
-    check_sharded_launch(environ, engine)
-    check_fsdp_version(engine, accelerator.is_fsdp2)
-
-
-def engine_name(accelerator: Any) -> str:
-    """The accelerator's `distributed_type` by its name ("NO", "MULTI_CPU", "DEEPSPEED", "FSDP")."""
-    return str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    check_processes_joined(environ, placement.num_processes)
+    check_sharded_launch(environ, placement.engine)
+    check_fsdp_version(placement.engine, placement.fsdp2)
 
 
 def check_processes_joined(environ: Mapping[str, str], num_processes: int) -> None:
@@ -242,7 +237,7 @@ def check_processes_joined(environ: Mapping[str, str], num_processes: int) -> No
 
     Args:
         environ: The process environment.
-        num_processes: The accelerator's `num_processes`.
+        num_processes: The processes accelerate joined (`Placement.num_processes`).
 
     Raises:
         ValueError: `WORLD_SIZE` > 1 and one process in the accelerator.
@@ -265,13 +260,13 @@ def check_fsdp_version(engine: str, is_fsdp2: bool) -> None:
     """Refuse FSDP version 1: the policy's sharded weights are gathered under FSDP2 only.
 
     Generating (with transformers, or pushing to vLLM) needs the policy's whole weights;
-    agentgrpo gathers them from FSDP2's shards (`sharded_weights.fsdp2_unsharded`,
+    agentgrpo gathers them from FSDP2's shards (`models.sharded.fsdp2_unsharded`,
     `weight_sync.whole_parameters`) and DeepSpeed ZeRO-3's, not from FSDP1's flat parameters
     (`fsdp_version: 1`, accelerate's default).
 
     Args:
-        engine: The accelerator's `distributed_type` by its name (e.g. "FSDP").
-        is_fsdp2: The accelerator's `is_fsdp2`.
+        engine: `Placement.engine` (e.g. "FSDP").
+        is_fsdp2: `Placement.fsdp2`.
 
     Raises:
         ValueError: FSDP, not version 2.
@@ -297,7 +292,7 @@ def check_sharded_launch(environ: Mapping[str, str], engine: str) -> None:
 
     Args:
         environ: The process environment.
-        engine: The accelerator's `distributed_type` by its name (e.g. "FSDP").
+        engine: `Placement.engine` (e.g. "FSDP").
 
     Raises:
         ValueError: FSDP was asked for and `engine` is not FSDP.

@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def _served() -> Iterator[list[str]]:
     """`agentgrpo vllm-serve` of the default model on `SERVER_CORE`; yields the runs' options."""
-    from agentgrpo.default_model import default_model_path
+    from agentgrpo.models.default_model import default_model_path
 
     port = _free_port()
     command = ["taskset", "-c", SERVER_CORE, sys.executable, "-m", "agentgrpo", "vllm-serve"]
@@ -219,7 +219,7 @@ def _tiny_model(folder: str) -> str:
     sys.path.insert(0, str(root))
     from transformers import AutoTokenizer
 
-    from agentgrpo.default_model import default_model_path
+    from agentgrpo.models.default_model import default_model_path
     from tests.support.tiny_model import tiny_llama  # the tests' model: a config, no download
 
     path = Path(folder) / "tiny-model"

@@ -47,7 +47,7 @@ import openai
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agentgrpo.default_model import default_model_path
+from agentgrpo.models.default_model import default_model_path
 from rollout import (
     Completion,
     EpisodeConfig,

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _default_model() -> Path:
-    from agentgrpo.default_model import cache_dir, default_model_path
+    from agentgrpo.models.default_model import cache_dir, default_model_path
 
     warm = cache_dir() / "bench" / "SmolLM2-135M-Instruct-toolcall-format-v1"
     return warm if (warm / "config.json").exists() else default_model_path()
@@ -158,7 +158,7 @@ def _time_pushes(backend, policy, pushes: int) -> float:
     """Median seconds of one push; the policy is perturbed before each so the weights change."""
     import torch
 
-    from agentgrpo.weight_sync import ColocatedPush
+    from agentgrpo.generation.weight_sync import ColocatedPush
 
     sync = ColocatedPush(backend, sleeps=False)
     sync.pushed_step = 0  # the start-up already loaded these weights

@@ -28,7 +28,7 @@ DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w "$out/w
 python3 - "$out/tokenizer" <<'PY'
 import sys
 from transformers import AutoConfig, AutoTokenizer
-from agentgrpo.default_model import default_model_path
+from agentgrpo.models.default_model import default_model_path
 # The config too: the tests' tokenizer fixture finds the folder through agentgrpo's model cache.
 AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(sys.argv[1])
 AutoConfig.from_pretrained(default_model_path()).save_pretrained(sys.argv[1])

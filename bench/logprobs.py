@@ -104,7 +104,7 @@ def child(way: str, completion_width: int, repeats: int, threads: int, checkpoin
     """Run one (way, C) measurement in this process; its numbers as a dict."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentgrpo.default_model import default_model_path
+    from agentgrpo.models.default_model import default_model_path
 
     torch.set_num_threads(threads)
     path = default_model_path()

@@ -59,7 +59,7 @@ import anyio
 import torch
 from transformers import AutoTokenizer
 
-from agentgrpo.default_model import default_model_path
+from agentgrpo.models.default_model import default_model_path
 from environments import Counter, environment_tools, reset_environment
 from rollout import (
     ChatRenderer,

@@ -79,7 +79,7 @@ def _parse() -> argparse.Namespace:
     if cli.config and not cli.tokenizer:
         parser.error("--config needs --tokenizer DIR")
     if not cli.model and not cli.config:
-        from agentgrpo.default_model import default_model_path
+        from agentgrpo.models.default_model import default_model_path
 
         cli.model = str(default_model_path())
     cli.engines = cli.engines.split(",")

@@ -16,7 +16,7 @@ every other repeat.
   and three rounds and an answer do not fit in 128; without them a round is 38 and the
   three calls and "The counter is now 9." take 122. Targets: time ratio <= 0.5, memory <= 0.8.
 
-Common to both: SmolLM2-135M-Instruct (`agentgrpo.default_model.default_model_path()`) in
+Common to both: SmolLM2-135M-Instruct (`agentgrpo.models.default_model.default_model_path()`) in
 float32 on CPU (`use_cpu=True`, `bf16=False`: TRL would otherwise default to bf16), gradient
 checkpointing OFF for both (both default to ON; at this size recomputation only adds time;
 `--gradient-checkpointing` turns it ON for both, non-reentrant, as a TRL script ported by
@@ -431,7 +431,7 @@ def _load(load: tuple[float, ...]) -> str:
 
 def _model_dir(workload: Workload, args: argparse.Namespace) -> str:
     """The folder every runner loads: `--model`, the raw model, or the cached warm start."""
-    from agentgrpo.default_model import cache_dir, default_model_path
+    from agentgrpo.models.default_model import cache_dir, default_model_path
 
     base = default_model_path()
     if args.model or not args.warm_start:
@@ -927,7 +927,7 @@ def _warm_start(target: Path, workload: Workload) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentgrpo.default_model import default_model_path
+    from agentgrpo.models.default_model import default_model_path
 
     torch.manual_seed(SEED)
     rng = random.Random(SEED)

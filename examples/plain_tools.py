@@ -26,7 +26,7 @@ import torch
 from datasets import Dataset
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.default_model import default_model_path
+from agentgrpo.models.default_model import default_model_path
 from tools import calculator
 
 

@@ -17,7 +17,7 @@ import anyio
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agentgrpo.default_model import default_model_path
+from agentgrpo.models.default_model import default_model_path
 from environments import Counter
 from rollout import EpisodeConfig, RolloutEngine, TransformersBackend
 

@@ -23,7 +23,7 @@ import argparse
 import torch
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.default_model import default_model_path
+from agentgrpo.models.default_model import default_model_path
 from environments import Counter
 
 

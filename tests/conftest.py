@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentgrpo.cli import main
-from agentgrpo.default_model import default_model_path
+from agentgrpo.models.default_model import default_model_path
 from rollout import Episode
 from tests.support.episodes import COUNTER_TURNS, scripted_episode
 from tests.support.teach import teach

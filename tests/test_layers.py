@@ -134,3 +134,67 @@ def test_the_library_never_imports_trl(layer):
         if "trl" in imported_packages(path)
     ]
     assert offenders == []
+
+
+# agentgrpo's rooms: a round is played and batched without knowing which generator plays it or
+# whether a producer thread does (the generation and async rooms plug into the round).
+AGENTGRPO_ROOM_MAY_NOT_IMPORT = {
+    "rounds": ("agentgrpo.generation", "agentgrpo.asynchronous", "agentgrpo.training"),
+    "models": ("agentgrpo.generation", "agentgrpo.asynchronous", "agentgrpo.training"),
+    "generation": ("agentgrpo.asynchronous", "agentgrpo.training"),
+    "asynchronous": ("agentgrpo.training",),
+    "learner": ("agentgrpo.rounds", "agentgrpo.generation", "agentgrpo.asynchronous"),
+}
+
+
+@pytest.mark.parametrize("room", AGENTGRPO_ROOM_MAY_NOT_IMPORT)
+def test_an_agentgrpo_room_imports_no_room_it_must_not(room):
+    forbidden = AGENTGRPO_ROOM_MAY_NOT_IMPORT[room]
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(
+            n
+            for n in imported_modules(path)
+            if any(n == f or n.startswith(f + ".") for f in forbidden)
+        )
+        for path in (ROOT / "agentgrpo" / room).rglob("*.py")
+    }
+    assert offenders and {p: names for p, names in offenders.items() if names} == {}
+
+
+# What accelerate says of the launch (engine, ZeRO stage, FSDP version and state dicts) is read
+# in one place, `agentgrpo/placement.py`; everything else is handed its `Placement`.
+LAUNCH_STATE = {
+    "deepspeed_plugin",
+    "fsdp_plugin",
+    "is_fsdp2",
+    "distributed_type",
+    "is_deepspeed_enabled",
+    "is_fsdp_enabled",
+}
+
+
+def reads_of_launch_state(path: Path) -> list[str]:
+    """`x.state`, the attributes in LAUNCH_STATE, and `getattr(x, "<one of them>")` in `path`."""
+    reads = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        attribute = isinstance(node, ast.Attribute) and (
+            node.attr in LAUNCH_STATE
+            or (node.attr == "state" and ast.unparse(node.value).endswith("accelerator"))
+        )
+        named = (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "getattr"
+            and any(isinstance(a, ast.Constant) and a.value in LAUNCH_STATE for a in node.args)
+        )
+        if attribute or named:
+            reads.append(f"{node.lineno}: {ast.unparse(node)}")
+    return reads
+
+
+def test_only_the_placement_reads_accelerates_launch_state():
+    readers = {
+        str(path.relative_to(ROOT)): reads
+        for path in (ROOT / "agentgrpo").rglob("*.py")
+        if (reads := reads_of_launch_state(path))
+    }
+    assert set(readers) == {"agentgrpo/placement.py"}, readers

@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line `argv` (default: `sys.argv[1:]`); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "vllm-serve":
-        from agentgrpo.vllm_serve import main as vllm_serve
+        from agentgrpo.generation.vllm_serve import main as vllm_serve
 
         return vllm_serve(argv[1:])
     parser, commands = build_parser()
@@ -189,7 +189,7 @@ def _run_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.
 
 
 def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.ArgumentParser:
-    from agentgrpo.cli.options import RUN_DEFAULTS, config_fields, option_name, value_parser
+    from agentgrpo.cli.options import value_parser
 
     parser = _command(sub, "eval", handler, "play held-out rows without training")
     _add_env(parser)
@@ -211,6 +211,37 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
     )
     add("--reward", action="append", default=[], metavar="MODULE:FUNCTION", help="repeatable")
     add("--env-args", metavar="JSON", help=ENV_ARGS_HELP)
+    _add_eval_episode_options(parser)
+    add(
+        "--success-threshold",
+        type=value_parser("success_threshold", float),
+        default=1.0,
+        help="reward that counts as a success",
+    )
+    add("--seed", type=value_parser("seed", int), default=0, help="sampling seed")
+    add("--device", metavar="DEVICE", help=DEVICE_HELP)
+    add("--episodes-file", metavar="FILE", help="also write every episode as text to FILE")
+    add(
+        "--server-url",
+        metavar="URL",
+        help="generate with this OpenAI-compatible server (e.g. `agentgrpo vllm-serve`, "
+        "http://localhost:8000) instead of loading the model here; --model still names the "
+        "tokenizer",
+    )
+    add(
+        "--server-timeout",
+        type=value_parser("server_timeout", float),
+        default=240.0,
+        help="seconds to wait for the server",
+    )
+    return parser
+
+
+def _add_eval_episode_options(parser: argparse.ArgumentParser) -> None:
+    """`eval`'s sampling and episode options, with training's defaults."""
+    from agentgrpo.cli.options import RUN_DEFAULTS, config_fields, option_name, value_parser
+
+    add = parser.add_argument
     add(
         "--temperature",
         type=value_parser("temperature", float),
@@ -242,29 +273,6 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
     )
     add("--chat-template", help="template name or jinja (default: the model's own)")
     add("--tool-call-parser", help="hermes or llama3_json (default: detected)")
-    add(
-        "--success-threshold",
-        type=value_parser("success_threshold", float),
-        default=1.0,
-        help="reward that counts as a success",
-    )
-    add("--seed", type=value_parser("seed", int), default=0, help="sampling seed")
-    add("--device", metavar="DEVICE", help=DEVICE_HELP)
-    add("--episodes-file", metavar="FILE", help="also write every episode as text to FILE")
-    add(
-        "--server-url",
-        metavar="URL",
-        help="generate with this OpenAI-compatible server (e.g. `agentgrpo vllm-serve`, "
-        "http://localhost:8000) instead of loading the model here; --model still names the "
-        "tokenizer",
-    )
-    add(
-        "--server-timeout",
-        type=value_parser("server_timeout", float),
-        default=240.0,
-        help="seconds to wait for the server",
-    )
-    return parser
 
 
 def _add_env(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentgrpo import checkpoints, run_folder
+from agentgrpo import run_folder
 from agentgrpo.cli import resume_check, sources
 from agentgrpo.cli.options import (
     BUILTIN_TEMPLATE,
@@ -32,6 +32,7 @@ from agentgrpo.cli.options import (
     template_source,
 )
 from agentgrpo.cli.values import FieldType
+from agentgrpo.training import checkpoints
 from environments.contract import run_defaults
 
 # Keys a --config file may hold besides GRPOConfig's fields: the command's own options.
@@ -78,8 +79,6 @@ def _run_in_folder(
 ) -> int:
     """`run`, once the output folder is this run's alone."""
     from agentgrpo import GRPOTrainer
-    from agentgrpo.doctor import startup_checks
-    from agentgrpo.reporting.run_log import attach_run_callbacks, summary_table
 
     checkpoint = _resume_from(settings["resume"], config)
     model = sources.model_path(settings["model"])
@@ -102,6 +101,26 @@ def _run_in_folder(
         eval_dataset=eval_rows,
         **sources.played_by(source),
     )
+    try:
+        return _train_and_save(trainer, namespace, settings, config, checkpoint, train_rows)
+    finally:
+        # Every process of a launch leaves its process group first: at exit, the threads of a
+        # gloo group still alive can abort the process (SIGABRT) after a run that succeeded.
+        trainer.accelerator.end_training()
+
+
+def _train_and_save(
+    trainer: Any,
+    namespace: argparse.Namespace,
+    settings: dict[str, Any],
+    config: Any,
+    checkpoint: str | None,
+    train_rows: Any,
+) -> int:
+    """`run` with its trainer: train (or finish a finished run), save, and say what is next."""
+    from agentgrpo.doctor import startup_checks
+    from agentgrpo.reporting.run_log import attach_run_callbacks, summary_table
+
     if config.chat_template:  # the saved model then plays with the template it learned on
         from rollout import load_template
 
@@ -128,7 +147,7 @@ def _run_in_folder(
 
 def _print_eval_commands(env: str, env_args: Any, config: Any, warm_started: bool) -> None:
     """The `agentgrpo eval` lines for the final model and, when saved, the warm start alone."""
-    from agentgrpo.trainer import WARM_START_DIR
+    from agentgrpo.training.trainer import WARM_START_DIR
 
     again = f" --env-args {shlex.quote(json.dumps(env_args))}" if env_args is not None else ""
     print(f"evaluate it: agentgrpo eval {env}{again} --model {Path(config.output_dir) / 'model'}")
@@ -403,7 +422,7 @@ def _print_start(
     backend = f"vLLM ({args.vllm_mode})" if args.use_vllm else "transformers"
     autocast = mixed_precision_dtype(args)
     # DeepSpeed casts the module to its mixed precision when it prepares it (ZeRO-3 builds it so)
-    weights = autocast if trainer.is_deepspeed_enabled and autocast else trainer.model.dtype
+    weights = autocast if trainer.placement.uses_deepspeed and autocast else trainer.model.dtype
     lines = {
         "environment": f"{env} ({len(rows) if hasattr(rows, '__len__') else 'streamed'} rows)",
         "model": settings["model"] or sources.DEFAULT_MODEL,
@@ -432,7 +451,7 @@ def _print_start(
 
 def _warm_start_line(args: Any) -> str:
     """How many warm-start steps, and where the warm-started model is saved."""
-    from agentgrpo.trainer import WARM_START_DIR
+    from agentgrpo.training.trainer import WARM_START_DIR
 
     if not args.warm_start_steps:
         return "none"

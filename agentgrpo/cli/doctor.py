@@ -60,7 +60,7 @@ def doctor(namespace: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from agentgrpo import doctor as checks
-    from agentgrpo.models import load_tokenizer
+    from agentgrpo.models.loading import load_tokenizer
     from environments import resolve_environment
 
     if namespace.generate and not namespace.env:
@@ -154,7 +154,7 @@ def _generate(
 ) -> CheckResult:
     """Check 6 with the model loaded here and episodes played as `agentgrpo run` plays them."""
     from agentgrpo.doctor import check_generation
-    from agentgrpo.models import load_for_generation
+    from agentgrpo.models.loading import load_for_generation
     from agentgrpo.precision import autocast_kwargs
     from environments.contract import episode_limits
     from rollout import EpisodeConfig, RolloutEngine, TransformersBackend

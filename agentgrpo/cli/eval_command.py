@@ -86,10 +86,10 @@ def _eval_engine(
     from transformers import AutoTokenizer
 
     from agentgrpo.doctor import startup_checks
-    from agentgrpo.models import is_vision_folder, load_tokenizer
+    from agentgrpo.models.loading import is_vision_folder, load_tokenizer
     from agentgrpo.rewards.calls import reward_functions
-    from agentgrpo.scoring import environment_reward_name
-    from agentgrpo.wiring import build_parts
+    from agentgrpo.rounds.scoring import environment_reward_name
+    from agentgrpo.rounds.wiring import build_parts
     from rollout.images import load_processor
 
     rewards = reward_functions(sources.reward_functions(namespace.reward), None)
@@ -166,7 +166,7 @@ def _eval_backend(
         )
         return server, f"the server at {namespace.server_url}"
     from agentgrpo.devices import describe_run_device
-    from agentgrpo.models import load_for_generation
+    from agentgrpo.models.loading import load_for_generation
     from agentgrpo.precision import autocast_kwargs
     from rollout import TransformersBackend
 

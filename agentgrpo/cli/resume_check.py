@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from agentgrpo import checkpoints
 from agentgrpo.cli.options import UsageError
+from agentgrpo.training import checkpoints
 
 RUN_FILE = "run.json"
 

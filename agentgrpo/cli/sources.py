@@ -143,7 +143,7 @@ def model_path(model: str | None) -> str:
 
     """
     if model is None:
-        from agentgrpo.default_model import default_model_path
+        from agentgrpo.models.default_model import default_model_path
 
         return str(default_model_path())
     path = Path(model).expanduser()

@@ -12,7 +12,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class AsyncFields:
-    """Generation overlapped with training, within a staleness bound (`agentgrpo.async_rounds`)."""
+    """Generation overlapped with training, within a staleness bound.
+
+    See `agentgrpo.asynchronous.rounds`.
+    """
 
     async_grpo: bool = field(
         default=False,
@@ -20,7 +23,7 @@ class AsyncFields:
             "help": "Overlap generation with training: a producer thread plays groups with the "
             "generator's weights (a copy of the policy, or the vLLM server with "
             "vllm_mode='server') into a bounded queue while the learner trains on the fresh "
-            "ones (agentgrpo.async_rounds). False: rounds run in lock-step (the default)."
+            "ones (agentgrpo.asynchronous.rounds). False: rounds run in lock-step (the default)."
         },
     )
     max_staleness: int = field(

@@ -12,10 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-
-from agentgrpo.learner.advantages import combine_rewards
-from agentgrpo.scoring import Scorer, play_round
+from agentgrpo.rounds.pipeline import RewardShaping
+from agentgrpo.rounds.scoring import Scorer, play_round
 from rollout import Episode, RolloutEngine
 
 
@@ -97,10 +95,10 @@ async def evaluate(
     """Play one episode per row and report; also returns the episodes and their rewards.
 
     Rewards are the weighted sum of the scorer's columns (the environment's own reward among
-    them), as in training. An episode no reward function applies to counts as reward 0.
+    them), combined as a training round combines them (`RewardShaping.combine`, in groups of
+    one). An episode no reward function applies to counts as reward 0.
     """
     episodes, rewards_N_F = await play_round(engine, rows, 1, seed, scorer)
-    weights = reward_weights or [1.0] * rewards_N_F.shape[1]
-    rewards_N = combine_rewards(rewards_N_F, torch.tensor(weights), num_generations=1)
+    rewards_N = RewardShaping(reward_weights or None).combine(rewards_N_F, num_generations=1)
     rewards = [0.0 if math.isnan(r) else r for r in rewards_N.tolist()]
     return report(episodes, rewards, success_threshold), episodes, rewards

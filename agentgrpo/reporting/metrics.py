@@ -31,7 +31,7 @@ from agentgrpo.learner.advantages import group_std, nanstd
 from rollout import Episode
 
 if TYPE_CHECKING:
-    from agentgrpo.round_pipeline import RewardShaping
+    from agentgrpo.rounds.pipeline import RewardShaping
 
 TOOL_ERROR_KINDS = ("parse", "unknown_tool", "bad_arguments", "exception", "timeout")
 _COLUMNS = (

@@ -10,7 +10,7 @@ import torch
 
 from agentgrpo.reporting.completions import CompletionsTable
 from agentgrpo.reporting.metrics import RewardLayout, episode_stats, round_metrics
-from agentgrpo.round_pipeline import Gather, Round
+from agentgrpo.rounds.pipeline import Gather, Round
 from rollout import EpisodeRecord
 
 # A list of this process's objects -> every process's, in process order.

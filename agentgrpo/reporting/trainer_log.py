@@ -26,8 +26,8 @@ from agentgrpo.reporting.round_report import (
     gathered_metrics,
     logged_metrics,
 )
-from agentgrpo.round_pipeline import Gather, Round
-from agentgrpo.scoring import Scorer
+from agentgrpo.rounds.pipeline import Gather, Round
+from agentgrpo.rounds.scoring import Scorer
 from rollout import Episode, EpisodeRecord
 
 
@@ -35,7 +35,7 @@ class TrainerLog:
     """Metric values queued for the next log, and the latest round's episodes and tables.
 
     Args:
-        gather: Gathers tensors across processes (`round_pipeline.Gather`).
+        gather: Gathers tensors across processes (`rounds.pipeline.Gather`).
         gather_objects: Gathers lists across processes.
         process_index: This process's index, recorded in its episode records.
         with_completions: Keep each round's completions table (`log_completions`).

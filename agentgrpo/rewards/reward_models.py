@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from agentgrpo.sharded_weights import whole_copy, zero3_partitioned
+from agentgrpo.models.sharded import whole_copy, zero3_partitioned
 
 
 def is_reward_model(func: Any) -> bool:

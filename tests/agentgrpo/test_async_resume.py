@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from agentgrpo import GRPOTrainer
-from agentgrpo.async_queue import QueueFolder
+from agentgrpo.asynchronous.queue import QueueFolder
 from rollout import EpisodeRecord
 from tests.agentgrpo.test_async_rounds import PROMPTS, config
 from tests.support.episodes import scripted_episode

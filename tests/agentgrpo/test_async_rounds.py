@@ -13,8 +13,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.async_buffer import GroupBuffer, PlayedGroup, ProducerFailed
-from agentgrpo.async_mode import check_async_weights
+from agentgrpo.asynchronous.buffer import GroupBuffer, PlayedGroup, ProducerFailed
+from agentgrpo.asynchronous.mode import check_async_weights
 from agentgrpo.rewards.calls import RewardFunctionError
 from tests.support.tiny_model import tiny_llama
 from tests.support.trainer import logged, rank_in_call, short_run_config

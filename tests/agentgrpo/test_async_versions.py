@@ -10,7 +10,7 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from agentgrpo.async_rounds import episode_version
+from agentgrpo.asynchronous.rounds import episode_version
 from agentgrpo.reporting.view_data import episode_view
 from rollout import EpisodeRecord, SamplingParams, TransformersBackend
 from rollout.record import record_from_dict, record_to_dict

@@ -10,7 +10,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from agentgrpo.config import LOSS_TYPES, GRPOConfig
 from agentgrpo.config import grpo as config_module
-from agentgrpo.wiring import episode_config_of
+from agentgrpo.rounds.wiring import episode_config_of
 
 # (field, default) as TRL 1.16 declares them: a TRL script relies on these.
 TRL_DEFAULTS = [

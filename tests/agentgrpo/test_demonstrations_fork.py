@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch
 
-from agentgrpo.warm_start import warm_start
+from agentgrpo.models.warm_start import warm_start
 from environments import Counter, class_tools
 from rollout import ChatRenderer, EpisodeRow, TemplateDriftError
 from rollout.demonstrations import DemonstrationRow, demonstration_ids

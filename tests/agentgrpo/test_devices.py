@@ -26,6 +26,7 @@ from agentgrpo.devices import (
     skip_unused_deepspeed_build,
     visible_devices,
 )
+from agentgrpo.generation.weight_sync import COLOCATE_BATCHED_TOKENS, colocate_engine_args
 from agentgrpo.learner.batch import collate_episodes
 from agentgrpo.learner.token_weights import TokenWeighting
 from agentgrpo.precision import (
@@ -33,7 +34,6 @@ from agentgrpo.precision import (
     describe_precision,
     mixed_precision_dtype,
 )
-from agentgrpo.weight_sync import COLOCATE_BATCHED_TOKENS, colocate_engine_args
 from environments import Counter
 from tests.support.trainer import tiny_trainer
 

@@ -16,7 +16,7 @@ from agentgrpo.cli.eval_command import eval_config
 from agentgrpo.learner.batch import collate_episodes
 from agentgrpo.learner.logprobs import batched_logprobs
 from agentgrpo.rewards.calls import reward_functions
-from agentgrpo.round_pipeline import (
+from agentgrpo.rounds.pipeline import (
     RewardShaping,
     RoundParts,
     RoundPlan,
@@ -24,8 +24,8 @@ from agentgrpo.round_pipeline import (
     play_and_batch,
     split_micro_batches,
 )
-from agentgrpo.scoring import play_round
-from agentgrpo.wiring import build_parts, episode_config_of
+from agentgrpo.rounds.scoring import play_round
+from agentgrpo.rounds.wiring import build_parts, episode_config_of
 from environments import Counter
 from rollout import EpisodeConfig, TransformersBackend
 from tests.support.episodes import scripted_backend, scripted_episode, single_row

@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from agentgrpo.devices import skip_unused_deepspeed_build
-from agentgrpo.reference_sync import REFERENCE_FILE, SyncReference
-from agentgrpo.sharded_weights import (
+from agentgrpo.models.reference_sync import REFERENCE_FILE, SyncReference
+from agentgrpo.models.sharded import (
     _frozen_zero3_config,
     named_tensors,
     whole_one_at_a_time,

@@ -11,8 +11,8 @@ import torch
 from datasets import Dataset
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.models import reference_model
-from agentgrpo.reference_sync import REFERENCE_FILE
+from agentgrpo.models.loading import reference_model
+from agentgrpo.models.reference_sync import REFERENCE_FILE
 from agentgrpo.rewards.calls import RewardFunctionError
 from environments import Counter
 from rollout import ToolTemplateError
@@ -148,7 +148,7 @@ def test_a_checkpoint_without_the_synced_reference_resumes_with_a_warning_naming
     checkpoint = tmp_path / "checkpoint-1"
     (checkpoint / REFERENCE_FILE).unlink()
     resumed = tiny_trainer(tokenizer, low_token_share, args, PROMPTS)
-    with caplog.at_level(logging.WARNING, logger="agentgrpo.reference_sync"):
+    with caplog.at_level(logging.WARNING, logger="agentgrpo.models.reference_sync"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
     assert f"{checkpoint} holds no reference model ({REFERENCE_FILE})" in caplog.text
     assert resumed.state.global_step == 2

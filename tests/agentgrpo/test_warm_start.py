@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agentgrpo.warm_start import environment_demonstrations, warm_start
+from agentgrpo.models.warm_start import environment_demonstrations, warm_start
 from environments import Counter, class_tools
 from rollout import ChatRenderer, TemplateDriftError, load_template
 from rollout.demonstrations import demonstration_ids

@@ -22,14 +22,15 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from agentgrpo.learner.advantages import group_advantages
+from agentgrpo.models.sharded import check_zero3_generation
 from agentgrpo.reporting.run_log import METRICS_FILE, read_episodes, read_metrics, recorded_steps
-from agentgrpo.sharded_weights import check_zero3_generation
 from tests.support.launch import (
     CONFIGS,
     CPU_ENV,
     FLOAT32_LAUNCH,
     SCRIPT,
     accelerate_launch,
+    launch_report,
     run_in_own_group,
 )
 from tests.support.paths import REPO, SCRIPTS
@@ -63,9 +64,9 @@ def ddp_reports(tiny_model_dir, tmp_path_factory) -> list[dict]:
         # The CPU run must not see a GPU; one thread per process on a 2-core machine.
         env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
     )
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, launch_report(output)
     reports = read_reports(out_dir)
-    assert [r["process_index"] for r in reports] == [0, 1], output[-6000:]
+    assert [r["process_index"] for r in reports] == [0, 1], launch_report(output)
     return reports
 
 
@@ -239,7 +240,7 @@ def one_process_run(tiny_model_dir, tmp_path_factory) -> Path:
     returncode, output = run_in_own_group(
         [*command, *FIXED_ARGS, "--per-device-batch", "8"], CPU_ENV
     )
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, launch_report(output)
     return out_dir
 
 
@@ -260,7 +261,7 @@ def sharded_run(request, tiny_model_dir, tmp_path_factory) -> tuple[str, Path]:
         env=CPU_ENV,
         launch_args=FLOAT32_LAUNCH,
     )
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, launch_report(output)
     return engine, out_dir
 
 
@@ -367,7 +368,7 @@ def test_zero3_generates_from_the_whole_trained_weights(tiny_model_dir, tmp_path
         env=CPU_ENV,
         launch_args=FLOAT32_LAUNCH,
     )
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, launch_report(output)
     reports = read_reports(tmp_path)
     steps = [log for log in reports[0]["log_history"] if "reward" in log]
     assert len(steps) == 2
@@ -394,7 +395,7 @@ def test_zero3_trains_uneven_token_counts_and_a_reward_model_given_by_path(
     returncode, output = accelerate_launch(
         CONFIGS / "deepspeed_zero3.yaml", 2, script_args, CPU_ENV, FLOAT32_LAUNCH
     )
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, launch_report(output)
     reports = read_reports(tmp_path / "run")
     tokens = [report["micro_batch_tokens"] for report in reports]
     assert any(ours != theirs for ours, theirs in zip(*tokens, strict=True))
@@ -432,7 +433,7 @@ def test_agentgrpo_run_on_cpu_processes_trains_them_together_without_a_device(
         *("--max-completion-length", "16", "--report-to", "none", "--save-strategy", "no"),
     ]
     returncode, output = run_in_own_group(command, CPU_ENV)
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, launch_report(output)
     assert "device       cpu x 2 process(es)" in output
     assert {r.process for r in read_episodes(out_dir, 1)} == {0, 1}
 
@@ -491,7 +492,7 @@ def test_agentgrpo_run_trains_sharded_and_saves_the_whole_model(engine, tiny_mod
     extensions = tmp_path / "torch_extensions"  # where DeepSpeed would JIT-build its ops
     env = {**CPU_ENV, "TORCH_EXTENSIONS_DIR": str(extensions)}
     returncode, output = run_in_own_group(command, env)
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, launch_report(output)
     assert not list(extensions.rglob("deepspeed_shm_comm"))  # only inference calls it
     assert f"  precision    {precision['summary']}\n" in output
     assert recorded_steps(out_dir) == [1, 2]
@@ -533,7 +534,7 @@ def test_fsdp2_generation_needs_no_lock_step_between_processes():
     # Without fsdp2_unsharded the process running more forwards waits forever for the other.
     command = [sys.executable, str(SCRIPTS / "fsdp2_generate.py"), str(free_port())]
     returncode, output = run_in_own_group(command, {**CPU_ENV, "PYTHONPATH": str(ROOT)})
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, launch_report(output)
     assert "process 0 ok" in output
     assert "process 1 ok" in output
 
@@ -560,7 +561,7 @@ def test_a_sharded_run_killed_mid_step_resumes_to_the_uninterrupted_weights(
             assert returncode != 0  # the main process was killed in step 2, after checkpoint-1
             assert not (tmp_path / "weights.pt").exists()
         else:
-            assert returncode == 0, output[-6000:]
+            assert returncode == 0, launch_report(output)
     for file in ("weights.pt", "reference.pt"):
         resumed = torch.load(tmp_path / file)
         uninterrupted = torch.load(whole_dir / file)
@@ -583,7 +584,7 @@ def one_gpu_run(tiny_model_dir, tmp_path_factory) -> Path:
     out_dir = tmp_path_factory.mktemp("one-gpu")
     command = [sys.executable, str(SCRIPT), str(tiny_model_dir), str(out_dir), "--gpu"]
     returncode, output = run_in_own_group([*command, *FIXED_ARGS], {})
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, launch_report(output)
     return out_dir
 
 
@@ -597,7 +598,7 @@ def test_each_engine_on_one_gpu_trains_to_the_weights_of_a_plain_gpu_process(
     returncode, output = accelerate_launch(
         CONFIGS / f"{engine}.yaml", 1, script_args, {}, launch_args=FLOAT32_LAUNCH
     )
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, launch_report(output)
     [report] = read_reports(tmp_path)
     assert report["distributed_type"] == DISTRIBUTED_TYPE[engine]
     assert report["world_size"] == 1
@@ -629,7 +630,7 @@ def test_agentgrpo_run_under_each_engine_on_one_gpu_trains_in_its_configs_precis
         *("--report-to", "none", "--save-strategy", "no"),
     ]
     returncode, output = run_in_own_group(command, {})
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, launch_report(output)
     assert "  device       cuda:0 (" in output  # the start-up summary names the GPU
     assert recorded_steps(out_dir) == [1, 2]
     saved = AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype="auto")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from agentgrpo.checkpoints import checked_checkpoint
+from agentgrpo.training.checkpoints import checked_checkpoint
 
 pytestmark = pytest.mark.process
 

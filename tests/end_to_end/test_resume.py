@@ -16,15 +16,15 @@ from safetensors.torch import load_file
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from agentgrpo import thread_count
-from agentgrpo.checkpoints import (
+from agentgrpo.cli import main
+from agentgrpo.reporting.run_log import MetricsLog, read_metrics
+from agentgrpo.training.checkpoints import (
     checked_checkpoint,
     latest_checkpoint,
     remove_temporary,
     resume_point,
     temporary_dir,
 )
-from agentgrpo.cli import main
-from agentgrpo.reporting.run_log import MetricsLog, read_metrics
 from tests.support.paths import SCRIPTS
 from tests.support.tiny_model import tiny_llama
 from tests.support.trainer import tiny_trainer

@@ -17,14 +17,14 @@ import torch
 from datasets import Dataset
 
 from agentgrpo import GRPOTrainer
-from agentgrpo.data import episodes_from_rollout_func
 from agentgrpo.learner.batch import collate_episodes
 from agentgrpo.learner.losses import aggregate
 from agentgrpo.learner.masked import masked_mean_per_episode
 from agentgrpo.learner.objectives import log_importance_ratio
 from agentgrpo.learner.token_weights import off_policy_sequence_mask, sampler_correction
 from agentgrpo.reporting.metrics import RewardLayout, episode_stats, round_metrics
-from agentgrpo.round_pipeline import RoundPlan, split_micro_batches
+from agentgrpo.rounds.data import episodes_from_rollout_func
+from agentgrpo.rounds.pipeline import RoundPlan, split_micro_batches
 from environments import Counter
 from rollout import (
     Episode,

@@ -49,6 +49,7 @@ original methods and returns their results untouched.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import resource
@@ -63,7 +64,7 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.sharded_weights import whole_parameters
+from agentgrpo.models.sharded import whole_parameters
 
 NUM_ROWS = 16
 
@@ -241,6 +242,8 @@ def main() -> None:
     parser.add_argument("--save-model", action="store_true", help="trainer.save_model at the end")
     parser.add_argument("--reward-model", help="a reward model's folder, scored as well")
     cli = parser.parse_args()
+    if "STACKS_AFTER_S" in os.environ:  # tests/support/launch.py: a hang ends with its stacks
+        faulthandler.dump_traceback_later(float(os.environ["STACKS_AFTER_S"]), exit=True)
     if cli.fsdp_over_gloo:
         from fsdp_over_gloo import shard_with_fsdp_on_cpu  # beside this script
 
@@ -346,6 +349,8 @@ def main() -> None:
     }
     path = out_dir / f"process_{report['process_index']}.json"
     path.write_text(json.dumps(report, indent=1))
+    # As `agentgrpo run` does: a gloo group left alive can abort the process at exit (SIGABRT).
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Generation forwards of an FSDP2 (`fully_shard`) model on 2 CPU processes, then a train step.
 
 `tests/end_to_end/test_distributed.py` runs it: `python tests/scripts/fsdp2_generate.py PORT`.
-Inside `sharded_weights.fsdp2_unsharded`, process p runs p + 1 forward passes (as episodes of
+Inside `models.sharded.fsdp2_unsharded`, process p runs p + 1 forward passes (as episodes of
 different lengths would) and must get the unsharded model's logits; after the block, a forward
 and a backward must still work, sharded again. After an optimizer step,
 `reference_sync.SyncReference` mixes the sharded policy into a whole reference copy, which must
@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerState
 
-from agentgrpo.reference_sync import SyncReference
-from agentgrpo.sharded_weights import fsdp2_unsharded
+from agentgrpo.models.reference_sync import SyncReference
+from agentgrpo.models.sharded import fsdp2_unsharded
 from tests.support.tiny_model import tiny_config
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,11 @@ CONFIGS = REPO / "examples" / "accelerate"
 # "Does not hang", not a speed check: two processes each import the training stack and train,
 # which takes minutes on a loaded 2-core machine.
 LAUNCH_TIMEOUT_S = 900
+# distributed_train.py prints every thread's stack and exits after this long: a hung launch
+# ends with where each process waited, before the launch timeout kills it unheard.
+STACKS_AFTER_S = LAUNCH_TIMEOUT_S - 120
+# Where a process's report of an error or of its stacks starts.
+REPORT_STARTS = ("Traceback (most recent call last)", "(most recent call first)")
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 # The ZeRO configs ask for bf16; the runs that compare weights launch in float32.
 FLOAT32_LAUNCH = ("--mixed_precision", "no")
@@ -47,7 +53,7 @@ def run_in_own_group(command: list[str], env: dict):
     process = subprocess.Popen(
         command,
         cwd=REPO,
-        env={**os.environ, **env},
+        env={**os.environ, "STACKS_AFTER_S": str(STACKS_AFTER_S), **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -58,5 +64,22 @@ def run_in_own_group(command: list[str], env: dict):
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        pytest.fail(f"accelerate launch ran past {LAUNCH_TIMEOUT_S} s:\n{output[-4000:]}")
+        pytest.fail(f"accelerate launch ran past {LAUNCH_TIMEOUT_S} s:\n{launch_report(output)}")
     return process.returncode, output
+
+
+def launch_report(
+    output: str, first: int = 3, each_chars: int = 3000, tail_chars: int = 4000
+) -> str:
+    """A failed launch's first tracebacks (or stack dumps) whole, then its last lines.
+
+    The processes of a launch fail one after another, and the last to fail (often with an error
+    that only says another process left) buries the first cause under its own output.
+    """
+    starts = sorted(
+        match.start()
+        for marker in REPORT_STARTS
+        for match in re.finditer(re.escape(marker), output)
+    )
+    firsts = [output[max(0, start - 200) : start + each_chars] for start in starts[:first]]
+    return "\n...\n".join([*firsts, f"last {tail_chars} characters:\n{output[-tail_chars:]}"])

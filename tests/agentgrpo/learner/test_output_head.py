@@ -28,7 +28,7 @@ from transformers import (
 from agentgrpo.learner import output_head
 from agentgrpo.learner.logprobs import completion_logprobs, logits_logprobs
 from agentgrpo.learner.output_head import chunk_tokens, head_logprobs
-from agentgrpo.models import cast_lm_head_to_fp32
+from agentgrpo.models.loading import cast_lm_head_to_fp32
 from tests.agentgrpo.learner.test_shared_prompt_forward import (
     ENTROPY_TOLERANCE,
     GRADIENT_TOLERANCE,

@@ -22,7 +22,7 @@ from datasets import Dataset, IterableDataset
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from agentgrpo import GRPOConfig, GRPOTrainer
-from agentgrpo.porting import check_optimizer
+from agentgrpo.training.porting import check_optimizer
 from tests.support.runs import CounterTools, one_step
 from tests.support.tiny_model import tiny_llama, tiny_model
 from tests.support.trainer import tiny_trainer
@@ -275,7 +275,7 @@ TRL_METHODS = {
     "prediction_step", "training_step",
 }  # fmt: skip
 # TRL's vLLM client object, its Hub upload of completions and the event loop of its async
-# reward functions: agentgrpo has its own of each (see agentgrpo/trl_attributes.py).
+# reward functions: agentgrpo has its own of each (see agentgrpo/training/trl_attributes.py).
 NOT_PROVIDED = {"vllm_generation", "commit_scheduler", "async_loop", "async_loop_thread"}
 NOT_PROVIDED |= {"async_loop_ready_event"}
 
@@ -468,7 +468,7 @@ def test_transformers_continuous_batching_trains_on_agentgrpos_own_and_says_so(
 ):
     rows = Dataset.from_dict({"prompt": ["The sky is", "Hello"]})
     args = config(tmp_path, use_transformers_continuous_batching=True)
-    with caplog.at_level(logging.WARNING, logger="agentgrpo.porting"):
+    with caplog.at_level(logging.WARNING, logger="agentgrpo.training.porting"):
         trainer = trainer_for(tokenizer, args, reward_funcs=one, train_dataset=rows)
     [note] = [r.message for r in caplog.records if "continuous_batching" in r.message]
     assert note.startswith("use_transformers_continuous_batching=True: agentgrpo's transformers")
@@ -597,7 +597,7 @@ def test_completions_no_reward_function_scores_are_logged_with_their_arguments_a
     with caplog.at_level(logging.WARNING, logger="agentgrpo"):
         trainer.train()
     [warning] = [r for r in caplog.records if "All reward functions returned None" in r.message]
-    assert warning.levelno == logging.WARNING and warning.name == "agentgrpo.scoring"
+    assert warning.levelno == logging.WARNING and warning.name == "agentgrpo.rounds.scoring"
     # TRL's text: the row's arguments (its columns, then prompt and completion), then its advice.
     first, arguments, advice = warning.getMessage().split("\n")
     assert first == "All reward functions returned None for the following kwargs:"

@@ -31,11 +31,11 @@ from agentgrpo.learner.loss_metrics import (
 )
 from agentgrpo.learner.losses import LossConfig, policy_loss
 from agentgrpo.learner.objectives import PolicyTerm
-from agentgrpo.models import router_aux_loss_coef
+from agentgrpo.models.loading import router_aux_loss_coef
 from agentgrpo.reporting.completions import CompletionsTable, plain_table, table_integrations
 from agentgrpo.reporting.metrics import RewardLayout, reward_metrics, round_metrics, tool_metrics
 from agentgrpo.reporting.round_report import logged_metrics
-from agentgrpo.scoring import RewardLogs
+from agentgrpo.rounds.scoring import RewardLogs
 from environments import Counter
 from tests.support.paths import REPO, SUPPORT
 from tests.support.runs import one_step

@@ -24,8 +24,8 @@ from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.learner.entropy_control import AdaptiveEntropy, next_entropy_coef
 from agentgrpo.learner.losses import LossConfig, aggregate, policy_loss
 from agentgrpo.learner.objectives import VespoShape, cispo_loss, vespo_loss, vespo_weights
-from agentgrpo.models import cast_lm_head_to_fp32, policy_init_kwargs
-from agentgrpo.porting import loss_setting_warnings
+from agentgrpo.models.loading import cast_lm_head_to_fp32, policy_init_kwargs
+from agentgrpo.training.porting import loss_setting_warnings
 from tests.support.tiny_model import special_ids, tiny_llama, tiny_model
 from tests.support.trainer import logged, rank_in_call, short_run_config, tiny_trainer
 
@@ -517,7 +517,7 @@ def test_the_trainer_logs_trls_loss_warnings_when_it_is_built(tokenizer, tmp_pat
         trainer = tiny_trainer(tokenizer, rank_in_call, args, PROMPTS)
     [record] = [r for r in caplog.records if "`'luspo'` loss" in r.message]
     assert "should be set to `'sequence'` to mirror the paper's setup" in record.message
-    assert record.name == "agentgrpo.porting" and record.levelno == logging.WARNING
+    assert record.name == "agentgrpo.training.porting" and record.levelno == logging.WARNING
     trainer.train()
     assert trainer.state.global_step == 1
 

@@ -10,7 +10,7 @@ import time
 import anyio
 import pytest
 
-from agentgrpo.weight_sync import ColocatedPush
+from agentgrpo.generation.weight_sync import ColocatedPush
 from environments import Counter
 from rollout import EpisodeConfig, Finish, GenerationBackend, RolloutEngine, SamplingParams
 from rollout.backends.vllm_colocate import VLLMColocateBackend

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from agentgrpo import GRPOTrainer
-from agentgrpo.vllm_serve import _parser, serve_command, serve_environment
-from agentgrpo.weight_sync import ServerPush, policy_weights
+from agentgrpo.generation.vllm_serve import _parser, serve_command, serve_environment
+from agentgrpo.generation.weight_sync import ServerPush, policy_weights
 from environments import Counter
 from rollout import EpisodeConfig, Finish, RolloutEngine
 from rollout.backends.vllm_server import ServerConnection, ServerUnavailableError, VLLMServerBackend
@@ -32,7 +32,13 @@ from tests.support.episodes import (
     single_row,
     tool_call,
 )
-from tests.support.launch import CONFIGS, CPU_ENV, FLOAT32_LAUNCH, accelerate_launch
+from tests.support.launch import (
+    CONFIGS,
+    CPU_ENV,
+    FLOAT32_LAUNCH,
+    accelerate_launch,
+    launch_report,
+)
 from tests.support.vllm_support import (
     SERVER_START_TIMEOUT_S,
     SINGLE_PROCESS,
@@ -317,14 +323,7 @@ def test_an_async_evaluation_first_brings_the_shared_server_to_the_learners_step
                 importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed"
             ),
         ),
-        pytest.param(
-            "fsdp2",
-            ["--fsdp-over-gloo"],  # accelerate's FSDP2 on CPU: see distributed_train.py
-            marks=pytest.mark.skip(
-                reason="hung in 2 of 5 full runs: the server's worker waits 240 s for a "
-                "first tensor the trainer never sends, and the server's engine dies with it"
-            ),
-        ),
+        ("fsdp2", ["--fsdp-over-gloo"]),  # accelerate's FSDP2 on CPU: see distributed_train.py
     ],
 )
 def test_a_sharded_run_over_two_processes_pushes_its_whole_weights_to_the_server(
@@ -337,7 +336,7 @@ def test_a_sharded_run_over_two_processes_pushes_its_whole_weights_to_the_server
     returncode, output = accelerate_launch(
         CONFIGS / f"{engine}.yaml", 2, script_args, CPU_ENV, FLOAT32_LAUNCH
     )
-    assert returncode == 0, output[-6000:]
+    assert returncode == 0, launch_report(output)
     # vLLM generates: the shards are gathered for each push only, not held whole for the round.
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("process_*.json"))]
     assert len(reports) == 2

@@ -15,8 +15,8 @@ import subprocess
 import pytest
 import torch
 
-from agentgrpo.vllm_serve import _parser, serve_command, serve_environment
-from agentgrpo.weight_sync import ServerPush, policy_weights
+from agentgrpo.generation.vllm_serve import _parser, serve_command, serve_environment
+from agentgrpo.generation.weight_sync import ServerPush, policy_weights
 from rollout.backends.vllm_server import (
     ServerConnection,
     ServerRequestError,

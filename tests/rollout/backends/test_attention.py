@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from agentgrpo import GRPOConfig
-from agentgrpo.models import load_policy
+from agentgrpo.models.loading import load_policy
 from rollout.backends.attention import NAME, use_grouped_query_sdpa
 from tests.support.tiny_model import tiny_config
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-from agentgrpo import GRPOConfig, vllm_serve
-from agentgrpo.weight_sync import policy_weights, sampling_overrides
+from agentgrpo import GRPOConfig
+from agentgrpo.generation import vllm_serve
+from agentgrpo.generation.weight_sync import policy_weights, sampling_overrides
 from environments import Counter
 from rollout import GenerationBackend
 from rollout.backends.vllm_colocate import import_vllm

@@ -1,7 +1,8 @@
 """TRL's names for asynchronous GRPO: `AsyncGRPOConfig` and `AsyncGRPOTrainer`.
 
-They are `GRPOConfig` and `GRPOTrainer` with `async_grpo=True` (see `agentgrpo.async_rounds`),
-so a script written for TRL's asynchronous trainer ports by changing its import.
+They are `GRPOConfig` and `GRPOTrainer` with `async_grpo=True` (see
+`agentgrpo.asynchronous.rounds`), so a script written for TRL's asynchronous trainer ports by
+changing its import.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import Any
 
 from agentgrpo.config import GRPOConfig
 from agentgrpo.config.grpo import _reject_unknown_keywords
-from agentgrpo.porting import model_name
-from agentgrpo.trainer import GRPOTrainer
+from agentgrpo.training.porting import model_name
+from agentgrpo.training.trainer import GRPOTrainer
 
 
 @dataclass

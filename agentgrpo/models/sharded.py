@@ -47,11 +47,11 @@ def check_zero3_generation(zero_stage: int, num_processes: int, ds3_gather: bool
 
 @contextlib.contextmanager
 def generation_weights(
-    accelerator: Any, model: Any, ds3_gather: bool, policy_generates: bool = True
+    accelerator: Any, model: Any, zero3_gather: bool, policy_generates: bool = True
 ) -> Iterator[Any]:
     """Generate in eval mode (no dropout, KV cache on), with sharded weights held whole.
 
-    When the policy generates itself: under ZeRO-3 with `ds3_gather`, every process gathers
+    When the policy generates itself: under ZeRO-3 with `zero3_gather`, every process gathers
     the whole weights once, and DeepSpeed's hooks are taken off while generating: with them
     each forward pass is a collective, and episodes of different lengths on different
     processes (different numbers of forward passes) would wait for each other forever. Under
@@ -62,7 +62,8 @@ def generation_weights(
         accelerator: The trainer's `Accelerator`.
         model: The policy as the trainer wrapped it (`Trainer.model_wrapped`: under DeepSpeed
             its engine), or unwrapped.
-        ds3_gather: Gather ZeRO-3 partitioned weights for generation (`ds3_gather_for_generation`).
+        zero3_gather: Gather ZeRO-3 partitioned weights for generation: a ZeRO-3 run
+            (`Placement.zero_stage`) with `ds3_gather_for_generation`.
         policy_generates: Whether the policy generates (transformers), not vLLM.
 
     Yields the unwrapped policy; its train/eval mode is restored afterwards.
@@ -73,7 +74,7 @@ def generation_weights(
     try:
         with contextlib.ExitStack() as whole:
             if policy_generates:
-                whole.enter_context(_zero3_gathered(accelerator, model, policy, ds3_gather))
+                whole.enter_context(_zero3_gathered(model, policy, zero3_gather))
                 whole.enter_context(fsdp2_unsharded(policy))
             yield policy
     finally:
@@ -369,10 +370,9 @@ def _reshards_after_forward(module: Any) -> bool:
     return bool(group is not None and group._reshard_after_forward)
 
 
-def _zero3_gathered(accelerator: Any, model: Any, policy: Any, ds3_gather: bool) -> Any:
-    """The context that holds ZeRO-3 weights whole while generating (nothing otherwise)."""
-    zero_stage = getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0)
-    if not ds3_gather or zero_stage != 3:
+def _zero3_gathered(model: Any, policy: Any, gather: bool) -> Any:
+    """The context that holds ZeRO-3 weights whole while generating (nothing unless `gather`)."""
+    if not gather:
         return contextlib.nullcontext()
     import deepspeed
 

@@ -11,8 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from agentgrpo.devices import inference_autocast
+from agentgrpo.models.sharded import fsdp2_copy, zero3_copy
+from agentgrpo.placement import Placement
 from agentgrpo.precision import mixed_precision_dtype
-from agentgrpo.sharded_weights import fsdp2_copy, zero3_copy
 from rollout.backends.attention import use_grouped_query_sdpa
 from rollout.images import is_vision_processor, load_processor
 
@@ -203,7 +204,9 @@ def load_tokenizer(
     return processing_class
 
 
-def reference_model(model: Any, args: Any, accelerator: Any = None) -> Any | None:
+def reference_model(
+    model: Any, args: Any, placement: Placement | None = None, accelerator: Any = None
+) -> Any | None:
     """A frozen copy of the starting policy, needed only when `beta > 0`.
 
     The copy is in the policy's dtype, on the run's device (`args.device`): under DeepSpeed and
@@ -214,19 +217,19 @@ def reference_model(model: Any, args: Any, accelerator: Any = None) -> Any | Non
     prepares it (its buffers, such as rotary frequencies, stay as loaded), and the copy's are
     cast alike, so the two agree exactly until the first update.
     With PEFT there is no copy: the reference is the base model with the adapter disabled.
-    Under DeepSpeed ZeRO-3 and FSDP2 (the run's `accelerator` says which) the copy is sharded as
-    the policy is, as TRL's is: a DeepSpeed engine (`sharded_weights.zero3_copy`), or FSDP2
-    modules (`sharded_weights.fsdp2_copy`).
+    Under DeepSpeed ZeRO-3 and FSDP2 (the run's `placement` says which; FSDP2 shards the copy
+    with the run's `accelerator`) the copy is sharded as the policy is, as TRL's is: a DeepSpeed
+    engine (`sharded.zero3_copy`), or FSDP2 modules (`sharded.fsdp2_copy`).
     """
     if args.beta == 0.0 or _is_peft(model):
         return None
-    deepspeed_plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
-    if deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3:
-        return zero3_copy(model, deepspeed_plugin.deepspeed_config)
-    if getattr(accelerator, "is_fsdp2", False):
+    placement = placement or Placement()
+    if placement.deepspeed_config is not None and placement.zero_stage == 3:
+        return zero3_copy(model, placement.deepspeed_config)
+    if placement.fsdp2:
         return fsdp2_copy(model, accelerator)
     reference = copy.deepcopy(model)
-    if deepspeed_plugin is not None and (dtype := mixed_precision_dtype(args)) is not None:
+    if placement.uses_deepspeed and (dtype := mixed_precision_dtype(args)) is not None:
         for parameter in reference.parameters():
             if parameter.is_floating_point():
                 parameter.data = parameter.data.to(dtype)

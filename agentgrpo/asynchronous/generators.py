@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
+from agentgrpo.generation.weight_sync import ServerPush, policy_weights, sampling_overrides
 from agentgrpo.precision import autocast_kwargs, mixed_precision_dtype
-from agentgrpo.weight_sync import ServerPush, policy_weights, sampling_overrides
 from rollout import GenerationBackend, TransformersBackend
 from rollout.backends.vllm_server import VLLMServerBackend
 

@@ -26,22 +26,22 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import threading
 import warnings
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 import torch
 
 from agentgrpo.learner.output_head import fsdp_sharded
-from agentgrpo.precision import autocast_kwargs, mixed_precision_dtype
-from agentgrpo.sharded_weights import (
+from agentgrpo.models.sharded import (
     named_tensors,
     whole_one_at_a_time,
     whole_parameters,
     whole_specs,
 )
+from agentgrpo.precision import autocast_kwargs, mixed_precision_dtype
 from rollout import GenerationBackend, TransformersBackend
 from rollout.backends.vllm_colocate import (
     VLLMColocateBackend,
@@ -317,11 +317,15 @@ class ServerPush:
         return self._group
 
     def _while_server_runs(self, method: str, argument: str, trainer_side: Any) -> Any:
-        """Call `method` on the workers and run the trainer's side of it at the same time."""
-        with ThreadPoolExecutor(1) as pool:
-            server_side = pool.submit(self._rpc, method, argument)
-            result = trainer_side()
-            server_side.result()
+        """Call `method` on the workers and run the trainer's side of it at the same time.
+
+        An error of the trainer's side is raised at once: the workers' call, which waits for
+        the tensors that will not come, is left to its daemon thread (it ends with the
+        server's timeout, or with the process). Then the workers' error, if they had one.
+        """
+        server_side = _Call(self._rpc, method, argument)
+        result = trainer_side()
+        server_side.result()
         return result
 
     def _rpc(self, method: str, *args: str) -> list[Any]:
@@ -338,6 +342,29 @@ class ServerPush:
     @property
     def _timeout_s(self) -> float:
         return self.connection.timeout_s
+
+
+class _Call:
+    """`function(*args)` run in a daemon thread: one the process need not wait for at exit."""
+
+    def __init__(self, function: Any, *args: Any):
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(function, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, function: Any, args: tuple) -> None:
+        try:
+            self._value = function(*args)
+        except BaseException as error:  # raised in the caller's thread by `result`
+            self._error = error
+
+    def result(self) -> Any:
+        """Wait for the call to end; its value, or its error raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _colocated_vllm(

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from agentgrpo.data import is_iterable_dataset, rows_collator
-from agentgrpo.round_pipeline import RoundPlan
+from agentgrpo.rounds.data import is_iterable_dataset, rows_collator
+from agentgrpo.rounds.pipeline import RoundPlan
 
 
 class RoundSampler(torch.utils.data.Sampler[int]):

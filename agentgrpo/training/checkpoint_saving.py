@@ -20,10 +20,12 @@ from typing import Any
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from agentgrpo import checkpoints, thread_count
-from agentgrpo.loss_step import LossStep
-from agentgrpo.reference_sync import SyncReference
+from agentgrpo import thread_count
+from agentgrpo.models.reference_sync import SyncReference
+from agentgrpo.placement import Placement
 from agentgrpo.run_folder import explained_write_errors
+from agentgrpo.training import checkpoints
+from agentgrpo.training.loss_step import LossStep
 
 
 class AtomicCheckpoints(Trainer):
@@ -38,6 +40,7 @@ class AtomicCheckpoints(Trainer):
 
     _staging_dir: Path | None = None  # set while a checkpoint is being written
     loss_step: LossStep  # set by the trainer
+    placement: Placement  # set by the trainer
     reference_sync: SyncReference | None = None  # set by the trainer with sync_ref_model
     model: Any  # a causal LM, possibly PEFT-wrapped
 
@@ -75,19 +78,13 @@ class AtomicCheckpoints(Trainer):
         """
         folder = output_dir or str(self.args.output_dir)
         with explained_write_errors(folder):
-            if self._fsdp_saves_shards() and not _internal_call:
+            if self.placement.fsdp_saves_shards and not _internal_call:
                 self._save_gathered(folder, push=self.args.push_to_hub)
             else:
                 super().save_model(output_dir, _internal_call)
             processor = getattr(self, "processor", None)
             if processor is not None and self.args.should_save:
                 processor.save_pretrained(folder)
-
-    def _fsdp_saves_shards(self) -> bool:
-        """Whether FSDP runs with a sharded state dict, for which the Trainer saves no model."""
-        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        full = plugin is not None and "FULL_STATE_DICT" in str(plugin.state_dict_type)
-        return self.is_fsdp_enabled and not full
 
     def _save_gathered(self, folder: str, push: bool) -> None:
         """Save the whole weights, gathered from every process's shards; push them if asked."""

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 
-from agentgrpo.sharded_weights import (
+from agentgrpo.models.sharded import (
     named_tensors,
     paired_one_at_a_time,
     tied_names,

@@ -1,11 +1,11 @@
 """The trainer's asynchronous mode (`async_grpo`): where its rounds come from, and its stop.
 
 `GRPOTrainer` inherits `AsyncMode`. With `async_grpo` it builds a producer
-(`async_rounds.AsyncGeneration`) that plays groups into a bounded queue while the learner
-trains, pushes new weights to it every `weight_sync_steps` (`async_rounds.WeightPushes`), and
+(`asynchronous.rounds.AsyncGeneration`) that plays groups into a bounded queue while the learner
+trains, pushes new weights to it every `weight_sync_steps` (`asynchronous.rounds.WeightPushes`), and
 plays its training rounds from that queue. The loss's old logprobs are then the sampler's:
 the weights that drew each token. The producer generates with a copy of the policy, or with
-the run's vLLM server (`async_generators`); evaluation then shares the server, and brings it
+the run's vLLM server (`asynchronous.generators`); evaluation then shares the server, and brings it
 to the learner's weights first. Without `async_grpo` nothing here runs.
 """
 
@@ -15,10 +15,9 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentgrpo.async_generators import PushedForEvaluation, generator_weights
-from agentgrpo.async_rounds import AsyncGeneration, WeightPushes, asynchronous_round_parts
-from agentgrpo.devices import engine_name
-from agentgrpo.round_pipeline import RoundParts, RoundPlan
+from agentgrpo.asynchronous.generators import PushedForEvaluation, generator_weights
+from agentgrpo.asynchronous.rounds import AsyncGeneration, WeightPushes, asynchronous_round_parts
+from agentgrpo.rounds.pipeline import RoundParts, RoundPlan
 
 
 class AsyncMode:
@@ -35,10 +34,7 @@ class AsyncMode:
                 or the policy's weights are sharded (`check_async_weights`).
         """
         trainer: Any = self
-        accelerator = trainer.accelerator
-        check_async_weights(
-            getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0), engine_name(accelerator)
-        )
+        check_async_weights(trainer.placement.zero_stage, trainer.placement.engine)
         if trainer.rollout_func is not None or trainer.agent is not None:
             raise ValueError(
                 "async_grpo plays episodes with the engine's own loop; a rollout_func or an "
@@ -101,7 +97,7 @@ def check_async_weights(zero_stage: int, engine: str) -> None:
 
     Args:
         zero_stage: DeepSpeed's ZeRO stage (0 without DeepSpeed).
-        engine: The accelerator's `distributed_type` by its name (`devices.engine_name`).
+        engine: accelerate's `distributed_type` by name (`Placement.engine`).
 
     Raises:
         ValueError: ZeRO-3 or FSDP.

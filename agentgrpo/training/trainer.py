@@ -1,7 +1,7 @@
 """GRPOTrainer: TRL's GRPOTrainer interface on transformers' Trainer, with agentgrpo's engine.
 
 The trainer is glue between transformers' hooks and the round. Its parts come from
-`wiring.build_parts`; `_prepare_inputs` plays a round (`round_pipeline.play_and_batch`: play and
+`wiring.build_parts`; `_prepare_inputs` plays a round (`rounds.pipeline.play_and_batch`: play and
 score, advantages, batch, logprobs, micro-batches) every `RoundPlan.repeats` micro-batches and
 serves its micro-batches; `compute_loss` is `losses.policy_loss` over mask-1 tokens. transformers'
 Trainer does the rest: optimizer, schedule, accumulation, checkpoints (made atomic by
@@ -21,10 +21,30 @@ import anyio
 import torch
 from accelerate.utils import gather_object
 
-from agentgrpo import checkpoints, porting, run_folder
-from agentgrpo.async_mode import AsyncMode
+from agentgrpo import run_folder
+from agentgrpo.asynchronous.mode import AsyncMode
 from agentgrpo.config import GRPOConfig
-from agentgrpo.data import (
+from agentgrpo.devices import check_launch
+from agentgrpo.generation.weight_sync import build_generator
+from agentgrpo.learner.batch import TrainingBatch, collate_episodes
+from agentgrpo.learner.logprobs import batched_logprobs
+from agentgrpo.learner.losses import normalises_by_num_items
+from agentgrpo.models.loading import (
+    load_policy_and_processing,
+    reference_model,
+    reward_model_kwargs,
+    router_aux_loss_coef,
+)
+from agentgrpo.models.reference_sync import reference_sync
+from agentgrpo.models.sharded import check_zero3_generation, generation_weights
+from agentgrpo.models.warm_start import warm_start_from_environment
+from agentgrpo.placement import Placement
+from agentgrpo.reporting.metrics import RewardLayout
+from agentgrpo.reporting.run_log import EpisodeLog
+from agentgrpo.reporting.trackers import check_trackers
+from agentgrpo.reporting.trainer_log import LoggedRounds, TrainerLog
+from agentgrpo.rewards.calls import check_trainer_arguments, reward_functions
+from agentgrpo.rounds.data import (
     adapt_to_iterable_datasets,
     check_environment_column,
     episodes_from_rollout_func,
@@ -33,24 +53,7 @@ from agentgrpo.data import (
     training_rows,
     without_unused_columns,
 )
-from agentgrpo.devices import check_launch
-from agentgrpo.learner.batch import TrainingBatch, collate_episodes
-from agentgrpo.learner.logprobs import batched_logprobs
-from agentgrpo.learner.losses import normalises_by_num_items
-from agentgrpo.loss_step import LossStep
-from agentgrpo.models import (
-    load_policy_and_processing,
-    reference_model,
-    reward_model_kwargs,
-    router_aux_loss_coef,
-)
-from agentgrpo.reference_sync import reference_sync
-from agentgrpo.reporting.metrics import RewardLayout
-from agentgrpo.reporting.run_log import EpisodeLog
-from agentgrpo.reporting.trackers import check_trackers
-from agentgrpo.reporting.trainer_log import LoggedRounds, TrainerLog
-from agentgrpo.rewards.calls import check_trainer_arguments, reward_functions
-from agentgrpo.round_pipeline import (
+from agentgrpo.rounds.pipeline import (
     RewardShaping,
     Round,
     RoundParts,
@@ -58,13 +61,12 @@ from agentgrpo.round_pipeline import (
     play_and_batch,
     round_seed,
 )
-from agentgrpo.sampler import eval_loader, round_rows_loader
-from agentgrpo.scoring import play_round, score_played
-from agentgrpo.sharded_weights import check_zero3_generation, generation_weights
-from agentgrpo.trl_attributes import TRLAttributes
-from agentgrpo.warm_start import warm_start_from_environment
-from agentgrpo.weight_sync import build_generator
-from agentgrpo.wiring import build_parts
+from agentgrpo.rounds.sampler import eval_loader, round_rows_loader
+from agentgrpo.rounds.scoring import play_round, score_played
+from agentgrpo.rounds.wiring import build_parts
+from agentgrpo.training import checkpoints, porting
+from agentgrpo.training.loss_step import LossStep
+from agentgrpo.training.trl_attributes import TRLAttributes
 from rollout import Episode
 from rollout.agents import Agent
 
@@ -187,11 +189,10 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
     ) -> None:
         """Check the launch; build the reference model, the round's parts and the loss step."""
         args, accelerator = self.args, self.accelerator
-        check_launch(os.environ, accelerator)
-        plugin = accelerator.state.deepspeed_plugin
-        zero_stage = getattr(plugin, "zero_stage", 0)
+        self.placement = placement = Placement.of(accelerator)
+        check_launch(os.environ, placement)
         check_zero3_generation(
-            zero_stage, accelerator.num_processes, args.ds3_gather_for_generation
+            placement.zero_stage, placement.num_processes, args.ds3_gather_for_generation
         )
         self.model_accepts_loss_kwargs = False  # compute_loss normalises; Trainer divides by GA
         router_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)
@@ -199,7 +200,7 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
             self._gather, self._gather_objects, accelerator.process_index, args.log_completions
         )
         self._metrics = self._trainer_log.metrics  # TRL's name for the queued metric values
-        self.ref_model = reference_model(self.model, args, accelerator)
+        self.ref_model = reference_model(self.model, args, placement, accelerator)
         if args.sync_ref_model:
             unwrap = accelerator.unwrap_model
             self.reference_sync = reference_sync(self.ref_model, self.model, args, unwrap)
@@ -346,7 +347,7 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         return batch
 
     def _new_round(self, rows: list[Mapping[str, Any]], plan: RoundPlan) -> Round:
-        """Play, score and batch one round (`round_pipeline.play_and_batch`), and record it."""
+        """Play, score and batch one round (`rounds.pipeline.play_and_batch`), and record it."""
         step, process = self.state.global_step, self.accelerator.process_index
         seed = round_seed(self.args.seed, plan.train, step, process)
         round_ = play_and_batch(self._parts_for(plan, self._round_parts), plan, rows, seed)
@@ -363,12 +364,12 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
     def _play(
         self, rows: Sequence[Mapping[str, Any]], num_generations: int, seed: int
     ) -> tuple[list[Episode], torch.Tensor]:
-        """Play the rows (the engine, or `rollout_func`) and score them: `round_pipeline.Play`."""
+        """Play the rows (the engine, or `rollout_func`) and score them: `rounds.pipeline.Play`."""
         with (
             generation_weights(
                 self.accelerator,
                 self.model_wrapped,
-                self.args.ds3_gather_for_generation,
+                self.args.ds3_gather_for_generation and self.placement.zero_stage == 3,
                 policy_generates=not self.args.use_vllm,
             ) as model,
             self.weight_sync.generating(model, self.state.global_step),

@@ -15,7 +15,7 @@ from typing import Any
 from agentgrpo.learner.losses import LossConfig
 from agentgrpo.learner.objectives import VespoShape
 from agentgrpo.rewards.calls import RewardFunction
-from agentgrpo.scoring import Scorer, environment_reward_classes
+from agentgrpo.rounds.scoring import Scorer, environment_reward_classes
 from rollout import EpisodeConfig, GenerationBackend, RolloutEngine
 from rollout.agents import Agent
 

@@ -2,7 +2,7 @@
 
 The producer is a thread of its own running an event loop. Its workers each take the next row,
 play its group of `num_generations` episodes with the generator's weights, score it, and put it
-in a `GroupBuffer` (`async_buffer`), tagged with the version (the optimizer step) of the
+in a `GroupBuffer` (`asynchronous.buffer`), tagged with the version (the optimizer step) of the
 weights the group started with. The learner's round takes `prompts_per_process` groups from the
 buffer in place of playing them (`AsyncGeneration.take_round` is a `round.Play`); every other
 stage of the round is the synchronous one. A group whose version lags the steps that will
@@ -12,7 +12,7 @@ After every `weight_sync_steps` optimizer steps the learner pushes its weights t
 generator, between two of its steps.
 
 The generator is a copy of the policy on the producer's thread, or a vLLM server in its own
-process (`async_generators`); either takes new weights between two of its steps.
+process (`asynchronous.generators`); either takes new weights between two of its steps.
 
 Every sampled token records the version of the weights that drew it (`EpisodeRow.
 policy_versions`; an episode that spans a push holds two or more). An episode's version is its
@@ -41,12 +41,12 @@ import anyio.to_thread
 import torch
 from transformers import TrainerCallback
 
-from agentgrpo.async_buffer import GroupBuffer, PlayedGroup, RowStream
-from agentgrpo.async_generators import GeneratorWeights
-from agentgrpo.async_queue import QueueFolder
+from agentgrpo.asynchronous.buffer import GroupBuffer, PlayedGroup, RowStream
+from agentgrpo.asynchronous.generators import GeneratorWeights
+from agentgrpo.asynchronous.queue import QueueFolder
 from agentgrpo.learner.batch import TrainingBatch
-from agentgrpo.round_pipeline import RoundParts, RoundPlan
-from agentgrpo.scoring import RewardLogs, Scorer, play_round
+from agentgrpo.rounds.pipeline import RoundParts, RoundPlan
+from agentgrpo.rounds.scoring import RewardLogs, Scorer, play_round
 from rollout import Episode, EpisodeRecord, RolloutEngine
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class AsyncGeneration:
         policy: Returns the learner's policy (unwrapped), read at start and at each push.
         rows_per_step: Rows the learner consumes per optimizer step (where a resumed run's
             producer starts in `rows`).
-        queue: Where each played group is written before it is trained on (`async_queue`),
+        queue: Where each played group is written before it is trained on (`asynchronous.queue`),
             or None to keep them in memory only.
     """
 
@@ -134,7 +134,7 @@ class AsyncGeneration:
             args: The run's config.
             plan: The training round's sizes.
             policy: Returns the learner's policy (unwrapped).
-            weights: The generator's (`async_generators.generator_weights`).
+            weights: The generator's (`asynchronous.generators.generator_weights`).
             make_engine: Builds the engine (as the trainer builds its own) over a backend.
             scorer: The trainer's scorer (its reward logs are the run's).
             dataset: The training rows.

@@ -27,17 +27,17 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from agentgrpo.checkpoint_saving import AtomicCheckpoints
 from agentgrpo.config import GRPOConfig
 from agentgrpo.learner.entropy_control import AdaptiveEntropy
 from agentgrpo.learner.objectives import VespoShape, vespo_weights
 from agentgrpo.learner.token_weights import high_entropy_mask, trl_off_policy_mask
-from agentgrpo.loss_step import LossStep
 from agentgrpo.reporting.trainer_log import TrainerLog
 from agentgrpo.rewards.calls import RewardFunction
-from agentgrpo.round_pipeline import RoundParts
+from agentgrpo.rounds.pipeline import RoundParts
+from agentgrpo.rounds.scoring import Scorer
 from agentgrpo.run_folder import explained_write_errors
-from agentgrpo.scoring import Scorer
+from agentgrpo.training.checkpoint_saving import AtomicCheckpoints
+from agentgrpo.training.loss_step import LossStep
 from rollout import RolloutEngine, load_template
 from rollout.agents import Agent
 

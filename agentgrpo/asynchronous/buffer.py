@@ -1,6 +1,6 @@
 """What the asynchronous producer hands the learner: played groups, their buffer, the rows.
 
-`AsyncGeneration` (`async_rounds`) plays each row that `RowStream` gives into a `PlayedGroup`
+`AsyncGeneration` (`asynchronous.rounds`) plays each row that `RowStream` gives into a `PlayedGroup`
 and puts it in the `GroupBuffer`; the learner's rounds take the groups fresh enough to train on
 and the buffer drops (and counts) the rest.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from agentgrpo.scoring import RewardLogs
+from agentgrpo.rounds.scoring import RewardLogs
 from rollout import Episode
 from tools.threads import WAKE_EVERY_S
 
@@ -29,7 +29,7 @@ class PlayedGroup:
         episodes: The G episodes of one row.
         rewards_G_F: One reward column per scorer name.
         version: The optimizer step of the weights its oldest token was drawn with.
-        path: Its file in the queue folder (`async_queue`), or None when not written.
+        path: Its file in the queue folder (`asynchronous.queue`), or None when not written.
         logs: What its reward functions logged (`log_metric`, `log_extra`), reported at the
             step that trains it; empty for a group read back from the queue folder.
     """

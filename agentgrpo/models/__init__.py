@@ -1,0 +1,1 @@
+"""Models: loading the policy and reference, the default model, the warm start, sharded weights."""

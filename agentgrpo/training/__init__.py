@@ -1,0 +1,1 @@
+"""The GRPO trainer and its TRL face, its loss step and checkpoints, TRL arguments ported."""
