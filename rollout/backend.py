@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from rollout.types import Completion, SamplingParams
+from rollout.types import Completion, Pictures, SamplingParams
 
 
 @runtime_checkable
@@ -31,10 +31,18 @@ class GenerationBackend(Protocol):
     context_limit: int | None
     stop_token_ids: frozenset[int]
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    @property
+    def reads_images(self) -> bool:
+        """Whether `generate` takes `pictures` (a row with pictures is otherwise refused)."""
+        ...
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, pictures: Pictures | None = None
+    ) -> Completion:
         """Continue `prompt_ids` for at most `params.max_tokens` tokens.
 
         The returned ids are exactly the sampled ones; generation stops after a stop token (which
-        is kept) or after `max_tokens`.
+        is kept) or after `max_tokens`. `pictures`: those whose tokens `prompt_ids` hold, given
+        only to a backend that `reads_images`.
         """
         ...

@@ -338,7 +338,7 @@ def _start(
             f"(max_prompt_length={limit}, model context={context}). Shorten the prompt or raise "
             f"the limit. Row: {_show(row)}"
         )
-    if images and not getattr(ctx.backend, "reads_images", False):
+    if images and not ctx.backend.reads_images:
         raise ValueError(
             f"this row holds images but the generation backend ({type(ctx.backend).__name__}) "
             "cannot read them; generate with transformers (use_vllm=False), or with vLLM "
@@ -394,12 +394,11 @@ async def _turn(
 async def _generate(
     backend: GenerationBackend, tokens: TokenRow, params: SamplingParams
 ) -> Completion:
-    """The model's next turn; the row's images go only to backends that read them."""
-    if not tokens.images:
+    """The model's next turn, with the row's pictures when it holds any."""
+    pictures = tokens.pictures
+    if pictures is None:
         return await backend.generate(tokens.context_ids, params)
-    return await backend.generate(  # type: ignore[call-arg]
-        tokens.context_ids, params, vision=tokens.vision_inputs, images=tokens.images
-    )
+    return await backend.generate(tokens.context_ids, params, pictures)
 
 
 def _add_tool_turn(

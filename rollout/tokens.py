@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout.images import join_vision_inputs
+from rollout.types import Pictures
 
 
 class TokenRow:
@@ -75,6 +76,11 @@ class TokenRow:
     def vision_inputs(self) -> dict[str, Any]:
         """The processor's tensors of every image in the row, in order (empty: no images)."""
         return join_vision_inputs(self.vision_parts)
+
+    @property
+    def pictures(self) -> Pictures | None:
+        """The row's pictures, as a backend takes them with a request; None without any."""
+        return Pictures(tuple(self.images), self.vision_inputs) if self.images else None
 
     @property
     def context_ids(self) -> list[int]:

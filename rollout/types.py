@@ -50,6 +50,21 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Pictures:
+    """The pictures of one request to a vision-language model, in both forms a backend reads.
+
+    Attributes:
+        images: The pictures (PIL), in the order their tokens appear in the prompt ids.
+        vision: The tensors the model's processor made of them (`pixel_values`, ...): what a
+            model run in this process reads (`rollout.images.encode_with_images`). vLLM reads
+            `images` and makes its own.
+    """
+
+    images: tuple[Any, ...]
+    vision: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class Completion:
     """One generation: the sampled token ids and the sampler's log-probability of each.
 

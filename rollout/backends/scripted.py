@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection
 
 import anyio
 
-from rollout.types import Completion, SamplingParams
+from rollout.types import Completion, Pictures, SamplingParams
 
 
 class ScriptedBackend:
@@ -43,7 +43,11 @@ class ScriptedBackend:
         self.context_limit = context_limit
         self.requests: list[tuple[list[int], SamplingParams]] = []
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    reads_images = False  # a row with pictures is refused before it plays
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, pictures: Pictures | None = None
+    ) -> Completion:
         """Replay the scripted answer for this context (see the class docstring)."""
         self.requests.append((list(prompt_ids), params))
         if self.delay_s:

@@ -49,7 +49,7 @@ from rollout.backends.prefill_plans import (
 )
 from rollout.backends.slot_batch import SlotBatch
 from rollout.images import feature_token_ids, vision_forward_kwargs
-from rollout.types import Completion, SamplingParams
+from rollout.types import Completion, Pictures, SamplingParams
 
 # What a row samples with when neither its request nor the backend's settings say otherwise.
 _SAMPLING_DEFAULTS = {
@@ -218,17 +218,12 @@ class TransformersBackend:
         return self._batch
 
     async def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        vision: Mapping[str, torch.Tensor] | None = None,
-        images: Sequence[Any] = (),
+        self, prompt_ids: list[int], params: SamplingParams, pictures: Pictures | None = None
     ) -> Completion:
         """Queue a request and return its completion once the steps have generated it.
 
-        `vision`: the processor's tensors of the images whose tokens `prompt_ids` hold
-        (`rollout.images.encode_with_images`); such a request generates on its own. `images`:
-        those pictures (PIL); the model reads `vision`, not them.
+        The model reads `pictures.vision` (the processor's tensors); a request with pictures
+        generates on its own.
         """
         if self.context_limit and len(prompt_ids) + params.max_tokens > self.context_limit:
             raise ValueError(
@@ -238,7 +233,8 @@ class TransformersBackend:
         if not prompt_ids:
             raise ValueError("the prompt is empty: there is nothing to continue")
         params = replace(params, max_tokens=self.settings.turn_budget(params.max_tokens))
-        request = Request(list(prompt_ids), params, dict(vision or {}), tuple(images))
+        vision, images = (dict(pictures.vision), pictures.images) if pictures else ({}, ())
+        request = Request(list(prompt_ids), params, vision, images)
         self._arriving.append(request)
         try:
             while not request.done:

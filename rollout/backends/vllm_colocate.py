@@ -25,7 +25,7 @@ import torch
 
 from rollout.backends.vllm_worker import load_weights
 from rollout.images import is_vision_processor, unexpanded_ids
-from rollout.types import Completion, SamplingParams
+from rollout.types import Completion, Pictures, SamplingParams
 
 INSTALL_HINT = (
     "vLLM is not installed. On a machine with NVIDIA GPUs: `pip install agentgrpo[vllm]`; "
@@ -199,19 +199,14 @@ class VLLMColocateBackend:
         return self.processor is not None
 
     async def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        vision: Mapping[str, torch.Tensor] | None = None,
-        images: Sequence[Any] = (),
+        self, prompt_ids: list[int], params: SamplingParams, pictures: Pictures | None = None
     ) -> Completion:
         """Submit a request and return its completion when vLLM finishes it.
 
-        `images`: the pictures (PIL) whose expanded tokens `prompt_ids` hold, in order
-        (`rollout.images.encode_with_images`). vLLM expands placeholders itself, so it is given
-        the ids with each picture's tokens put back to its placeholder, and the pictures; the
-        request fails if vLLM's expansion is not `prompt_ids` exactly. `vision` (the
-        processor's tensors of them) is not read: vLLM makes its own from the pictures.
+        `pictures.images` (PIL) are those whose expanded tokens `prompt_ids` hold, in order.
+        vLLM expands placeholders itself, so it is given the ids with each picture's tokens put
+        back to its placeholder, and the pictures; the request fails if vLLM's expansion is not
+        `prompt_ids` exactly. `pictures.vision` is not read: vLLM makes its own tensors.
         """
         if self._failure is not None:
             raise RuntimeError("the vLLM engine failed earlier in this run") from self._failure
@@ -220,7 +215,7 @@ class VLLMColocateBackend:
                 f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed vLLM's "
                 f"context of {self.context_limit} tokens (vllm_max_model_length)"
             )
-        prompt = self._prompt(prompt_ids, images)
+        prompt = self._prompt(prompt_ids, pictures.images if pictures else ())
         request = _Request(
             str(next(self._ids)), list(prompt_ids), self._vllm_params(params), prompt
         )

@@ -43,7 +43,7 @@ import anyio
 from rollout.backends.request_gate import RequestGate
 from rollout.backends.vllm_colocate import check_sampling_overrides
 from rollout.images import unexpanded_ids
-from rollout.types import Completion, SamplingParams
+from rollout.types import Completion, Pictures, SamplingParams
 
 _TOKEN_ID_PREFIX = "token_id:"
 
@@ -205,19 +205,15 @@ class VLLMServerBackend:
         return self.processor is not None
 
     async def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        vision: Mapping[str, Any] | None = None,
-        images: Sequence[Any] = (),
+        self, prompt_ids: list[int], params: SamplingParams, pictures: Pictures | None = None
     ) -> Completion:
         """Send one request and return its sampled ids and logprobs.
 
-        `images`: the pictures (PIL) whose expanded tokens `prompt_ids` hold, in order
-        (`rollout.images.encode_with_images`); the request then goes to
-        `/inference/v1/generate` and fails if the ids vLLM expanded are not `prompt_ids`.
-        `vision` (the processor's tensors of them) is not read: vLLM makes its own.
+        `pictures.images` (PIL) are those whose expanded tokens `prompt_ids` hold, in order; the
+        request then goes to `/inference/v1/generate` and fails if the ids vLLM expanded are not
+        `prompt_ids`. `pictures.vision` is not read: vLLM makes its own tensors.
         """
+        images = pictures.images if pictures else ()
         if self.context_limit and len(prompt_ids) + params.max_tokens > self.context_limit:
             raise ValueError(
                 f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "

@@ -14,6 +14,7 @@ from agentgrpo.learner.logprobs import completion_logprobs
 from rollout import (
     ChatRenderer,
     EpisodeConfig,
+    Pictures,
     RolloutEngine,
     SamplingParams,
     TransformersBackend,
@@ -65,7 +66,7 @@ def test_the_sampler_logprobs_equal_a_plain_forward_over_the_same_ids_and_pixels
     )
     backend = TransformersBackend.from_tokenizer(model, processor.tokenizer)
     params = SamplingParams(max_tokens=8, seed=3)
-    completion = anyio.run(lambda: backend.generate(ids, params, vision=vision))
+    completion = anyio.run(lambda: backend.generate(ids, params, Pictures((RED,), vision)))
     full_1_L = torch.tensor([ids + completion.token_ids])
     inputs = {"position_ids": torch.arange(full_1_L.shape[1])[None]}
     inputs |= vision_forward_kwargs(model.config, full_1_L, vision)

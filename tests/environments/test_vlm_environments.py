@@ -87,9 +87,9 @@ class ImageReadingScript(ScriptedBackend):
         self.visions = []
         self.pictures = []
 
-    async def generate(self, prompt_ids, params, vision=None, images=()):
-        self.visions.append(vision)
-        self.pictures.append(tuple(images))
+    async def generate(self, prompt_ids, params, pictures=None):
+        self.visions.append(None if pictures is None else pictures.vision)
+        self.pictures.append(() if pictures is None else pictures.images)
         return await super().generate(prompt_ids, params)
 
 

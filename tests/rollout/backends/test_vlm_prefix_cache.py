@@ -10,7 +10,7 @@ from PIL import Image
 from rollout.backends.image_prefixes import prefix_key, reusable_length
 from rollout.backends.transformers import TransformersBackend
 from rollout.images import encode_with_images, image_placeholder, vision_forward_kwargs
-from rollout.types import SamplingParams
+from rollout.types import Pictures, SamplingParams
 from tests.support.vlm_models import tiny_vlm
 
 RED = Image.new("RGB", (32, 32), (220, 30, 30))
@@ -54,7 +54,7 @@ def prefill_lengths(model) -> list[int]:
 
 def generate(backend, ids, vision, image, seed=3):
     params = SamplingParams(max_tokens=6, seed=seed)
-    return anyio.run(lambda: backend.generate(ids, params, vision=vision, images=[image]))
+    return anyio.run(lambda: backend.generate(ids, params, Pictures((image,), vision)))
 
 
 def forward_logprobs(model, ids, vision, completion) -> torch.Tensor:
