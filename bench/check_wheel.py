@@ -59,6 +59,8 @@ class Checks:
             output, ok = done.stdout + done.stderr, done.returncode == 0
         except subprocess.TimeoutExpired as error:
             output, ok = f"ran past {timeout_s} s: {error}", False
+        except OSError as error:  # no such command: an install that left out its script
+            output, ok = f"cannot run {command[0]}: {error}", False
         self.check(what, ok, f"{time.monotonic() - start:.0f} s", output)
         return output
 
@@ -153,6 +155,9 @@ def main() -> int:
     parser.add_argument("--torch", default="2.14.1", help="the torch the venv has first")
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it")
     options = parser.parse_args()
+    # Every command runs as after a user's install: nothing on PYTHONPATH (a checkout's folder)
+    # shadows the installed packages, nor makes pip take them for installed already.
+    os.environ.pop("PYTHONPATH", None)
     folder = options.keep or Path(tempfile.mkdtemp(prefix="agentgrpo-wheel-"))
     folder.mkdir(parents=True, exist_ok=True)
     outside = folder / "elsewhere"  # not the checkout: nothing is imported from its files
