@@ -8,10 +8,8 @@ checks, the reference model, the async producer, the gathers for generation, the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -22,8 +20,6 @@ class Placement:
         engine: accelerate's `distributed_type` by name: "NO", "MULTI_CPU", "MULTI_GPU",
             "DEEPSPEED", "FSDP", ...
         num_processes: Processes training together.
-        process_index: This process's index among them.
-        device: This process's device.
         zero_stage: DeepSpeed's ZeRO stage; 0 without DeepSpeed.
         deepspeed_config: DeepSpeed's config (the accelerate plugin's), None without DeepSpeed.
         fsdp2: FSDP version 2 (`fully_shard`) shards the model.
@@ -33,8 +29,6 @@ class Placement:
 
     engine: str = "NO"
     num_processes: int = 1
-    process_index: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     zero_stage: int = 0
     deepspeed_config: dict | None = None
     fsdp2: bool = False
@@ -50,8 +44,6 @@ class Placement:
         return cls(
             engine=str(accelerator.distributed_type).rsplit(".", 1)[-1],
             num_processes=accelerator.num_processes,
-            process_index=accelerator.process_index,
-            device=accelerator.device,
             zero_stage=getattr(deepspeed, "zero_stage", 0) or 0,
             deepspeed_config=None if deepspeed is None else deepspeed.deepspeed_config,
             fsdp2=bool(getattr(accelerator, "is_fsdp2", False)),
@@ -62,8 +54,3 @@ class Placement:
     def uses_deepspeed(self) -> bool:
         """DeepSpeed runs the model (any ZeRO stage)."""
         return self.deepspeed_config is not None
-
-    @property
-    def shards_weights(self) -> bool:
-        """Each process holds shards of the weights (ZeRO-3, FSDP2), not the whole model."""
-        return self.zero_stage == 3 or self.fsdp2

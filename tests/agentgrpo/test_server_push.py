@@ -21,7 +21,7 @@ WAIT_S = 30.0  # far above what any step here takes; only a bug reaches it
 
 
 class RPCServer(http.server.ThreadingHTTPServer):
-    """Answers `/collective_rpc` with `status` once `release` is set."""
+    """Answers `/collective_rpc` with `status` once `release` is set (`answered` then)."""
 
     def __init__(self, status: int) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
@@ -42,12 +42,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers["Content-Length"]))
         self.server.arrived.set()
         self.server.release.wait(WAIT_S)
+        self.server.answered.set()  # before the reply: the client cannot see one before this
         payload = json.dumps({"results": [None]} if self.server.status == 200 else {}).encode()
         self.send_response(self.server.status)
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
-        self.server.answered.set()
 
     def log_message(self, *args) -> None:
         pass
