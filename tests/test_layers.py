@@ -89,17 +89,21 @@ def room_modules(room: str) -> list[Path]:
     return sorted((ROOT / "rollout" / room).rglob("*.py"))
 
 
-@pytest.mark.parametrize("room", ROOM_MAY_NOT_IMPORT)
-def test_a_rollout_room_imports_no_room_it_must_not(room):
-    forbidden = ROOM_MAY_NOT_IMPORT[room]
-    offenders = {
+def forbidden_imports(paths: list[Path], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    """Each module of `paths` and what it imports of `forbidden` (or below it): [] when none."""
+    return {
         str(path.relative_to(ROOT)): sorted(
             n
             for n in imported_modules(path)
             if any(n == f or n.startswith(f + ".") for f in forbidden)
         )
-        for path in room_modules(room)
+        for path in paths
     }
+
+
+@pytest.mark.parametrize("room", ROOM_MAY_NOT_IMPORT)
+def test_a_rollout_room_imports_no_room_it_must_not(room):
+    offenders = forbidden_imports(room_modules(room), ROOM_MAY_NOT_IMPORT[room])
     assert offenders and {p: names for p, names in offenders.items() if names} == {}
 
 
@@ -149,15 +153,8 @@ AGENTGRPO_ROOM_MAY_NOT_IMPORT = {
 
 @pytest.mark.parametrize("room", AGENTGRPO_ROOM_MAY_NOT_IMPORT)
 def test_an_agentgrpo_room_imports_no_room_it_must_not(room):
-    forbidden = AGENTGRPO_ROOM_MAY_NOT_IMPORT[room]
-    offenders = {
-        str(path.relative_to(ROOT)): sorted(
-            n
-            for n in imported_modules(path)
-            if any(n == f or n.startswith(f + ".") for f in forbidden)
-        )
-        for path in (ROOT / "agentgrpo" / room).rglob("*.py")
-    }
+    paths = sorted((ROOT / "agentgrpo" / room).rglob("*.py"))
+    offenders = forbidden_imports(paths, AGENTGRPO_ROOM_MAY_NOT_IMPORT[room])
     assert offenders and {p: names for p, names in offenders.items() if names} == {}
 
 
