@@ -51,6 +51,15 @@ class Placement:
         )
 
     @property
+    def shards_weights(self) -> bool:
+        """FSDP2 or DeepSpeed ZeRO-3 holds the model's weights as shards.
+
+        The learner then scores completions inside the model's forward, in one pass
+        (`learner.output_head.InForwardScores`), and decoding takes no CUDA graphs.
+        """
+        return self.fsdp2 or self.zero_stage == 3
+
+    @property
     def uses_deepspeed(self) -> bool:
         """DeepSpeed runs the model (any ZeRO stage)."""
         return self.deepspeed_config is not None

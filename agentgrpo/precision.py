@@ -15,14 +15,42 @@ that `vllm_importance_sampling_correction` corrects, as it does for vLLM.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def mixed_precision_dtype(args: Any) -> torch.dtype | None:
+class PrecisionFlags(Protocol):
+    """The fields of a `GRPOConfig` the precision is read from (config/ imports this module)."""
+
+    @property
+    def bf16(self) -> bool | None:
+        """Train in bfloat16 mixed precision."""
+        ...
+
+    @property
+    def fp16(self) -> bool | None:
+        """Train in float16 mixed precision."""
+        ...
+
+
+class SamplerFlags(PrecisionFlags, Protocol):
+    """`PrecisionFlags` and the fields that say whether the sampler's numerics are corrected."""
+
+    @property
+    def use_vllm(self) -> bool:
+        """Whether vLLM generates."""
+        ...
+
+    @property
+    def vllm_importance_sampling_correction(self) -> bool:
+        """Correct the sampler's numerics (TRL's default True)."""
+        ...
+
+
+def mixed_precision_dtype(args: PrecisionFlags) -> torch.dtype | None:
     """The autocast dtype a `GRPOConfig` trains under: bfloat16, float16, or None.
 
     transformers' `mixed_precision` where the config has one (the `bf16`/`fp16` flags, else
@@ -45,7 +73,7 @@ def mixed_precision_dtype(args: Any) -> torch.dtype | None:
     return _AUTOCAST.get(mode)
 
 
-def corrects_sampler_mismatch(args: Any) -> bool:
+def corrects_sampler_mismatch(args: SamplerFlags) -> bool:
     """Whether the loss reweights tokens by the trainer/sampler ratio (`sampler_correction`).
 
     With `vllm_importance_sampling_correction` (TRL's default True), where the sampler's

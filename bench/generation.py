@@ -161,7 +161,7 @@ def _time_pushes(backend, policy, pushes: int) -> float:
     from agentgrpo.generation.weight_sync import ColocatedPush
 
     sync = ColocatedPush(backend, sleeps=False)
-    sync.pushed_step = 0  # the start-up already loaded these weights
+    sync.version = 0  # the start-up already loaded these weights
     seconds = []
     for step in range(1, pushes + 1):
         with torch.no_grad():

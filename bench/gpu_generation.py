@@ -222,7 +222,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from rollout.backends.attention import use_grouped_query_sdpa
+    from agentgrpo.models.attention import use_grouped_query_sdpa
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32

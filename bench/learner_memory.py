@@ -79,12 +79,14 @@ def build_batch(args: argparse.Namespace, vocabulary_size: int, device: torch.de
 
 def logprobs(model, batch, way: str) -> torch.Tensor:
     from agentgrpo.learner.logprobs import completion_logprobs, logits_logprobs, one_pass_states
-    from agentgrpo.learner.output_head import read_logits, sharded_forward
+    from agentgrpo.learner.output_head import read_logits
     from agentgrpo.learner.shared_prompt import prompt_groups, shared_prompt_states
+    from agentgrpo.models.sharded import fsdp_sharded
 
+    sharded = fsdp_sharded(model)
     if way == "learner":
-        return completion_logprobs(model, batch, 1.0, entropy="detached").logprobs_B_C
-    if sharded_forward(model):
+        return completion_logprobs(model, batch, 1.0, "detached", sharded=sharded).logprobs_B_C
+    if sharded:
         logits_B_C_V = one_pass_states(model, batch, read_logits)[0]
     else:
         logits_B_C_V = shared_prompt_states(model, batch, prompt_groups(batch), read_logits)

@@ -329,7 +329,7 @@ def _start(
         prompt_ids = ctx.renderer.tokenizer.encode(prompt_text)
     else:
         prompt_text = ctx.renderer.render(messages, generation_prompt=True)
-        prompt_ids, vision = ctx.renderer.encode_with_images(prompt_text, images)
+        prompt_ids, vision, _ = ctx.renderer.encode_messages(prompt_text, messages)
     limit = ctx.config.max_prompt_length
     context = ctx.backend.context_limit
     if (limit and len(prompt_ids) > limit) or (context and len(prompt_ids) >= context):
@@ -413,15 +413,15 @@ def _add_tool_turn(
     shown them.
     """
     history = list(state.messages)
+    ends = _ending(ctx, state, env_done)
     fitted = ctx.renderer.fit_tool_messages(
         tool_messages, ctx.config.max_completion_length - state.spent
     )
-    ends = _ending(ctx, state, env_done)
     if ends is not None:
         state.messages.extend(fitted)
         return ends
     try:
-        tool_messages, turn = _tool_turn(ctx, state, history, tool_messages, stop_text)
+        tool_messages, turn = _tool_turn(ctx, state, history, tool_messages, fitted, stop_text)
     except jinja2.TemplateError as error:  # the template cannot render what the model wrote
         state.messages.extend(fitted)
         state.error = f"the chat template could not render this turn: {error}"
@@ -435,18 +435,21 @@ def _add_tool_turn(
 
 
 def _tool_turn(
-    ctx: EpisodeContext, state: _State, history: list[dict], tool_messages: list[dict], stop: str
+    ctx: EpisodeContext,
+    state: _State,
+    history: list[dict],
+    tool_messages: list[dict],
+    fitted: list[dict],
+    stop: str,
 ) -> tuple[list[dict], ToolTurn]:
-    """The tool messages cut to the budget left, and the tool turn they make.
+    """The tool messages cut to the budget left (`fitted`), and the tool turn they make.
 
     A fork can drop history (past reasoning), leaving more room than the current row has, so a
     turn that forks with a cut result is redone with results cut only at the whole budget.
     """
-    limit = ctx.config.max_completion_length
-    fitted = ctx.renderer.fit_tool_messages(tool_messages, limit - state.spent)
     turn = ctx.renderer.tool_turn(state.prompt_text, history, fitted, stop)
     if turn.fork and fitted != tool_messages:
-        fitted = ctx.renderer.fit_tool_messages(tool_messages, limit)
+        fitted = ctx.renderer.fit_tool_messages(tool_messages, ctx.config.max_completion_length)
         turn = ctx.renderer.tool_turn(state.prompt_text, history, fitted, stop)
     return fitted, turn
 

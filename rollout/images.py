@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 # What a processor returns besides the pixel tensors; the rest is the model's vision input.
 _TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
@@ -127,6 +130,39 @@ def encode_with_images(
     return ids, {k: v for k, v in encoded.items() if k not in _TEXT_KEYS}
 
 
+def encode_messages(
+    processor: Any,
+    text: str,
+    messages: Sequence[Mapping[str, Any]],
+    encode: Callable[[str], list[int]],
+) -> tuple[list[int], dict[str, torch.Tensor], list[Any]]:
+    """Token ids of rendered `text` holding `messages`' images, their tensors, and the images.
+
+    Without images (`images_of(messages)` empty) the ids are `encode(text)` (a renderer's
+    cached encoding) and there are no tensors; with images, `encode_with_images`.
+
+    Args:
+        processor: A VLM processor (`load_processor`), or None for a text-only model.
+        text: Rendered template text holding one `image_placeholder` per image of `messages`.
+        messages: The messages `text` renders (their image parts, in order).
+        encode: Encodes text without images.
+
+    Raises:
+        ValueError: There are images but no processor, or the text holds a different number
+            of placeholders (`encode_with_images`).
+    """
+    images = images_of(messages)
+    if not images:
+        return encode(text), {}, []
+    if processor is None:
+        raise ValueError(
+            "the conversation holds images but the model has no image processor: train a "
+            "vision-language model, with its processor as processing_class"
+        )
+    ids, vision = encode_with_images(processor, text, images)
+    return ids, vision, images
+
+
 def join_vision_inputs(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The vision inputs of several encodings of one sequence, as one (images in order).
 
@@ -227,7 +263,7 @@ def _prepend_images(messages: list[dict[str, Any]], images: list[Any]) -> list[d
     return [*messages[:first], {**messages[first], "content": parts + text}, *messages[first + 1 :]]
 
 
-def feature_token_ids(config: Any) -> list[int]:
+def feature_token_ids(config: PreTrainedConfig) -> list[int]:
     """The ids a VLM replaces by image (or video) features: a sampled one would break its forward.
 
     Empty for a text model. The generation backends never sample them (`suppress_tokens`);
@@ -252,16 +288,6 @@ def text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     return "".join(part.get("text", "") for part in _parts(content) if part.get("type") == "text")
-
-
-def cut_text(content: Any, limit: int) -> Any:
-    """`content` with its text (each text part's) cut to at most `limit` characters."""
-    if isinstance(content, str):
-        return content[:limit]
-    return [
-        {**part, "text": part["text"][:limit]} if part.get("type") == "text" else part
-        for part in _parts(content)
-    ]
 
 
 def with_observation_parts(
@@ -290,7 +316,7 @@ def with_observation_parts(
 
 
 def vision_forward_kwargs(
-    config: Any,
+    config: PreTrainedConfig,
     input_ids_B_L: torch.Tensor,
     vision: Mapping[str, torch.Tensor],
 ) -> dict[str, Any]:

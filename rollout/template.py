@@ -34,7 +34,7 @@ import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from rollout.images import cut_text, encode_with_images, image_placeholder, images_of
+from rollout.images import encode_messages, image_placeholder
 from rollout.text_encoding import EncodeCache, max_token_chars
 
 BUILTIN_TEMPLATES = {"chatml_tools": "chatml_tools.jinja", "chatml_vision": "chatml_vision.jinja"}
@@ -155,7 +155,7 @@ class ChatRenderer:
         encode_cache_size: Bound on the encode cache, in characters plus token ids.
         processor: A vision-language model's processor (`rollout.images.load_processor`), or
             None. With one, messages may hold image parts: the template gets the processor's
-            `image_placeholder`, and `encode_with_images` expands it into image tokens.
+            `image_placeholder`, and `encode_messages` expands it into image tokens.
 
     """
 
@@ -196,25 +196,18 @@ class ChatRenderer:
         """Token ids of rendered text; the template, not the tokenizer, adds special tokens."""
         return list(self._encoded(text))
 
-    def encode_with_images(
-        self, text: str, images: Sequence[Any]
-    ) -> tuple[list[int], dict[str, Any]]:
-        """Token ids of rendered text holding `images`' placeholders, and their tensors.
+    def encode_messages(
+        self, text: str, messages: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[int], dict[str, Any], list[Any]]:
+        """Token ids of rendered `text` holding `messages`' images, their tensors, the images.
 
-        Without images this is `encode` (and no tensors).
+        Without images this is `encode` (no tensors, no images).
 
         Raises:
             ValueError: There are images but no processor, or the text holds a different
-                number of placeholders (`rollout.images.encode_with_images`).
+                number of placeholders (`rollout.images.encode_messages`).
         """
-        if not images:
-            return self.encode(text), {}
-        if self.processor is None:
-            raise ValueError(
-                "the conversation holds images but the model has no image processor: train a "
-                "vision-language model, with its processor as processing_class"
-            )
-        return encode_with_images(self.processor, text, images)
+        return encode_messages(self.processor, text, messages, self.encode)
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
@@ -257,7 +250,7 @@ class ChatRenderer:
         if self._max_token_chars is None:
             return [dict(m) for m in messages]
         limit = max(budget_tokens, 0) * self._max_token_chars
-        return [{**m, "content": cut_text(m["content"], limit)} for m in messages]
+        return [{**m, "content": _cut_text(m["content"], limit)} for m in messages]
 
     def tool_turn(
         self,
@@ -281,11 +274,9 @@ class ChatRenderer:
             text, after = self._tool_turn_text(prompt_text, messages, new_messages, stop_text)
         except TemplateDriftError:
             after = self.render([*messages, *new_messages], generation_prompt=True)
-            images = images_of([*messages, *new_messages])
-            ids, vision = self.encode_with_images(after, images)
+            ids, vision, images = self.encode_messages(after, [*messages, *new_messages])
             return ToolTurn(ids, after, fork=True, images=tuple(images), vision=vision)
-        images = images_of(new_messages)
-        ids, vision = self.encode_with_images(text, images)
+        ids, vision, images = self.encode_messages(text, new_messages)
         return ToolTurn(ids, after, fork=False, images=tuple(images), vision=vision)
 
     def tool_turn_ids(
@@ -408,3 +399,16 @@ class ChatRenderer:
                 f"Hermes-style <tool_call> blocks, for ChatML models such as SmolLM2) or a "
                 f"template that renders tools."
             )
+
+
+def _cut_text(content: Any, limit: int) -> Any:
+    """`content` with its text (each text part's) cut to at most `limit` characters."""
+    if isinstance(content, str):
+        return content[:limit]
+    parts = (
+        [part for part in content if isinstance(part, Mapping)] if isinstance(content, list) else []
+    )
+    return [
+        {**part, "text": part["text"][:limit]} if part.get("type") == "text" else part
+        for part in parts
+    ]

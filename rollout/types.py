@@ -49,6 +49,33 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+# The fields of a vLLM request that agentgrpo sets on every request, from its `SamplingParams`
+# and the episode; a backend's `sampling_overrides` (TRL's `generation_kwargs`) may not replace
+# them.
+RESERVED_SAMPLING_FIELDS = frozenset(
+    {"n", "max_tokens", "seed", "logprobs", "stop_token_ids", "detokenize", "output_kind"}
+)
+
+
+def check_sampling_overrides(overrides: Mapping[str, Any]) -> None:
+    """Refuse overrides of the fields that keep episodes token-exact and within budget.
+
+    Examples:
+        >>> check_sampling_overrides({"min_p": 0.1})
+        >>> check_sampling_overrides({"max_tokens": 5, "seed": 1})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: generation_kwargs may not set ['max_tokens', 'seed']: agentgrpo sets them ...
+
+    """
+    if clash := sorted(RESERVED_SAMPLING_FIELDS & overrides.keys()):
+        raise ValueError(
+            f"generation_kwargs may not set {clash}: agentgrpo sets them per request (the "
+            "episode's token budget and seed, one sample with its logprob, the stop ids); "
+            "remove them"
+        )
+
+
 @dataclass(frozen=True)
 class Pictures:
     """The pictures of one request to a vision-language model, in both forms a backend reads.

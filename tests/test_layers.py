@@ -35,13 +35,17 @@ def test_a_layer_imports_only_the_layers_to_its_left(layer):
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Full dotted names a module imports (absolute imports only)."""
+    """Full dotted names a module imports (absolute imports only), in functions too.
+
+    `from a import b` counts as `a` and `a.b`: b may be a module (`from rollout import backends`).
+    """
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -155,6 +159,16 @@ AGENTGRPO_ROOM_MAY_NOT_IMPORT = {
 def test_an_agentgrpo_room_imports_no_room_it_must_not(room):
     paths = sorted((ROOT / "agentgrpo" / room).rglob("*.py"))
     offenders = forbidden_imports(paths, AGENTGRPO_ROOM_MAY_NOT_IMPORT[room])
+    assert offenders and {p: names for p, names in offenders.items() if names} == {}
+
+
+# Backends are built in one room, agentgrpo/generation/: the trainer's generator, and the
+# backend and stop ids of `agentgrpo eval` and `doctor` (`generation.evaluation`). Every other
+# room is handed a `rollout.GenerationBackend`.
+def test_only_the_generation_room_imports_rollouts_backends():
+    generation = ROOT / "agentgrpo" / "generation"
+    paths = [p for p in (ROOT / "agentgrpo").rglob("*.py") if not p.is_relative_to(generation)]
+    offenders = forbidden_imports(paths, ("rollout.backends",))
     assert offenders and {p: names for p, names in offenders.items() if names} == {}
 
 

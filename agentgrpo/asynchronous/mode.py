@@ -1,116 +1,116 @@
-"""The trainer's asynchronous mode (`async_grpo`): where its rounds come from, and its stop.
+"""The trainer's asynchronous mode (`async_grpo`): where its training rounds come from.
 
-`GRPOTrainer` inherits `AsyncMode`. With `async_grpo` it builds a producer
-(`asynchronous.rounds.AsyncGeneration`) that plays groups into a bounded queue while the learner
-trains, pushes new weights to it every `weight_sync_steps` (`asynchronous.rounds.WeightPushes`), and
-plays its training rounds from that queue. The loss's old logprobs are then the sampler's:
-the weights that drew each token. The producer generates with a copy of the policy, or with
-the run's vLLM server (`asynchronous.generators`); evaluation then shares the server, and brings it
-to the learner's weights first. Without `async_grpo` nothing here runs.
+With `async_grpo` the trainer holds an `AsyncRounds`: a producer (`asynchronous.rounds.
+AsyncGeneration`) that plays groups into a bounded queue while the learner trains, the callback
+that pushes new weights to it every `weight_sync_steps` (`asynchronous.rounds.WeightPushes`),
+and the round parts that take its training rounds from that queue. The loss's old logprobs are
+then the sampler's: the weights that drew each token. The producer generates with a copy of the
+policy, or with the run's vLLM server (`generation.generator.choose_generators`); evaluation
+then plays on the server through the producer (`AsyncGeneration.generating`). Without
+`async_grpo` the trainer holds none.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from agentgrpo.asynchronous.generators import PushedForEvaluation, generator_weights
+import torch
+
 from agentgrpo.asynchronous.rounds import AsyncGeneration, WeightPushes, asynchronous_round_parts
+from agentgrpo.generation.generator import ConcurrentGenerator
 from agentgrpo.rounds.pipeline import RoundParts, RoundPlan
+from agentgrpo.rounds.scoring import Scorer
+from rollout import GenerationBackend, RolloutEngine
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
 
 
-class AsyncMode:
-    """The asynchronous-rounds part of `GRPOTrainer` (it sets everything this class reads)."""
+@dataclass
+class AsyncRounds:
+    """The producer, its weight pushes, and the parts of the training rounds it feeds.
 
-    _async: AsyncGeneration | None = None
-    _async_parts: RoundParts
+    Attributes:
+        generation: The producer.
+        pushes: The trainer's callback that pushes the policy to it.
+        parts: Round parts whose `play` takes the producer's played groups.
+        record: Receives the producer's metrics (the trainer's train metrics).
+    """
 
-    def _wire_async(self, tools: Sequence[Callable[..., Any]], factory: Any) -> None:
-        """The producer, its weight pushes, and the round parts that read from its queue.
+    generation: AsyncGeneration
+    pushes: WeightPushes
+    parts: RoundParts
+    record: Callable[[dict[str, float]], None]
 
-        Raises:
-            ValueError: A `rollout_func` or an agent plays the episodes (not asynchronous yet),
-                or the policy's weights are sharded (`check_async_weights`).
+    @classmethod
+    def build(
+        cls,
+        args: GRPOConfig,
+        plan: RoundPlan,
+        producer: ConcurrentGenerator,
+        policy: Callable[[], torch.nn.Module],
+        make_engine: Callable[[GenerationBackend], RolloutEngine],
+        scorer: Scorer,
+        dataset: Any,
+        parts: RoundParts,
+        step: Callable[[], int],
+        record: Callable[[dict[str, float]], None],
+    ) -> AsyncRounds:
+        """The asynchronous mode of a run of `args`.
+
+        Args:
+            args: The run's config.
+            plan: The training round's sizes.
+            producer: The producer's generator.
+            policy: Returns the learner's policy (unwrapped).
+            make_engine: Builds the engine (as the trainer builds its own) over a backend.
+            scorer: The trainer's scorer.
+            dataset: The training rows.
+            parts: The synchronous rounds' parts, which the queue's replace `play` of.
+            step: Returns the learner's optimizer step.
+            record: Receives the train metrics: the producer's, and the learner's seconds
+                spent on each push.
         """
-        trainer: Any = self
-        check_async_weights(trainer.placement.zero_stage, trainer.placement.engine)
-        if trainer.rollout_func is not None or trainer.agent is not None:
-            raise ValueError(
-                "async_grpo plays episodes with the engine's own loop; a rollout_func or an "
-                "agent cannot run asynchronously yet: set async_grpo=False."
-            )
-
-        def policy() -> Any:
-            return trainer.accelerator.unwrap_model(trainer.model)
-
-        weights = generator_weights(
-            trainer.args,
-            policy(),
-            trainer.processing_class,
-            trainer.engine.context.backend,
-            trainer.weight_sync,
+        generation = AsyncGeneration.build(
+            args, plan, policy, producer, make_engine, scorer, dataset
         )
-        self._async = generation = AsyncGeneration.build(
-            trainer.args,
-            trainer.plan,
-            policy,
-            weights,
-            lambda backend: trainer._build_parts(backend, tools, factory, None).engine,
-            trainer.scorer,
-            trainer.train_dataset,
-        )
-        if trainer.args.use_vllm:  # evaluation shares the server: push through the producer
-            trainer.weight_sync = PushedForEvaluation(generation.push, lambda: weights.version)
-        add_metrics = functools.partial(trainer._trainer_log.add, "train")
-        trainer.add_callback(WeightPushes(generation, trainer.args.weight_sync_steps, add_metrics))
-        self._async_parts = asynchronous_round_parts(
-            generation, trainer._round_parts, lambda: trainer.state.global_step
+        return cls(
+            generation,
+            WeightPushes(generation, args.weight_sync_steps, record),
+            asynchronous_round_parts(generation, parts, step),
+            record,
         )
 
-    def _parts_for(self, plan: RoundPlan, parts: RoundParts) -> RoundParts:
-        """The parts a round of `plan` plays with: the queue's for training rounds when async."""
-        return self._async_parts if self._async is not None and plan.train else parts
+    def parts_for(self, plan: RoundPlan, parts: RoundParts) -> RoundParts:
+        """The parts a round of `plan` plays with: the queue's for training rounds."""
+        return self.parts if plan.train else parts
 
-    def _async_versions(self, plan: RoundPlan) -> list[int] | None:
-        """The policy version of each episode of an asynchronous training round, else None.
+    def versions(self, plan: RoundPlan) -> list[int] | None:
+        """The policy version of each episode of a training round just taken, else None.
 
-        None: the current weights played the round. The producer's metrics are queued too.
+        None: the current weights played the round (evaluation). The producer's metrics since
+        the last training round are recorded too.
         """
-        if self._async is None or not plan.train:
+        if not plan.train:
             return None
-        trainer: Any = self
-        trainer._trainer_log.add("train", self._async.take_metrics())
-        return self._async.last_versions_N
+        self.record(self.generation.take_metrics())
+        return self.generation.last_versions_N
 
-    def _stop_async(self) -> None:
-        """Stop the producer, if there is one (the end of `train`, however it ends)."""
-        if self._async is not None:
-            self._async.stop()
+    def stop(self) -> None:
+        """Stop the producer (the end of `train`, however it ends)."""
+        self.generation.stop()
 
 
-def check_async_weights(zero_stage: int, engine: str) -> None:
-    """Refuse async_grpo over sharded weights (DeepSpeed ZeRO-3, FSDP).
-
-    The producer copies the policy's tensors and pushes them from its own thread, while the
-    learner runs; sharded weights are empty until every process gathers them together.
-
-    Args:
-        zero_stage: DeepSpeed's ZeRO stage (0 without DeepSpeed).
-        engine: accelerate's `distributed_type` by name (`Placement.engine`).
+def check_async_players(rollout_func: Any, agent: Any) -> None:
+    """Refuse `async_grpo` when a `rollout_func` or an agent plays the episodes.
 
     Raises:
-        ValueError: ZeRO-3 or FSDP.
-
-    Example:
-        >>> check_async_weights(zero_stage=2, engine="DEEPSPEED")
+        ValueError: Either is set.
     """
-    sharding = "FSDP" if engine == "FSDP" else None
-    sharding = "DeepSpeed ZeRO-3" if zero_stage == 3 else sharding
-    if sharding is not None:
+    if rollout_func is not None or agent is not None:
         raise ValueError(
-            f"async_grpo cannot generate from {sharding}'s sharded weights: its producer copies "
-            "and pushes the policy's whole weights from its own thread while the learner "
-            "trains. Launch its one process without sharded weights (DeepSpeed ZeRO-2, "
-            "examples/accelerate/deepspeed_zero2.yaml, works), or set async_grpo=False."
+            "async_grpo plays episodes with the engine's own loop; a rollout_func or an "
+            "agent cannot run asynchronously yet: set async_grpo=False."
         )

@@ -12,7 +12,9 @@ After every `weight_sync_steps` optimizer steps the learner pushes its weights t
 generator, between two of its steps.
 
 The generator is a copy of the policy on the producer's thread, or a vLLM server in its own
-process (`asynchronous.generators`); either takes new weights between two of its steps.
+process (`generation.generator.choose_generators`); either takes new weights between two of
+its steps. With a server, the learner's own rounds (evaluation) play on the producer's
+generator too (`AsyncGeneration.generating`).
 
 Every sampled token records the version of the weights that drew it (`EpisodeRow.
 policy_versions`; an episode that spans a push holds two or more). An episode's version is its
@@ -29,10 +31,10 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.from_thread
@@ -42,12 +44,15 @@ import torch
 from transformers import TrainerCallback
 
 from agentgrpo.asynchronous.buffer import GroupBuffer, PlayedGroup, RowStream
-from agentgrpo.asynchronous.generators import GeneratorWeights
 from agentgrpo.asynchronous.queue import QueueFolder
+from agentgrpo.generation.generator import ConcurrentGenerator
 from agentgrpo.learner.batch import TrainingBatch
 from agentgrpo.rounds.pipeline import RoundParts, RoundPlan
 from agentgrpo.rounds.scoring import RewardLogs, Scorer, play_round
-from rollout import Episode, EpisodeRecord, RolloutEngine
+from rollout import Episode, EpisodeRecord, GenerationBackend, RolloutEngine
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +94,7 @@ class AsyncGeneration:
         self,
         engine: RolloutEngine,
         scorer: Scorer,
-        weights: GeneratorWeights,
+        weights: ConcurrentGenerator,
         rows: RowStream,
         num_generations: int,
         workers: int,
@@ -120,11 +125,11 @@ class AsyncGeneration:
     @classmethod
     def build(
         cls,
-        args: Any,
+        args: GRPOConfig,
         plan: RoundPlan,
         policy: Callable[[], torch.nn.Module],
-        weights: GeneratorWeights,
-        make_engine: Callable[[Any], RolloutEngine],
+        weights: ConcurrentGenerator,
+        make_engine: Callable[[GenerationBackend], RolloutEngine],
         scorer: Scorer,
         dataset: Any,
     ) -> AsyncGeneration:
@@ -134,7 +139,7 @@ class AsyncGeneration:
             args: The run's config.
             plan: The training round's sizes.
             policy: Returns the learner's policy (unwrapped).
-            weights: The generator's (`asynchronous.generators.generator_weights`).
+            weights: The producer's generator (`generation.generator.choose_generators`).
             make_engine: Builds the engine (as the trainer builds its own) over a backend.
             scorer: The trainer's scorer (its reward logs are the run's).
             dataset: The training rows.
@@ -151,7 +156,7 @@ class AsyncGeneration:
             max_episodes=args.queue_maxsize,
             policy=policy,
             rows_per_step=plan.prompts_per_process * plan.accumulation_steps / plan.repeats,
-            queue=QueueFolder(args.output_dir, scorer.names),
+            queue=QueueFolder(str(args.output_dir), scorer.names),  # TrainingArguments sets it
         )
 
     # ------------------------------------------------------------------ producer
@@ -346,6 +351,28 @@ class AsyncGeneration:
 
     def _load(self, step: int) -> None:
         self.weights.load(self.policy(), step)
+
+    @property
+    def version(self) -> int:
+        """The optimizer step of the generator's weights."""
+        return self.weights.version
+
+    @property
+    def backend(self) -> GenerationBackend:
+        """The generator's backend."""
+        return self.weights.backend
+
+    @contextlib.contextmanager
+    def generating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
+        """A learner's own round (evaluation) on the producer's generator, at step `step`.
+
+        The generator is brought to `step` first, through the producer, between its requests
+        (`push`), so that evaluation is of the current policy: the learner's `policy`, which
+        `self.policy()` returns.
+        """
+        if self.weights.version != step:
+            self.push(step)
+        yield
 
     def take_metrics(self) -> dict[str, float]:
         """The metrics since the last call, under TRL's AsyncGRPO names where it logs the same.

@@ -14,7 +14,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentgrpo import run_folder
 from agentgrpo.cli import resume_check, sources
@@ -34,6 +34,9 @@ from agentgrpo.cli.options import (
 from agentgrpo.cli.values import FieldType
 from agentgrpo.training import checkpoints
 from environments.contract import run_defaults
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
 
 # Keys a --config file may hold besides GRPOConfig's fields: the command's own options.
 RUN_KEYS = (
@@ -75,7 +78,7 @@ def run(namespace: argparse.Namespace) -> int:
 
 
 def _run_in_folder(
-    namespace: argparse.Namespace, source: Any, settings: dict[str, Any], config: Any
+    namespace: argparse.Namespace, source: Any, settings: dict[str, Any], config: GRPOConfig
 ) -> int:
     """`run`, once the output folder is this run's alone."""
     from agentgrpo import GRPOTrainer
@@ -84,9 +87,9 @@ def _run_in_folder(
     model = sources.model_path(settings["model"])
     kept = resume_check.run_settings(namespace.env, settings["env_args"], config)
     if checkpoint is not None:
-        resume_check.check_resume(checkpoint, config.output_dir, kept, model)
+        resume_check.check_resume(checkpoint, _output_dir(config), kept, model)
     elif config.should_save:
-        resume_check.write_run_settings(config.output_dir, kept)
+        resume_check.write_run_settings(_output_dir(config), kept)
     train_rows = sources.rows(
         source, settings["dataset"], settings["dataset_split"], settings["dataset_size"]
     )
@@ -113,7 +116,7 @@ def _train_and_save(
     trainer: Any,
     namespace: argparse.Namespace,
     settings: dict[str, Any],
-    config: Any,
+    config: GRPOConfig,
     checkpoint: str | None,
     train_rows: Any,
 ) -> int:
@@ -127,7 +130,7 @@ def _train_and_save(
         tokenizer = trainer.processing_class
         tokenizer.chat_template = load_template(tokenizer, config.chat_template)
     startup_checks(trainer.engine, show=trainer.is_world_process_zero())
-    final = Path(config.output_dir) / "model"
+    final = Path(_output_dir(config)) / "model"
     if checkpoint is not None and _finished(checkpoint, config):
         return _finish_without_training(trainer, checkpoint, final)
     attach_run_callbacks(trainer)
@@ -137,7 +140,7 @@ def _train_and_save(
         return INTERRUPTED
     trainer.save_model(str(final))
     if trainer.is_world_process_zero():
-        print(summary_table(Path(config.output_dir) / "metrics.jsonl"))
+        print(summary_table(Path(_output_dir(config)) / "metrics.jsonl"))
         print(f"\ntrained in {time.monotonic() - started:.0f} s; final model: {final}")
         _print_eval_commands(
             namespace.env, settings["env_args"], config, warm_started=checkpoint is None
@@ -145,14 +148,17 @@ def _train_and_save(
     return 0
 
 
-def _print_eval_commands(env: str, env_args: Any, config: Any, warm_started: bool) -> None:
+def _print_eval_commands(
+    env: str, env_args: dict[str, Any] | None, config: GRPOConfig, warm_started: bool
+) -> None:
     """The `agentgrpo eval` lines for the final model and, when saved, the warm start alone."""
     from agentgrpo.training.trainer import WARM_START_DIR
 
     again = f" --env-args {shlex.quote(json.dumps(env_args))}" if env_args is not None else ""
-    print(f"evaluate it: agentgrpo eval {env}{again} --model {Path(config.output_dir) / 'model'}")
+    output_dir = Path(_output_dir(config))
+    print(f"evaluate it: agentgrpo eval {env}{again} --model {output_dir / 'model'}")
     if config.save_warm_start and warm_started:
-        warm = Path(config.output_dir) / WARM_START_DIR
+        warm = output_dir / WARM_START_DIR
         print(f"and the warm start alone: agentgrpo eval {env}{again} --model {warm}")
 
 
@@ -250,7 +256,7 @@ def _run_settings(namespace: argparse.Namespace, source: Any) -> dict[str, Any]:
     }
 
 
-def _float32_weights(model_init_kwargs: Any) -> Any:
+def _float32_weights(model_init_kwargs: dict[str, Any] | str | None) -> dict[str, Any] | str:
     """`model_init_kwargs` with `dtype="float32"` unless it names a dtype (or is JSON text).
 
     The optimizer keeps float32 master weights; on a GPU the forward passes run under the
@@ -304,7 +310,7 @@ def _default_output_dir(source: Any, config: dict[str, Any], resume: bool) -> st
     return f"runs/{sources.source_name(source)}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _resume_from(resume: bool, config: Any) -> str | None:
+def _resume_from(resume: bool, config: GRPOConfig) -> str | None:
     """The checkpoint the run resumes from (None: a new run), checked before anything loads.
 
     `--resume` with no intact checkpoint in the output folder starts a new run and says so,
@@ -320,7 +326,7 @@ def _resume_from(resume: bool, config: Any) -> str | None:
         return checkpoints.checked_checkpoint(path)
     if not resume:
         return None
-    latest, skipped = checkpoints.latest_checkpoint(config.output_dir)
+    latest, skipped = checkpoints.latest_checkpoint(_output_dir(config))
     for line in skipped:
         print(f"warning: skipping incomplete checkpoint {line}", file=sys.stderr)
     if latest is None:
@@ -329,7 +335,13 @@ def _resume_from(resume: bool, config: Any) -> str | None:
     return str(latest)
 
 
-def _finished(checkpoint: str, config: Any) -> bool:
+def _output_dir(config: GRPOConfig) -> str:
+    """The run's output folder, which TrainingArguments always sets (its type allows None)."""
+    assert config.output_dir is not None
+    return config.output_dir
+
+
+def _finished(checkpoint: str, config: GRPOConfig) -> bool:
     """Whether the checkpoint to resume from already reached `max_steps` (nothing to train).
 
     Without this check the Trainer would take one more step before it noticed.
@@ -449,13 +461,13 @@ def _print_start(
     print(flush=True)
 
 
-def _warm_start_line(args: Any) -> str:
+def _warm_start_line(args: GRPOConfig) -> str:
     """How many warm-start steps, and where the warm-started model is saved."""
     from agentgrpo.training.trainer import WARM_START_DIR
 
     if not args.warm_start_steps:
         return "none"
-    saved = Path(args.output_dir) / WARM_START_DIR
+    saved = Path(_output_dir(args)) / WARM_START_DIR
     return f"{args.warm_start_steps} steps" + (
         f", saved to {saved}" if args.save_warm_start else ""
     )

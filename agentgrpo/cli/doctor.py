@@ -15,14 +15,17 @@ from agentgrpo.cli.options import (
     DEVICE_HELP,
     RUN_DEFAULTS,
     UsageError,
+    grpo_config,
     template_source,
     value_parser,
 )
-from agentgrpo.devices import describe_run_device, resolve_device
+from agentgrpo.devices import resolve_device
 from agentgrpo.doctor import CheckResult, Setup, Status
 
 if TYPE_CHECKING:
     import torch
+
+    from agentgrpo.config import GRPOConfig
 
 FAILED = 1
 
@@ -86,6 +89,7 @@ def doctor(namespace: argparse.Namespace) -> int:
         print(result.line(), flush=True)
     failed = any(r.status is Status.FAIL for r in results)
     if device is not None and not failed:
+        assert isinstance(setup, Setup)  # a setup that did not load is a failed check
         result = _generate(namespace, path, tokenizer, env_class, setup, device)
         print(result.line(), flush=True)
         failed = result.status is Status.FAIL
@@ -96,9 +100,9 @@ def _setup(
     namespace: argparse.Namespace, path: str, tokenizer: Any, env_class: type | None
 ) -> Setup | CheckResult:
     """What a run with these options would render, parse and stop with, or why it cannot load."""
+    from agentgrpo.generation.evaluation import stop_token_ids_of
     from environments import class_tools
     from rollout import load_template
-    from rollout.backends.vllm_colocate import default_stop_token_ids
 
     try:
         template = load_template(tokenizer, _template_option(namespace))
@@ -111,7 +115,7 @@ def _setup(
     return Setup(
         tokenizer=tokenizer,
         template=template,
-        stop_token_ids=frozenset(default_stop_token_ids(tokenizer, _generation_config(path))),
+        stop_token_ids=frozenset(stop_token_ids_of(tokenizer, _generation_config(path))),
         tools=tools,
         tool_call_parser=namespace.tool_call_parser,
     )
@@ -128,7 +132,10 @@ def _template_option(namespace: argparse.Namespace) -> str | None:
 
 
 def _generation_config(path: str) -> Any:
-    """The model's generation config (its eos ids are stop tokens), without loading weights."""
+    """The generation config a model loaded from `path` has (a run stops on its eos ids).
+
+    Read without the weights: the fast checks load no model.
+    """
     from transformers import AutoConfig, GenerationConfig
 
     try:
@@ -149,29 +156,41 @@ def _generate(
     path: str,
     tokenizer: Any,
     env_class: Any,
-    setup: Any,
+    setup: Setup,
     device: torch.device,
 ) -> CheckResult:
-    """Check 6 with the model loaded here and episodes played as `agentgrpo run` plays them."""
-    from agentgrpo.doctor import check_generation
-    from agentgrpo.models.loading import load_for_generation
-    from agentgrpo.precision import autocast_kwargs
-    from environments.contract import episode_limits
-    from rollout import EpisodeConfig, RolloutEngine, TransformersBackend
+    """Check 6 with the model loaded here and episodes played as `agentgrpo run` plays them.
 
-    model, autocast = load_for_generation(path, device)
-    print(f"generating on {describe_run_device(device, autocast)}", flush=True)
-    limits = {**RUN_DEFAULTS, **episode_limits(env_class)}  # as `agentgrpo run` plays
-    engine = RolloutEngine(
-        TransformersBackend.from_tokenizer(model, tokenizer, seed=0, **autocast_kwargs(autocast)),
-        tokenizer,
-        environment_factory=env_class,
-        chat_template=setup.template,
-        tool_call_parser=namespace.tool_call_parser,
-        config=EpisodeConfig(
-            max_completion_length=limits["max_completion_length"], max_turns=limits["max_turns"]
-        ),
-    )
+    The model is loaded as `agentgrpo eval` loads it, and the engine built as a run's is
+    (`wiring.build_engine`), from the `GRPOConfig` of a run with these options.
+    """
+    from agentgrpo.doctor import check_generation
+    from agentgrpo.generation.evaluation import evaluation_backend
+    from agentgrpo.rounds.wiring import build_engine
+
+    backend, where = evaluation_backend(path, tokenizer, device, seed=0)
+    print(f"generating on {where}", flush=True)
+    engine = build_engine(_run_config(namespace, env_class, setup), backend, tokenizer, env_class)
     return check_generation(
         engine, list(sources.rows(env_class, None, "train")), namespace.generate
+    )
+
+
+def _run_config(namespace: argparse.Namespace, env_class: Any, setup: Setup) -> GRPOConfig:
+    """The `GRPOConfig` of `agentgrpo run` with these options: its limits, template and parser.
+
+    The limits are the environment's `episode_limits`, else `agentgrpo run`'s defaults.
+    """
+    from environments.contract import episode_limits
+
+    limits = {**RUN_DEFAULTS, **episode_limits(env_class)}
+    return grpo_config(
+        {
+            "max_completion_length": limits["max_completion_length"],
+            "max_turns": limits["max_turns"],
+            "chat_template": setup.template,
+            "tool_call_parser": namespace.tool_call_parser,
+            "seed": 0,
+            "report_to": "none",
+        }
     )

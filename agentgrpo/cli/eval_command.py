@@ -86,6 +86,7 @@ def _eval_engine(
     from transformers import AutoTokenizer
 
     from agentgrpo.doctor import startup_checks
+    from agentgrpo.generation.evaluation import evaluation_backend
     from agentgrpo.models.loading import is_vision_folder, load_tokenizer
     from agentgrpo.rewards.calls import reward_functions
     from agentgrpo.rounds.scoring import environment_reward_name
@@ -101,7 +102,15 @@ def _eval_engine(
     processor = load_processor(path) if is_vision_folder(path) else None
     text = AutoTokenizer.from_pretrained(path) if processor is None else processor.tokenizer
     tokenizer = load_tokenizer(None, text)
-    backend, where = _eval_backend(namespace, path, tokenizer, device, processor)
+    backend, where = evaluation_backend(
+        path,
+        tokenizer,
+        device,
+        seed=namespace.seed,
+        server_url=namespace.server_url,
+        server_timeout_s=namespace.server_timeout,
+        processor=processor,
+    )
     config = eval_config(namespace, source)
     parts = build_parts(
         config,
@@ -146,35 +155,6 @@ def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
             "report_to": "none",
         }
     )
-
-
-def _eval_backend(
-    namespace: argparse.Namespace, path: str, tokenizer: Any, device: Any, processor: Any = None
-) -> tuple[Any, str]:
-    """The model on `device` in this process, or the server at `--server-url`; and which.
-
-    The model plays as a training run on that device holds it (`models.load_for_generation`).
-    `processor`: a VLM folder's; the server is then sent the rows' pictures.
-    """
-    if namespace.server_url:
-        from rollout.backends.vllm_colocate import default_stop_token_ids
-        from rollout.backends.vllm_server import ServerConnection, VLLMServerBackend
-
-        connection = ServerConnection(namespace.server_url, namespace.server_timeout)
-        server = VLLMServerBackend.connect(
-            connection, stop_token_ids=default_stop_token_ids(tokenizer), processor=processor
-        )
-        return server, f"the server at {namespace.server_url}"
-    from agentgrpo.devices import describe_run_device
-    from agentgrpo.models.loading import load_for_generation
-    from agentgrpo.precision import autocast_kwargs
-    from rollout import TransformersBackend
-
-    model, autocast = load_for_generation(path, device)
-    backend = TransformersBackend.from_tokenizer(
-        model, tokenizer, seed=namespace.seed, **autocast_kwargs(autocast)
-    )
-    return backend, describe_run_device(device, autocast)
 
 
 def _write_episodes(path: Path, episodes: list, rewards: list[float]) -> None:

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentgrpo.cli.options import UsageError
 from agentgrpo.training import checkpoints
 
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
+
 RUN_FILE = "run.json"
 
 
-def run_settings(env: str, env_args: Any, config: Any) -> dict[str, Any]:
+def run_settings(env: str, env_args: dict[str, Any] | None, config: GRPOConfig) -> dict[str, Any]:
     """The settings a resumed run must share with the run it continues."""
     return {"environment": env, "env_args": env_args, "learning_rate": config.learning_rate}
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from agentgrpo.config.errors import require
-from rollout.backends.vllm_colocate import check_sampling_overrides
+from rollout.types import check_sampling_overrides
 
 if TYPE_CHECKING:
     from agentgrpo.config.grpo import GRPOConfig

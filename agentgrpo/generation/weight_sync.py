@@ -1,19 +1,15 @@
-"""Which backend generates, and how the policy's new weights reach it after each optimizer step.
+"""How the policy's new weights reach a vLLM engine: colocated, or a server's workers.
 
-`build_generator` reads the config once and returns the backend with its `WeightSync`. The
-trainer wraps every generation round in `sync.generating(model, global_step)`, which pushes the
-policy's weights when they changed since the last push (so after each optimizer step, and after
-a warm start or a resume), and lets a colocated vLLM sleep between rounds.
-
-- transformers: the backend reads the policy itself; nothing to push, but its prefix cache
-  is emptied around every round. Under mixed precision it generates under the same autocast
-  dtype as the trainer's forward passes.
-- vLLM colocate: the engine runs in this process and reloads from the policy's tensors in place;
-  its settings are TRL's (`colocate_engine_args`). With `vllm_enable_sleep_mode` it sleeps
-  between rounds as TRL's does: weights and KV cache discarded, weights pushed on waking.
-- vLLM server: the trainer broadcasts the tensors to the server's workers (NCCL between GPUs,
-  gloo on CPU; `rollout.backends.weight_transport`), which load them through agentgrpo's worker
-  extension (`agentgrpo vllm-serve` installs it); then the server's prefix cache is reset.
+- vLLM colocate (`ColocatedPush`): the engine runs in this process and reloads from the
+  policy's tensors in place; its settings are TRL's (`colocate_engine_args`). With
+  `vllm_enable_sleep_mode` it sleeps between rounds as TRL's does: weights and KV cache
+  discarded, weights pushed on waking.
+- vLLM server (`ServedWeights`): the trainer broadcasts the tensors to the server's workers
+  (`ServerPush`: NCCL between GPUs, gloo on CPU; `rollout.backends.weight_transport`), which
+  load them through agentgrpo's worker extension (`agentgrpo vllm-serve` installs it); then the
+  server's prefix cache is reset. Under `async_grpo` a push pauses the server, which cuts the
+  turns in flight short, and resumes it; the cut turns are continued with the new weights
+  (`VLLMServerBackend.between_steps`), so a turn can hold two versions.
 
 Sharded weights (DeepSpeed ZeRO-3, FSDP2) are gathered for a vLLM push and let go right after
 it: the policy does not generate, so nothing holds them whole while vLLM does. A server push
@@ -27,100 +23,29 @@ import collections
 import contextlib
 import json
 import threading
+import time
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import torch
 
-from agentgrpo.learner.output_head import fsdp_sharded
+from agentgrpo.generation.sampling import sampling_overrides
 from agentgrpo.models.sharded import (
+    fsdp_sharded,
     named_tensors,
     whole_one_at_a_time,
     whole_parameters,
     whole_specs,
 )
-from agentgrpo.precision import autocast_kwargs, mixed_precision_dtype
-from rollout import GenerationBackend, TransformersBackend
-from rollout.backends.vllm_colocate import (
-    VLLMColocateBackend,
-    default_stop_token_ids,
-    sleep_mode_available,
-)
-from rollout.backends.vllm_server import (
-    ServerConnection,
-    ServerRequestError,
-    VLLMServerBackend,
-    server_url,
-)
+from agentgrpo.precision import mixed_precision_dtype
+from rollout.backends.vllm_colocate import VLLMColocateBackend, sleep_mode_available
+from rollout.backends.vllm_server import ServerConnection, ServerRequestError, VLLMServerBackend
 from rollout.backends.weight_transport import WeightGroup, backend_for, tensor_specs
 
 if TYPE_CHECKING:
     from agentgrpo.config import GRPOConfig
-
-
-class WeightSync(Protocol):
-    """Keeps a generation backend's weights equal to the policy's."""
-
-    def generating(self, model: torch.nn.Module, step: int) -> contextlib.AbstractContextManager:
-        """Context of one generation round with `model` at optimizer step `step`."""
-        ...
-
-
-def build_generator(
-    model: Any, tokenizer: Any, args: GRPOConfig, accelerator: Any, processor: Any = None
-) -> tuple[GenerationBackend, WeightSync]:
-    """The backend `args` asks for (`use_vllm`, `vllm_mode`) and the sync that feeds it.
-
-    `processor`: a vision-language model's; vLLM (colocated or a server) is then given the
-    rows' images with their placeholders unexpanded (`rollout.images.unexpanded_ids`).
-    """
-    if not args.use_vllm:
-        local = TransformersBackend.from_tokenizer(
-            model,
-            tokenizer,
-            seed=args.seed,
-            sampling_overrides=sampling_overrides(args),
-            **autocast_kwargs(mixed_precision_dtype(args)),
-        )
-        return local, SharedWeights(local)
-    stop = default_stop_token_ids(tokenizer, getattr(model, "generation_config", None))
-    if args.vllm_mode == "colocate":
-        sleeps = _sleeps(args)
-        colocated = _colocated_vllm(model, processor or tokenizer, args, stop, sleeps)
-        if sleeps:  # as TRL: its memory is free until the first round
-            colocated.sleep()
-        return colocated, ColocatedPush(colocated, sleeps)
-    connection = ServerConnection(
-        server_url(args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port),
-        args.vllm_server_timeout,
-    )
-    backend = VLLMServerBackend.connect(
-        connection,
-        stop_token_ids=stop,
-        sampling_overrides=sampling_overrides(args),
-        regex=args.vllm_structured_outputs_regex,
-        max_concurrent_requests=args.max_concurrent_episodes,
-        processor=processor,
-    )
-    return backend, ServerPush(connection, args.vllm_group_port, accelerator)
-
-
-def sampling_overrides(args: GRPOConfig) -> dict[str, Any]:
-    """Sampling fields beyond temperature, top-p and top-k, for either backend.
-
-    `min_p` and `repetition_penalty` when set, then `generation_kwargs`, which win over
-    everything else.
-    """
-    overrides: dict[str, Any] = {}
-    if args.min_p is not None:
-        overrides["min_p"] = args.min_p
-    if args.repetition_penalty != 1.0:
-        overrides["repetition_penalty"] = args.repetition_penalty
-    generation_kwargs = args.generation_kwargs or {}
-    assert isinstance(generation_kwargs, dict)  # GRPOConfig refuses any other kind
-    return overrides | generation_kwargs
 
 
 @contextlib.contextmanager
@@ -161,30 +86,11 @@ def _base_name(peft_name: str) -> str:
     return name.replace("modules_to_save.default.", "")
 
 
-class SharedWeights:
-    """The transformers backend generates with the policy's own tensors: nothing to push.
-
-    Its prefix cache holds keys and values of the weights it was filled with, so every round
-    starts with an empty one. Every round ends by freeing all the backend holds for generating
-    (`release_memory`: the prefix cache, on a GPU the slot cache and the decoding step's CUDA
-    graphs), so the learner has that memory; the next round allocates it and captures again.
-    """
-
-    def __init__(self, backend: TransformersBackend):
-        self.backend = backend
-
-    @contextlib.contextmanager
-    def generating(self, model: torch.nn.Module, step: int) -> Iterator[None]:
-        """Generate with the policy as it is."""
-        self.backend.reset_prefix_cache()
-        try:
-            yield
-        finally:
-            self.backend.release_memory()
-
-
 class ColocatedPush:
     """Reload the in-process vLLM engine from the policy whenever the step changed.
+
+    It takes new weights between rounds only: nothing pauses it mid-round, so it plays no
+    rounds beside the learner (GRPOConfig refuses `async_grpo` with it).
 
     Args:
         backend: The colocated engine.
@@ -196,10 +102,10 @@ class ColocatedPush:
     def __init__(self, backend: VLLMColocateBackend, sleeps: bool):
         self.backend = backend
         self.sleeps = sleeps
-        self.pushed_step: int | None = None
+        self.version = -1  # the start-up's weights: the policy's, of no step yet
 
     @contextlib.contextmanager
-    def generating(self, model: torch.nn.Module, step: int) -> Iterator[None]:
+    def generating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
         """Wake the engine, push if `step` is new, generate, and sleep again if configured.
 
         As TRL: the weights wake first and are always pushed (sleep discarded them), then the
@@ -209,11 +115,9 @@ class ColocatedPush:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # what the optimizer step freed, for vLLM to map
             self.backend.wake_up(["weights"])
-            self.pushed_step = None
-        if step != self.pushed_step:
-            with whole_parameters(model), policy_weights(model) as weights:
-                self.backend.load_weights(weights)
-            self.pushed_step = step
+            self.version = -1
+        if step != self.version:
+            self.load(policy, step)
         if self.backend.sleeping:
             self.backend.wake_up(["kv_cache"])
         try:
@@ -222,53 +126,97 @@ class ColocatedPush:
             if self.sleeps:
                 self.backend.sleep()
 
+    def load(self, policy: torch.nn.Module, version: int) -> None:
+        """Load `policy`'s weights (gathered whole where sharded) into the awake engine."""
+        with whole_parameters(policy), policy_weights(policy) as weights:
+            self.backend.load_weights(weights)
+        self.version = version
 
-class ServerPush:
-    """Broadcast the policy's weights to an `agentgrpo vllm-serve` server when the step changed.
 
-    Only the main process pushes (every process holds the same weights, whole or gathered for
-    the push); the others wait for it, so no process generates from stale weights.
+class ServedWeights:
+    """A vLLM server's weights (`agentgrpo vllm-serve`), broadcast to it from the trainer.
+
+    Between rounds (`generating`, `load`), only the main process sends (every process holds
+    the same weights, whole or gathered for the push) and the others wait for it, so no process
+    generates from stale weights. Beside the learner (`push`, `async_grpo`), new requests are
+    held back and the server paused for the push (`VLLMServerBackend.between_steps`).
 
     Args:
-        connection: The server.
-        group_port: Port of the broadcast group's store, on the server (`vllm_group_port`).
+        backend: The server's backend.
+        transport: Sends the tensors (it holds the broadcast group).
         accelerator: The trainer's accelerator (main process, barrier).
-
     """
 
-    def __init__(self, connection: ServerConnection, group_port: int, accelerator: Any):
-        self.connection = connection
-        self.group_port = group_port
-        self.accelerator = accelerator
-        self.pushed_step: int | None = None
-        self._group: WeightGroup | None = None
+    def __init__(self, backend: VLLMServerBackend, transport: ServerPush, accelerator: Any):
+        self.backend, self.transport, self.accelerator = backend, transport, accelerator
+        self.version = -1  # the served model's own weights, until the first push
+        self.paused_s = 0.0  # new requests held back for pushes since the last `take_paused_s`
 
     @contextlib.contextmanager
-    def generating(self, model: torch.nn.Module, step: int) -> Iterator[None]:
-        """Push if `step` is new, then generate.
+    def generating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
+        """Push if `step` is new (every process takes part), then generate.
 
         Only the main process sends; every process takes part in gathering sharded weights,
         one tensor at a time (`whole_one_at_a_time`), so the push adds at most one whole tensor
         to what each process holds. A PEFT model is gathered whole (`whole_parameters`):
         merging its adapter needs every weight at once.
         """
-        if step != self.pushed_step:
-            device, sends = next(model.parameters()).device, self.accelerator.is_main_process
-            if hasattr(model, "merge_adapter"):
-                with whole_parameters(model):
+        if step != self.version:
+            device, sends = next(policy.parameters()).device, self.accelerator.is_main_process
+            if hasattr(policy, "merge_adapter"):
+                with whole_parameters(policy):
                     if sends:
-                        with policy_weights(model) as weights:
-                            self.push(weights, device)
+                        with policy_weights(policy) as weights:
+                            self.transport.push(weights, device)
             else:
-                named = named_tensors(model)
+                named = named_tensors(policy)
                 streamed = whole_one_at_a_time(named)
                 if sends:
-                    self.push(streamed, device, whole_specs(named))
+                    self.transport.push(streamed, device, whole_specs(named))
                 else:
                     collections.deque(streamed, maxlen=0)  # each gather is a collective
             self.accelerator.wait_for_everyone()
-            self.pushed_step = step
+            self.version = step
         yield
+
+    async def push(self, policy: torch.nn.Module, version: int) -> None:
+        """Pause the server (cutting the turns in flight), broadcast `policy`'s weights, resume.
+
+        `take_paused_s` counts the whole time new requests were held back.
+        """
+        started = time.perf_counter()
+        await self.backend.between_steps(lambda: self._send(policy, version), version)
+        self.paused_s += time.perf_counter() - started
+
+    def load(self, policy: torch.nn.Module, version: int) -> None:
+        """Broadcast `policy`'s weights (one process; nothing generates)."""
+        self._send(policy, version)
+        self.backend.set_weights_version(version)
+
+    def _send(self, policy: torch.nn.Module, version: int) -> None:
+        with policy_weights(policy) as weights:
+            self.transport.push(weights, next(policy.parameters()).device)
+        self.version = version
+
+    def take_paused_s(self) -> float:
+        """Seconds new requests waited for pushes since the last call."""
+        paused, self.paused_s = self.paused_s, 0.0
+        return paused
+
+
+class ServerPush:
+    """Sends tensors to the workers of an `agentgrpo vllm-serve` server.
+
+    Args:
+        connection: The server.
+        group_port: Port of the broadcast group's store, on the server (`vllm_group_port`).
+
+    """
+
+    def __init__(self, connection: ServerConnection, group_port: int):
+        self.connection = connection
+        self.group_port = group_port
+        self._group: WeightGroup | None = None
 
     def push(
         self,
@@ -367,7 +315,7 @@ class _Call:
         return self._value
 
 
-def _colocated_vllm(
+def colocated_vllm(
     model: Any, tokenizer: Any, args: GRPOConfig, stop: set[int], sleeps: bool
 ) -> VLLMColocateBackend:
     """Start vLLM in this process on the policy's config, with the policy's weights.
@@ -406,7 +354,7 @@ def colocate_engine_args(
         args: The config.
         weights_dtype: The policy's parameter dtype.
         device: Where the policy is.
-        sleeps: Whether the engine sleeps between rounds (`_sleeps`).
+        sleeps: Whether the engine sleeps between rounds (`sleeps_between_rounds`).
     """
     dtype = mixed_precision_dtype(args) or weights_dtype
     tensor_parallel = args.vllm_tensor_parallel_size
@@ -428,7 +376,7 @@ def colocate_engine_args(
     }
 
 
-def _sleeps(args: GRPOConfig) -> bool:
+def sleeps_between_rounds(args: GRPOConfig) -> bool:
     """`vllm_enable_sleep_mode`, where vLLM supports sleeping (a warning where it does not)."""
     if args.vllm_enable_sleep_mode and not sleep_mode_available():
         warnings.warn(

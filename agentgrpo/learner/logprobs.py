@@ -14,7 +14,6 @@ from agentgrpo.learner.output_head import (
     output_head,
     read_hidden,
     read_logits,
-    sharded_forward,
 )
 from agentgrpo.learner.shared_prompt import can_share_prompts, prompt_groups, shared_prompt_states
 from agentgrpo.learner.token_weights import entropy_from_logits
@@ -43,6 +42,7 @@ def completion_logprobs(
     temperature: float,
     entropy: str | None = None,
     with_aux_loss: bool = False,
+    sharded: bool = False,
 ) -> PolicyForward:
     """Logprob (and entropy) of each completion token under `model`.
 
@@ -64,17 +64,18 @@ def completion_logprobs(
         entropy: None, "detached" or "differentiable" (see `output_head.head_logprobs`).
         with_aux_loss: Ask a mixture-of-experts model for its load-balancing loss, over the
             whole sequences, prompts included (so always one pass).
+        sharded: FSDP2 or DeepSpeed ZeRO-3 shards `model`'s weights (`Placement.shards_weights`).
     """
     temperature = temperature or 1.0
     targets_B_C = batch.completion_ids_B_C
     real_B_C = batch.attention_mask_B_L[:, -batch.completion_width :].bool()
     head = output_head(model)
-    if head is not None and sharded_forward(getattr(model, "module", model)):
+    if head is not None and sharded:
         scores = InForwardScores(head, targets_B_C, real_B_C, temperature, entropy)
         states_B_C_3S, aux_loss = one_pass_states(model, batch, scores, with_aux_loss)
         return PolicyForward(*scores.numbers(states_B_C_3S), aux_loss)
     readout: Readout = read_logits if head is None else read_hidden
-    prompts = None if with_aux_loss else _shared_prompts(model, batch)
+    prompts = None if with_aux_loss else _shared_prompts(model, batch, sharded)
     if prompts is not None:
         states_B_C_D, aux_loss = shared_prompt_states(model, batch, prompts, readout), None
     else:
@@ -149,7 +150,7 @@ def logprobs_from_logits(logits_B_C_V: torch.Tensor, targets_B_C: torch.Tensor) 
 
 
 def _shared_prompts(
-    model: torch.nn.Module, batch: TrainingBatch
+    model: torch.nn.Module, batch: TrainingBatch, sharded: bool
 ) -> tuple[list[int], torch.Tensor] | None:
     """`prompt_groups(batch)` where sharing prompts is valid and pays, else None.
 
@@ -158,7 +159,8 @@ def _shared_prompts(
     images (the prompt pass would have to split the images' tensors by prompt).
     """
     width_C = batch.completion_width
-    if batch.input_ids_B_L.shape[1] == width_C or width_C < 2 or not can_share_prompts(model):
+    shares = can_share_prompts(model, sharded)
+    if batch.input_ids_B_L.shape[1] == width_C or width_C < 2 or not shares:
         return None
     if batch.vision_B is not None:  # the images' tokens are read with their pixels: one pass
         return None
@@ -168,14 +170,18 @@ def _shared_prompts(
 
 @torch.no_grad()
 def batched_logprobs(
-    model: torch.nn.Module, batch: TrainingBatch, temperature: float, rows_per_pass: int
+    model: torch.nn.Module,
+    batch: TrainingBatch,
+    temperature: float,
+    rows_per_pass: int,
+    sharded: bool = False,
 ) -> torch.Tensor:
     """`completion_logprobs` without grad, `rows_per_pass` rows at a time; shape B x C."""
     parts = []
     for start in range(0, len(batch), rows_per_pass):
         rows = list(range(start, min(start + rows_per_pass, len(batch))))
         part = batch.select(rows)
-        logprobs_b_c = completion_logprobs(model, part, temperature).logprobs_B_C
+        logprobs_b_c = completion_logprobs(model, part, temperature, sharded=sharded).logprobs_B_C
         padded = logprobs_b_c.new_zeros(len(rows), batch.completion_width)  # on the model's device
         padded[:, : part.completion_width] = logprobs_b_c
         parts.append(padded)

@@ -11,9 +11,16 @@ again in the backward, which recomputes them.
 This is exact only where the logits are the output embedding of the last hidden state.
 `output_head` returns None for the models whose forward does more (a soft cap, a scale, masked or
 trimmed vocabulary entries); the learner then reads their logits as the model returns them.
-A model whose weights FSDP2 or DeepSpeed ZeRO-3 shard (`sharded_forward`) gathers its output
-layer only for the output layer's own call inside its forward: `InForwardScores` runs the chunks
-there, and the scores leave the model in place of its logits.
+A model whose weights FSDP2 or DeepSpeed ZeRO-3 shard gathers its output layer only for the
+output layer's own call inside its forward: `InForwardScores` runs the chunks there, and the
+scores leave the model in place of its logits. (Such a model's head called outside the forward
+would run on a shard under ZeRO-3; under FSDP2 the final hidden states fed to it would leave the
+module by a path its hooks never see, and the backward would write gradients into freed storage:
+measured as a segmentation fault on gloo, under accelerate's FSDP2 wrapping. Under ZeRO-3 every
+call of a module gathers its shards from all processes, so every process must make the same
+calls: a chunked head, or prompts run apart where rows share them, would make as many calls as a
+process has tokens or distinct prompts; processes with different counts failed on gloo with
+"Received data size doesn't match expected size".)
 """
 
 from __future__ import annotations
@@ -84,7 +91,7 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     None when the model has no output embedding, or its forward transforms the logits after it
     (`_LOGIT_TRANSFORMS`, `_LOGIT_REWRITING_TYPES`).
     `model` may be wrapped (DDP, DeepSpeed, PEFT); the module returned is the one the forward
-    calls, adapters and hooks included. Its weight may be a shard (`sharded_forward`).
+    calls, adapters and hooks included. Its weight may be a shard (FSDP2, ZeRO-3).
     """
     inner: Any = getattr(model, "module", model)
     config = getattr(inner, "config", None)
@@ -99,41 +106,10 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     return head
 
 
-def sharded_forward(model: torch.nn.Module) -> bool:
-    """Whether `model`'s forward gathers its sharded weights: FSDP2 or DeepSpeed ZeRO-3.
-
-    The learner then runs one pass over whole rows and scores the completions inside it
-    (`InForwardScores`). FSDP2 (`fsdp_sharded`) would otherwise write gradients into freed
-    storage. Under ZeRO-3 every call of a module gathers its shards from all processes, so
-    every process must make the same calls: the output layer called once per chunk of tokens,
-    and the prompts run apart from the completions only where rows share them, would make as
-    many calls as a process has tokens or distinct prompts (processes with different counts
-    failed on gloo with "Received data size doesn't match expected size").
-    """
-    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())  # DeepSpeed tags its shards
-    return fsdp_sharded(model) or zero3
-
-
-def fsdp_sharded(model: torch.nn.Module) -> bool:
-    """Whether FSDP2 (`fully_shard`) shards any of `model`'s modules.
-
-    FSDP2 gathers a module's weights for its forward and frees them in its backward, hooked on
-    the forward's inputs and outputs. A tensor that leaves the module another way (the final
-    hidden states fed to the output embedding outside the forward, a layer's cached keys and
-    values read by a later forward) takes a backward path those hooks never see, which writes
-    gradients into freed storage: measured as a segmentation fault on gloo, under accelerate's
-    FSDP2 wrapping (decoder layers and the root, which holds the output embedding). The
-    learner therefore scores such a model's completions inside its forward, in one pass.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(module, FSDPModule) for module in model.modules())
-
-
 class InForwardScores:
     """A `Readout` scoring the completion tokens inside the forward of a sharded model.
 
-    For a model whose weights are shards (`sharded_forward`), its states are the completion
+    For a model whose weights are shards (FSDP2, ZeRO-3), its states are the completion
     tokens' logprobs (and entropies). For one call of the model, the output layer's forward is
     `head_logprobs` of the targets over the final hidden states it is handed, a chunk of tokens
     at a time. So the chunks run where the engine's hooks gather the output layer's weight

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from agentgrpo.learner.batch import TrainingBatch
-from agentgrpo.learner.output_head import Readout, sharded_forward
+from agentgrpo.learner.output_head import Readout
 from agentgrpo.learner.prefix_cache import PrefixCache, RecordingCache
 
 # transformers' GradientCheckpointingLayer (from transformers 5.17) keeps a checkpointed layer's
@@ -48,18 +48,18 @@ def prompt_groups(batch: TrainingBatch) -> tuple[list[int], torch.Tensor]:
     return rows_U, prompt_B
 
 
-def can_share_prompts(model: torch.nn.Module) -> bool:
+def can_share_prompts(model: torch.nn.Module, sharded: bool = False) -> bool:
     """Whether `shared_prompt_states` gives `model` the same results as one pass.
 
     Only for models whose every layer is full attention: a sliding-window layer's cache keeps
     only its window, and recurrent or linear layers keep state that cannot be copied row by row.
     A model that checkpoints its layers (training, gradient checkpointing on) must do so through
     transformers' `GradientCheckpointingLayer`, non-reentrantly. `model` may be wrapped (DDP,
-    DeepSpeed), not sharded by FSDP2 or ZeRO-3 (`output_head.sharded_forward`).
+    DeepSpeed), not `sharded` by FSDP2 or ZeRO-3 (`output_head.InForwardScores` says why).
     """
     inner: Any = getattr(model, "module", model)
     config = getattr(inner, "config", None)
-    if config is None or sharded_forward(inner):
+    if config is None or sharded:
         return False
     text_config = config.get_text_config(decoder=True)
     layer_types = getattr(text_config, "layer_types", None) or ["full_attention"]

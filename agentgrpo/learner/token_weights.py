@@ -8,7 +8,7 @@ T positions, V vocab), detached: they weight the gradient, they are not differen
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -282,6 +282,30 @@ def high_entropy_mask(
 # --------------------------------------------------------------------------- all together
 
 
+class TokenWeightingFields(Protocol):
+    """The `GRPOConfig` fields `TokenWeighting.from_config` reads; the learner imports no config."""
+
+    @property
+    def top_entropy_quantile(self) -> float:
+        """The rho of `top_entropy_mask`; 1.0 keeps every token."""
+
+    @property
+    def off_policy_mask_threshold(self) -> float | None:
+        """Threshold of `off_policy_sequence_mask`, or None for none."""
+
+    @property
+    def vllm_importance_sampling_mode(self) -> str:
+        """The sampler correction's mode (level and constraint, e.g. "sequence_mask")."""
+
+    @property
+    def vllm_importance_sampling_clip_max(self) -> float | None:
+        """`sampler_correction`'s upper bound."""
+
+    @property
+    def vllm_importance_sampling_clip_min(self) -> float | None:
+        """`sampler_correction`'s lower bound."""
+
+
 @dataclass(frozen=True)
 class TokenWeighting:
     """Which per-token weights multiply the policy term, with their settings.
@@ -303,11 +327,11 @@ class TokenWeighting:
     sampler_ratio_level: str = "token"
 
     @classmethod
-    def from_config(cls, args: Any, corrects_sampler: bool) -> TokenWeighting:
+    def from_config(cls, args: TokenWeightingFields, corrects_sampler: bool) -> TokenWeighting:
         """The weighting a `GRPOConfig` asks for.
 
         Args:
-            args: The config.
+            args: The config (a `GRPOConfig`).
             corrects_sampler: Whether the sampler correction applies (the trainer asks
                 `precision.corrects_sampler_mismatch`: vLLM, or mixed-precision generation).
         """

@@ -5,22 +5,25 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from agentgrpo.devices import inference_autocast
+from agentgrpo.models.attention import use_grouped_query_sdpa
 from agentgrpo.models.sharded import fsdp2_copy, zero3_copy
 from agentgrpo.placement import Placement
 from agentgrpo.precision import mixed_precision_dtype
-from rollout.backends.attention import use_grouped_query_sdpa
 from rollout.images import is_vision_processor, load_processor
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
 
 logger = logging.getLogger(__name__)
 
 
-def policy_init_kwargs(args: Any, quantization_config: Any = None) -> dict[str, Any]:
+def policy_init_kwargs(args: GRPOConfig, quantization_config: Any = None) -> dict[str, Any]:
     """The keyword arguments the policy's `from_pretrained` gets, as TRL builds them.
 
     `args.model_init_kwargs` (copied), plus the trainer's `quantization_config`, plus
@@ -36,7 +39,7 @@ def policy_init_kwargs(args: Any, quantization_config: Any = None) -> dict[str, 
         {'revision': 'v1', 'trust_remote_code': True, 'dtype': 'auto'}
 
     """
-    kwargs = dict(args.model_init_kwargs or {})
+    kwargs = dict(_init_kwargs(args))
     if quantization_config is not None:
         if "quantization_config" in kwargs:
             raise ValueError(
@@ -50,26 +53,35 @@ def policy_init_kwargs(args: Any, quantization_config: Any = None) -> dict[str, 
     return kwargs
 
 
-def reward_model_kwargs(args: Any) -> dict[str, Any]:
+def reward_model_kwargs(args: GRPOConfig) -> dict[str, Any]:
     """`from_pretrained` arguments of reward models given by name.
 
     As in TRL: the policy's `model_init_kwargs` and `trust_remote_code` (never the trainer's
     quantization config).
     """
-    kwargs = dict(args.model_init_kwargs or {})
+    kwargs = dict(_init_kwargs(args))
     kwargs.setdefault("trust_remote_code", args.trust_remote_code)
     return kwargs
 
 
+def _init_kwargs(args: GRPOConfig) -> dict[str, Any]:
+    """`args.model_init_kwargs`, {} when None.
+
+    TrainingArguments parses JSON object text into a dict. Other text is not a valid value; it
+    is not checked here, and fails where it is used (`dict`, `.get`), as it always has.
+    """
+    return args.model_init_kwargs or {}  # type: ignore[return-value]
+
+
 def load_policy(
     model: str | PreTrainedModel,
-    args: Any,
+    args: GRPOConfig,
     peft_config: Any = None,
     quantization_config: Any = None,
 ) -> Any:
     """The model to train: a hub id or local path is loaded, a model is used as given.
 
-    A model on transformers' "sdpa" attention is switched to `rollout.backends.attention`'s
+    A model on transformers' "sdpa" attention is switched to `models.attention`'s
     "sdpa_gqa", the same attention without copying grouped key-value heads on a CPU.
 
     Args:
@@ -112,11 +124,11 @@ def load_policy(
     return policy
 
 
-def _auto_class(name: str, args: Any) -> Any:
+def _auto_class(name: str, args: GRPOConfig) -> Any:
     """Transformers' auto class for `name`: image-text-to-text for a VLM, else causal LM."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    revision = (args.model_init_kwargs or {}).get("revision")
+    revision = _init_kwargs(args).get("revision")
     config = AutoConfig.from_pretrained(
         name, trust_remote_code=args.trust_remote_code, revision=revision
     )
@@ -124,7 +136,9 @@ def _auto_class(name: str, args: Any) -> Any:
     return AutoModelForImageTextToText if vision else AutoModelForCausalLM
 
 
-def _warn_unused_loading_arguments(model_init_kwargs: Any, quantization_config: Any) -> None:
+def _warn_unused_loading_arguments(
+    model_init_kwargs: dict[str, Any] | str | None, quantization_config: Any
+) -> None:
     """TRL's warnings for loading arguments given with a model that is already loaded."""
     if model_init_kwargs is not None:
         logger.warning(
@@ -141,7 +155,7 @@ def _warn_unused_loading_arguments(model_init_kwargs: Any, quantization_config: 
 def load_for_generation(path: str, device: torch.device) -> tuple[Any, torch.dtype | None]:
     """A saved model to play episodes with (`agentgrpo eval`, `doctor --generate`), on `device`.
 
-    As a training run holds it: float32 weights, on `backends.attention`'s "sdpa_gqa" where it
+    As a training run holds it: float32 weights, on `models.attention`'s "sdpa_gqa" where it
     uses "sdpa". Returns the model (in eval mode) and the autocast dtype to generate under
     (`devices.inference_autocast`: bf16 on a GPU that supports it, None on a CPU). A
     vision-language model loads with `AutoModelForImageTextToText`.
@@ -205,7 +219,7 @@ def load_tokenizer(
 
 
 def reference_model(
-    model: Any, args: Any, placement: Placement | None = None, accelerator: Any = None
+    model: Any, args: GRPOConfig, placement: Placement | None = None, accelerator: Any = None
 ) -> Any | None:
     """A frozen copy of the starting policy, needed only when `beta > 0`.
 
@@ -246,13 +260,13 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def tokenizer_kwargs(args: Any, model: Any) -> dict[str, Any]:
+def tokenizer_kwargs(args: GRPOConfig, model: Any) -> dict[str, Any]:
     """`AutoTokenizer.from_pretrained` arguments for the policy's own tokenizer.
 
     As in TRL: `trust_remote_code`, and the `revision` of `model_init_kwargs` when the policy
     was given by name.
     """
-    revision = (args.model_init_kwargs or {}).get("revision") if isinstance(model, str) else None
+    revision = _init_kwargs(args).get("revision") if isinstance(model, str) else None
     return {"trust_remote_code": args.trust_remote_code, "revision": revision}
 
 
@@ -297,7 +311,7 @@ def _float32_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
     return type(f"Float32{base.__name__}", (_Float32Head, base), {})
 
 
-def check_liger_kernel(args: Any, model: Any) -> None:
+def check_liger_kernel(args: GRPOConfig, model: Any) -> None:
     """Check `use_liger_kernel=True` before transformers' Trainer applies liger's kernels.
 
     As in TRL, only liger's layer kernels are applied (`fused_linear_cross_entropy` is set to
@@ -359,7 +373,11 @@ def _is_peft(model: Any) -> bool:
 
 
 def load_policy_and_processing(
-    model: Any, processing_class: Any, args: Any, peft_config: Any, quantization_config: Any
+    model: Any,
+    processing_class: Any,
+    args: GRPOConfig,
+    peft_config: Any,
+    quantization_config: Any,
 ) -> tuple[Any, Any, Any]:
     """The policy to train (`load_policy`), its tokenizer, and its processor when it reads images.
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from agentgrpo.models.sharded import (
     named_tensors,
@@ -25,6 +25,9 @@ from agentgrpo.models.sharded import (
     whole_one_at_a_time,
     written_one_at_a_time,
 )
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,13 @@ class SyncReference(TrainerCallback):
         self.reference, self.policy, self.alpha, self.every = reference, policy, alpha, every
 
     @torch.no_grad()
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
         """Mix the policy into the reference on every `every`-th optimizer step."""
         if state.global_step % self.every:
             return
@@ -109,7 +118,7 @@ class SyncReference(TrainerCallback):
 
 
 def reference_sync(
-    reference: torch.nn.Module | None, policy: Any, args: Any, unwrap: Callable[[Any], Any]
+    reference: torch.nn.Module | None, policy: Any, args: GRPOConfig, unwrap: Callable[[Any], Any]
 ) -> SyncReference:
     """The `sync_ref_model` callback of a run; `unwrap` takes off DeepSpeed's or DDP's wrapper.
 

@@ -23,28 +23,6 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 
-def check_zero3_generation(zero_stage: int, num_processes: int, ds3_gather: bool) -> None:
-    """Refuse ZeRO-3 generation from shards (`ds3_gather_for_generation=False`) over processes.
-
-    Generating from shards keeps DeepSpeed's hooks on: every forward pass is a collective, and
-    episodes of different lengths would leave one process waiting forever for another.
-
-    Raises:
-        ValueError: ZeRO-3, more than one process, and `ds3_gather` off.
-
-    Example:
-        >>> check_zero3_generation(zero_stage=3, num_processes=1, ds3_gather=False)
-        >>> check_zero3_generation(zero_stage=2, num_processes=8, ds3_gather=False)
-    """
-    if zero_stage == 3 and num_processes > 1 and not ds3_gather:
-        raise ValueError(
-            "ds3_gather_for_generation=False generates from ZeRO-3 shards, where every forward "
-            "pass waits for every process, and episodes of different lengths would never "
-            "finish; leave ds3_gather_for_generation=True (the model must fit on one device "
-            "to generate), or use ZeRO-2"
-        )
-
-
 @contextlib.contextmanager
 def generation_weights(
     accelerator: Any, model: Any, zero3_gather: bool, policy_generates: bool = True
@@ -338,6 +316,13 @@ def whole_copy(model: Any) -> Any:
 def zero3_partitioned(model: Any) -> bool:
     """Whether DeepSpeed ZeRO-3 holds `model`'s parameters as shards."""
     return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def fsdp_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 (`fully_shard`) shards any of `model`'s modules."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 @contextlib.contextmanager

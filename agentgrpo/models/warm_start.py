@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from rollout import ChatRenderer
 from rollout.demonstrations import DemonstrationRow, demonstration_ids
 from tools import Tool, call_problems
 from tools.threads import describe_error
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
 
 
 def environment_demonstrations(
@@ -206,7 +209,7 @@ def warm_start_from_environment(
     model: torch.nn.Module,
     renderer: ChatRenderer,
     environment: Any,
-    args: Any,
+    args: GRPOConfig,
     stop_text: str,
     show: bool,
 ) -> list[float]:

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
-from transformers import Trainer
 
 from agentgrpo.config import GRPOConfig
 from agentgrpo.learner.loss_metrics import reduce_over_processes
@@ -125,70 +124,26 @@ class TrainerLog:
             self.round_step = step
         return tokens_seen
 
+    def add_means(self, logs: dict[str, float]) -> str:
+        """Add the means of the values queued since the last log to `logs`, under TRL's names.
 
-class LoggedRounds(Trainer):
-    """transformers' `Trainer` whose logs carry the GRPO metrics of a `TrainerLog`.
-
-    The trainer sets `_trainer_log`; this class reads it in `log` and offers the latest round's
-    episodes, records and completions table as public attributes.
-    """
-
-    args: GRPOConfig
-    _trainer_log: TrainerLog
-
-    @property
-    def last_records(self) -> list[EpisodeRecord]:
-        """The latest training round's episodes on this process, as the episode record holds them.
-
-        Each has its per-function rewards (None where a function returned None), the combined
-        reward, the advantage the loss used, and `policy_version`: the global step the round
-        was generated at (it is first trained at the next step); with `async_grpo`, the step of
-        the weights that started the episode's group. Empty before the first round; replaced,
-        never mutated, by the next training round (eval rounds leave it alone).
-        """
-        return self._trainer_log.records
-
-    @property
-    def last_round_step(self) -> int:
-        """The global step at which the latest training round was assembled (-1 before one)."""
-        return self._trainer_log.round_step
-
-    @property
-    def last_completions(self) -> CompletionsTable | None:
-        """The latest round's completions table (every process's rows), with `log_completions`.
-
-        None before the first round or without `log_completions`; replaced by the next round.
-        Its `step` is the global step the round was played at; the logged table's is the log's.
-        """
-        return self._trainer_log.completions
-
-    @property
-    def last_episodes(self) -> list[tuple[Episode, float]]:
-        """The latest round's episodes on this process (train or eval), each with its reward.
-
-        Rewards are the combined (weighted) totals. Empty before the first round. Read-only:
-        the list is replaced, never mutated, by the next round.
-        """
-        return self._trainer_log.episodes
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the GRPO metrics gathered since the last log, under TRL's names; show completions.
-
-        With `log_completions`, a log holding round metrics prints the latest round's
-        completions table (its `step` column set to the global step) and logs it to the
-        `report_to` integrations that take tables.
-
-        Each metric is the mean of its values since the last log, NaN values left out (None
-        when every value was NaN, e.g. a reward function that returned None throughout).
+        The mode is "eval" when `logs` holds an `eval_` key, else "train". Each metric is the
+        mean of its values, NaN values left out (None when every value was NaN, e.g. a reward
+        function that returned None throughout). Returns the mode's key prefix: "eval_" or "".
         """
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
         prefix = "eval_" if mode == "eval" else ""
-        for name, mean in self._trainer_log.take_means(mode).items():
+        for name, mean in self.take_means(mode).items():
             logs[prefix + name] = mean  # type: ignore[assignment]  # None: every value was NaN
-        super().log(logs, start_time)
-        table = self._trainer_log.completions
-        with_round = prefix + "reward" in logs  # not, e.g., the end-of-training summary
-        if with_round and self.accelerator.is_main_process and table is not None:
-            table = replace(table, step=self.state.global_step)
-            print_table(table, self.args.num_completions_to_print)
-            log_to_integrations(table, self.args.report_to, self.args.log_unique_prompts)
+        return prefix
+
+    def show_completions(self, step: int, args: GRPOConfig) -> None:
+        """Print the latest round's completions table and log it to `report_to`'s integrations.
+
+        Its `step` column is set to `step`; nothing without a table (`log_completions` off).
+        """
+        if self.completions is None:
+            return
+        table = replace(self.completions, step=step)
+        print_table(table, args.num_completions_to_print)
+        log_to_integrations(table, args.report_to, args.log_unique_prompts)

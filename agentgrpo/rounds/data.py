@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollout import Episode, EpisodeRow, EpisodeStats, Finish, RolloutEngine
 from rollout.engine import ENVIRONMENT_COLUMN
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +73,7 @@ def is_iterable_dataset(dataset: Any) -> bool:
     return dataset is not None and not hasattr(dataset, "__len__") and hasattr(dataset, "__iter__")
 
 
-def adapt_to_iterable_datasets(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
+def adapt_to_iterable_datasets(args: GRPOConfig, train_dataset: Any, eval_dataset: Any) -> None:
     """Set `args` for iterable datasets as TRL does, in place, before the Trainer reads them.
 
     With any iterable dataset (train, eval, or one of a dict of eval sets), each process reads
@@ -84,13 +87,14 @@ def adapt_to_iterable_datasets(args: Any, train_dataset: Any, eval_dataset: Any)
     evals = eval_dataset.values() if isinstance(eval_dataset, Mapping) else [eval_dataset]
     if not any(is_iterable_dataset(d) for d in (train_dataset, *evals)):
         return
-    if args.accelerator_config.dispatch_batches:
+    # TrainingArguments made it an AcceleratorConfig (transformers annotates the input's types)
+    if args.accelerator_config.dispatch_batches:  # type: ignore[union-attr]
         raise ValueError(
             "Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
             "`accelerator_config`. Please set it to `False` (or leave it unset): each process "
             "then reads its own rows."
         )
-    args.accelerator_config.dispatch_batches = False
+    args.accelerator_config.dispatch_batches = False  # type: ignore[union-attr]
     if is_iterable_dataset(train_dataset) and args.dataloader_num_workers != 0:
         logger.warning(
             "Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; "

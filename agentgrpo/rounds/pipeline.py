@@ -14,13 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from agentgrpo.learner.advantages import combine_rewards, group_advantages
 from agentgrpo.learner.batch import TrainingBatch
 from rollout import Episode
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
 
 Rows = Sequence[Mapping[str, Any]]
 # (rows, num_generations, seed) -> (episodes in group order, rewards_N_F): plays and scores.
@@ -67,20 +70,22 @@ class RoundPlan:
     whole_groups: bool = False
 
     @classmethod
-    def from_config(cls, args: Any, num_processes: int) -> RoundPlan:
+    def from_config(cls, args: GRPOConfig, num_processes: int) -> RoundPlan:
         """The training round of a `GRPOConfig` (its batch fields already resolved).
 
         Raises:
             ValueError: The round cannot give every process whole groups.
         """
+        completions, micro_batches = args.generation_batch_size, args.steps_per_generation
+        assert completions is not None and micro_batches is not None  # GRPOConfig resolves them
         return cls(
             prompts_per_process=prompts_per_process(
-                args.generation_batch_size, args.num_generations, num_processes
+                completions, args.num_generations, num_processes
             ),
             num_generations=args.num_generations,
             num_processes=num_processes,
             micro_batch_size=args.per_device_train_batch_size,
-            micro_batches=args.steps_per_generation,
+            micro_batches=micro_batches,
             accumulation_steps=args.gradient_accumulation_steps,
             num_iterations=args.num_iterations,
             max_steps=args.max_steps,
@@ -88,7 +93,7 @@ class RoundPlan:
         )
 
     @classmethod
-    def for_eval(cls, args: Any, num_processes: int) -> RoundPlan:
+    def for_eval(cls, args: GRPOConfig, num_processes: int) -> RoundPlan:
         """An evaluation round: `per_device_eval_batch_size` episodes a process, one batch."""
         num_generations = args.num_generations_eval or args.num_generations
         per_process = prompts_per_process(
@@ -153,7 +158,7 @@ class RoundPlan:
         return micro_index % self.repeats % self.micro_batches
 
 
-def micro_batches_commute(args: Any) -> bool:
+def micro_batches_commute(args: GRPOConfig) -> bool:
     """Whether a round's update is the same whichever episodes share a micro-batch.
 
     It is when the round lies inside one optimizer step (`gradient_accumulation_steps` a
@@ -163,9 +168,11 @@ def micro_batches_commute(args: Any) -> bool:
     dr_grpo means are over a micro-batch's episodes, which every micro-batch has as many of.
     TRL shuffles episodes whatever the loss; where this holds, whole groups are shuffled.
     """
+    micro_batches = args.steps_per_generation
+    assert micro_batches is not None  # GRPOConfig resolves it
     return (
         args.num_iterations == 1
-        and args.gradient_accumulation_steps % args.steps_per_generation == 0
+        and args.gradient_accumulation_steps % micro_batches == 0
         and args.loss_type != "bnpo"
         and args.entropy_coef == 0.0
         and not args.use_adaptive_entropy
@@ -215,7 +222,7 @@ class RewardShaping:
     scale: str = "group"
 
     @classmethod
-    def from_config(cls, args: Any) -> RewardShaping:
+    def from_config(cls, args: GRPOConfig) -> RewardShaping:
         """The shaping a `GRPOConfig` asks for."""
         return cls(args.reward_weights, args.multi_objective_aggregation, args.scale_rewards)
 

@@ -7,6 +7,7 @@ functions overlap with the generation of the groups still playing instead of add
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -241,3 +242,30 @@ def warn_if_unscored(
         int(unscored_N.sum()),
         len(episodes),
     )
+
+
+def environment_reward(env_class: type) -> Callable[..., Any]:
+    """TRL's reward function for an environment class that scores itself.
+
+    `get_reward(environments, **kwargs)` calls `get_reward()` (or `reward()`) of each
+    environment that is exactly `env_class`, None for the others; it is `async` when that
+    method is.
+    """
+    method = "get_reward" if hasattr(env_class, "get_reward") else "reward"
+
+    if inspect.iscoroutinefunction(getattr(env_class, method)):
+
+        async def get_reward(environments: list[Any], **kwargs: Any) -> list[float | None]:
+            return [
+                await getattr(env, method)() if type(env) is env_class else None
+                for env in environments
+            ]
+
+    else:
+
+        def get_reward(environments: list[Any], **kwargs: Any) -> list[float | None]:  # type: ignore[misc]
+            return [
+                getattr(env, method)() if type(env) is env_class else None for env in environments
+            ]
+
+    return get_reward

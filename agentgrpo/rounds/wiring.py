@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentgrpo.learner.losses import LossConfig
 from agentgrpo.learner.objectives import VespoShape
@@ -18,6 +18,9 @@ from agentgrpo.rewards.calls import RewardFunction
 from agentgrpo.rounds.scoring import Scorer, environment_reward_classes
 from rollout import EpisodeConfig, GenerationBackend, RolloutEngine
 from rollout.agents import Agent
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ class RunParts:
 
 
 def build_parts(
-    config: Any,
+    config: GRPOConfig,
     backend: GenerationBackend,
     tokenizer: Any,
     environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None,
@@ -68,19 +71,7 @@ def build_parts(
         ValueError: No reward at all, or `reward_weights` not matching the rewards (see
             `reward_weights_of`).
     """
-    episode_config = episode_config_of(config)
-    engine = RolloutEngine(
-        backend,
-        tokenizer,
-        environment_factory=environment_factory,
-        tools=tools,
-        chat_template=config.chat_template,
-        tool_call_parser=config.tool_call_parser,
-        chat_template_kwargs=config.chat_template_kwargs,
-        config=episode_config,
-        max_concurrent_episodes=config.max_concurrent_episodes,
-        player=agent.player if agent is not None else None,
-    )
+    engine = build_engine(config, backend, tokenizer, environment_factory, tools, agent)
     scorer = Scorer(
         funcs=list(reward_funcs),
         env_reward_classes=environment_reward_classes(environment_factory),
@@ -92,13 +83,45 @@ def build_parts(
     )
     own = [1.0] * len(scorer.env_reward_classes) + list(agent.weights if agent else ())
     weights = reward_weights_of(scorer.names, len(scorer.funcs), config.reward_weights, own)
+    episode_config = engine.context.config  # every environment's context shares it
     return RunParts(episode_config, engine, scorer, loss_config_of(config), weights)
 
 
-def episode_config_of(config: Any) -> EpisodeConfig:
+def build_engine(
+    config: GRPOConfig,
+    backend: GenerationBackend,
+    tokenizer: Any,
+    environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None,
+    tools: Sequence[Callable[..., Any]] = (),
+    agent: Agent | None = None,
+) -> RolloutEngine:
+    """The engine that plays a `GRPOConfig` run's episodes (its template, parser and limits).
+
+    `build_parts` builds the run's with it; `agentgrpo doctor --generate` plays through it too,
+    with no reward to score. The arguments are `build_parts`'s; what `RolloutEngine` refuses
+    is raised.
+    """
+    return RolloutEngine(
+        backend,
+        tokenizer,
+        environment_factory=environment_factory,
+        tools=tools,
+        chat_template=config.chat_template,
+        tool_call_parser=config.tool_call_parser,
+        # JSON object text is parsed by TrainingArguments; other text is not a valid value.
+        chat_template_kwargs=config.chat_template_kwargs,  # type: ignore[arg-type]
+        config=episode_config_of(config),
+        max_concurrent_episodes=config.max_concurrent_episodes,
+        player=agent.player if agent is not None else None,
+    )
+
+
+def episode_config_of(config: GRPOConfig) -> EpisodeConfig:
     """How each episode of a `GRPOConfig` run is played."""
+    max_completion_length = config.max_completion_length
+    assert max_completion_length is not None  # GRPOConfig refuses None
     return EpisodeConfig(
-        max_completion_length=config.max_completion_length,
+        max_completion_length=max_completion_length,
         max_turns=config.episode_max_turns,
         max_tool_rounds=config.max_tool_calling_iterations,
         tool_timeout_s=config.tool_timeout_s,
@@ -109,12 +132,14 @@ def episode_config_of(config: Any) -> EpisodeConfig:
     )
 
 
-def loss_config_of(config: Any) -> LossConfig:
+def loss_config_of(config: GRPOConfig) -> LossConfig:
     """The loss settings of a `GRPOConfig`."""
+    epsilon_high = config.epsilon_high
+    assert epsilon_high is not None  # GRPOConfig resolves it (None: epsilon)
     return LossConfig(
         loss_type=config.loss_type,
         epsilon_low=config.epsilon,
-        epsilon_high=config.epsilon_high,
+        epsilon_high=epsilon_high,
         delta=config.delta,
         importance_sampling_level=config.importance_sampling_level,
         beta=config.beta,

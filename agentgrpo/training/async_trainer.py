@@ -36,7 +36,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
         ValueError: `args` has `async_grpo=False`.
     """
 
-    def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, *rest, **kwargs):
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        args: GRPOConfig | None = None,
+        *rest: Any,
+        **kwargs: Any,
+    ):
         if args is None:
             args = AsyncGRPOConfig(output_dir=f"{model_name(model)}-AsyncGRPO")
         if not args.async_grpo:

@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +25,9 @@ from agentgrpo.learner.losses import LossConfig, policy_loss
 from agentgrpo.learner.token_weights import TokenWeighting
 from agentgrpo.precision import corrects_sampler_mismatch
 from agentgrpo.reporting.sampling import SamplingWindow
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
 
 # Where a checkpoint keeps the adaptive entropy controller (the name TRL 1.16 uses).
 ENTROPY_STATE_FILE = "entropy_ctrl_state.json"
@@ -42,6 +45,8 @@ class LossStep:
         router_aux_loss_coef: The weight of a mixture-of-experts model's load-balancing loss
             (0.0: the model has none, or it is off).
         temperature: The sampling temperature the logits are divided by.
+        sharded: FSDP2 or ZeRO-3 shards the model's weights (`Placement.shards_weights`): the
+            learner scores completions inside its forward.
         sampling: This optimizer step's sampler-mismatch statistics, micro-batch by micro-batch.
     """
 
@@ -51,11 +56,17 @@ class LossStep:
     entropy_bonus: bool
     router_aux_loss_coef: float
     temperature: float
+    sharded: bool = False
     sampling: SamplingWindow = field(default_factory=SamplingWindow)
 
     @classmethod
-    def from_config(cls, args: Any, loss_config: LossConfig, router_coef: float) -> LossStep:
-        """The loss step of a `GRPOConfig` run, with its `loss_config` and router coefficient."""
+    def from_config(
+        cls, args: GRPOConfig, loss_config: LossConfig, router_coef: float, sharded: bool = False
+    ) -> LossStep:
+        """The loss step of a `GRPOConfig` run, with its `loss_config` and router coefficient.
+
+        `sharded`: the run's weights are shards (`Placement.shards_weights`).
+        """
         return cls(
             loss_config=loss_config,
             token_weighting=TokenWeighting.from_config(args, corrects_sampler_mismatch(args)),
@@ -63,6 +74,7 @@ class LossStep:
             entropy_bonus=args.entropy_coef != 0.0 or args.use_adaptive_entropy,
             router_aux_loss_coef=router_coef,
             temperature=args.temperature,
+            sharded=sharded,
         )
 
     def loss(
@@ -83,6 +95,7 @@ class LossStep:
             self.temperature,
             entropy="differentiable" if self.entropy_bonus else "detached",
             with_aux_loss=self.router_aux_loss_coef != 0.0,
+            sharded=self.sharded,
         )
         assert entropy_B_C is not None  # asked for
         old_B_C = batch.old_logprobs_B_C

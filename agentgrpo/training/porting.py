@@ -102,7 +102,7 @@ def loss_setting_warnings(loss_type: str, importance_sampling_level: str) -> lis
     return warnings
 
 
-def warn_about_loss_settings(args: Any) -> None:
+def warn_about_loss_settings(args: GRPOConfig) -> None:
     """Log `loss_setting_warnings` of a `GRPOConfig` through this module's logger, as TRL does."""
     for text in loss_setting_warnings(args.loss_type, args.importance_sampling_level):
         logger.warning(text)
@@ -116,7 +116,7 @@ CONTINUOUS_BATCHING_NOTE = (
 )
 
 
-def warn_about_generation_settings(args: Any) -> None:
+def warn_about_generation_settings(args: GRPOConfig) -> None:
     """Log what generates when a TRL config asks for transformers' continuous batching."""
     if args.use_transformers_continuous_batching and not args.use_vllm:
         logger.warning(CONTINUOUS_BATCHING_NOTE)

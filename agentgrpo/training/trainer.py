@@ -11,6 +11,7 @@ Trainer does the rest: optimizer, schedule, accumulation, checkpoints (made atom
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,10 +23,10 @@ import torch
 from accelerate.utils import gather_object
 
 from agentgrpo import run_folder
-from agentgrpo.asynchronous.mode import AsyncMode
+from agentgrpo.asynchronous.mode import AsyncRounds, check_async_players
 from agentgrpo.config import GRPOConfig
 from agentgrpo.devices import check_launch
-from agentgrpo.generation.weight_sync import build_generator
+from agentgrpo.generation.generator import Generator, Generators, choose_generators
 from agentgrpo.learner.batch import TrainingBatch, collate_episodes
 from agentgrpo.learner.logprobs import batched_logprobs
 from agentgrpo.learner.losses import normalises_by_num_items
@@ -36,13 +37,13 @@ from agentgrpo.models.loading import (
     router_aux_loss_coef,
 )
 from agentgrpo.models.reference_sync import reference_sync
-from agentgrpo.models.sharded import check_zero3_generation, generation_weights
+from agentgrpo.models.sharded import generation_weights
 from agentgrpo.models.warm_start import warm_start_from_environment
 from agentgrpo.placement import Placement
 from agentgrpo.reporting.metrics import RewardLayout
 from agentgrpo.reporting.run_log import EpisodeLog
 from agentgrpo.reporting.trackers import check_trackers
-from agentgrpo.reporting.trainer_log import LoggedRounds, TrainerLog
+from agentgrpo.reporting.trainer_log import TrainerLog
 from agentgrpo.rewards.calls import check_trainer_arguments, reward_functions
 from agentgrpo.rounds.data import (
     adapt_to_iterable_datasets,
@@ -74,7 +75,7 @@ from rollout.agents import Agent
 WARM_START_DIR = "warm_start"
 
 
-class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
+class GRPOTrainer(TRLAttributes):
     """Train a causal LM with GRPO on single-turn prompts or multi-turn tool-calling episodes.
 
     Accepts the arguments of TRL's `GRPOTrainer` with the same meanings, so a TRL script ports
@@ -191,9 +192,6 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         args, accelerator = self.args, self.accelerator
         self.placement = placement = Placement.of(accelerator)
         check_launch(os.environ, placement)
-        check_zero3_generation(
-            placement.zero_stage, placement.num_processes, args.ds3_gather_for_generation
-        )
         self.model_accepts_loss_kwargs = False  # compute_loss normalises; Trainer divides by GA
         router_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)
         self._trainer_log = TrainerLog(
@@ -219,12 +217,14 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
     def _wire(self, tools: Sequence[Callable[..., Any]], factory: Any, router_coef: float) -> None:
         """Build the engine, scorer and loss step (`wiring.build_parts`) and the round's parts."""
         args, tokenizer = self.args, self.processing_class
-        backend, self.weight_sync = build_generator(
-            self.model, tokenizer, args, self.accelerator, self.processor
+        generators = choose_generators(
+            args, self.placement, self.model, tokenizer, self.accelerator, self.processor
         )
-        parts = self._build_parts(backend, tools, factory, self.agent)
+        self.generator: Generator = generators.rounds
+        parts = self._build_parts(generators.rounds.backend, tools, factory, self.agent)
         self.engine, self.scorer = parts.engine, parts.scorer
-        self.loss_step = LossStep.from_config(args, parts.loss_config, router_coef)
+        sharded = self.placement.shards_weights
+        self.loss_step = LossStep.from_config(args, parts.loss_config, router_coef, sharded)
         shaping = RewardShaping.from_config(args)
         self._round_parts = RoundParts(
             play=self._play,
@@ -237,8 +237,29 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
             gather=self._gather,
             process_index=self.accelerator.process_index,
         )
-        if args.async_grpo:  # training rounds take groups a producer thread played meanwhile
-            self._wire_async(tools, factory)
+        self._async: AsyncRounds | None = None
+        if generators.producer is not None:  # training rounds take groups played meanwhile
+            self._wire_async(generators, tools, factory)
+
+    def _wire_async(self, generators: Generators, tools: Sequence[Callable], factory: Any) -> None:
+        """The producer and the rounds it feeds; with a server, evaluation plays through it."""
+        check_async_players(self.rollout_func, self.agent)
+        assert generators.producer is not None
+        self._async = AsyncRounds.build(
+            self.args,
+            self.plan,
+            generators.producer,
+            lambda: self.accelerator.unwrap_model(self.model),
+            lambda backend: self._build_parts(backend, tools, factory, None).engine,
+            self.scorer,
+            self.train_dataset,
+            self._round_parts,
+            lambda: self.state.global_step,
+            functools.partial(self._trainer_log.add, "train"),
+        )
+        self.add_callback(self._async.pushes)
+        if generators.producer is generators.rounds:  # one server: evaluation plays through it
+            self.generator = self._async.generation
 
     def _build_parts(self, backend: Any, tools: Sequence[Callable], factory: Any, agent: Any):
         """`wiring.build_parts` for this run over `backend`; a VLM's processor renders images."""
@@ -285,7 +306,8 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
             try:
                 return super().train(checkpoint, *args, **kwargs)
             finally:
-                self._stop_async()
+                if self._async is not None:
+                    self._async.stop()
 
     def _warm_start(self) -> None:
         """Fine-tune on the environment's demonstrations (`warm_start_from_environment`)."""
@@ -350,8 +372,11 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         """Play, score and batch one round (`rounds.pipeline.play_and_batch`), and record it."""
         step, process = self.state.global_step, self.accelerator.process_index
         seed = round_seed(self.args.seed, plan.train, step, process)
-        round_ = play_and_batch(self._parts_for(plan, self._round_parts), plan, rows, seed)
-        versions = self._async_versions(plan)  # None: played by the current weights
+        parts = self._round_parts
+        if self._async is not None:
+            parts = self._async.parts_for(plan, parts)
+        round_ = play_and_batch(parts, plan, rows, seed)
+        versions = None if self._async is None else self._async.versions(plan)
         # an agent offers tools with its requests: its calls, turns and forks count too
         with_tools = self.engine.context.has_tools or self.engine.player is not None
         shaping, tokens_seen = self._round_parts.shaping, self.state.num_input_tokens_seen
@@ -372,7 +397,7 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
                 self.args.ds3_gather_for_generation and self.placement.zero_stage == 3,
                 policy_generates=not self.args.use_vllm,
             ) as model,
-            self.weight_sync.generating(model, self.state.global_step),
+            self.generator.generating(model, self.state.global_step),
         ):
             if self.rollout_func is None:
                 return anyio.run(play_round, self.engine, rows, num_generations, seed, self.scorer)
@@ -390,7 +415,8 @@ class GRPOTrainer(AsyncMode, TRLAttributes, LoggedRounds):
         """`model`'s logprobs of the batch, no grad, under autocast, a micro-batch at a time."""
         with self.accelerator.autocast():  # the run's mixed precision, as in the loss forward
             rows = self.args.per_device_train_batch_size
-            return batched_logprobs(model, batch, self.args.temperature, rows)
+            sharded = self.placement.shards_weights
+            return batched_logprobs(model, batch, self.args.temperature, rows, sharded)
 
     def _reference_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
         if self.ref_model is not None:

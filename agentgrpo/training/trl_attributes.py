@@ -6,7 +6,9 @@ TRL's trainer copies many `GRPOConfig` fields onto itself (`trainer.beta`, `trai
 read them. `TRLAttributes` gives `GRPOTrainer` each one, read from where agentgrpo keeps the
 value. A copied config field is read from `args` and cannot be set on the trainer (the run was
 built from the config); `reward_weights` can be changed, in place or by assignment, and the
-next round uses it, as in TRL.
+next round uses it, as in TRL. So is the `log` hook: TRL's, adding the GRPO metrics the
+trainer's `TrainerLog` queued. agentgrpo's own public attributes hold the latest round
+(`last_records`, `last_episodes`, `last_completions`, `last_round_step`).
 
 Not provided: `vllm_generation` (TRL's vLLM client object; agentgrpo's vLLM backends differ),
 `commit_scheduler` and the `async_loop*` attributes (TRL's plumbing for Hub uploads and async
@@ -16,7 +18,6 @@ reward functions, which agentgrpo runs on its own event loop).
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import sys
 from collections.abc import Callable
@@ -31,14 +32,15 @@ from agentgrpo.config import GRPOConfig
 from agentgrpo.learner.entropy_control import AdaptiveEntropy
 from agentgrpo.learner.objectives import VespoShape, vespo_weights
 from agentgrpo.learner.token_weights import high_entropy_mask, trl_off_policy_mask
+from agentgrpo.reporting.completions import CompletionsTable
 from agentgrpo.reporting.trainer_log import TrainerLog
 from agentgrpo.rewards.calls import RewardFunction
 from agentgrpo.rounds.pipeline import RoundParts
-from agentgrpo.rounds.scoring import Scorer
+from agentgrpo.rounds.scoring import Scorer, environment_reward
 from agentgrpo.run_folder import explained_write_errors
 from agentgrpo.training.checkpoint_saving import AtomicCheckpoints
 from agentgrpo.training.loss_step import LossStep
-from rollout import RolloutEngine, load_template
+from rollout import Episode, EpisodeRecord, RolloutEngine, load_template
 from rollout.agents import Agent
 
 
@@ -128,6 +130,56 @@ class TRLAttributes(AtomicCheckpoints):
     log_multimodal = _ConfigField()
     log_unique_prompts = _ConfigField()
     num_completions_to_print = _ConfigField()
+
+    # --- the latest round, as the trainer's log keeps it ---------------------------------------
+    @property
+    def last_records(self) -> list[EpisodeRecord]:
+        """The latest training round's episodes on this process, as the episode record holds them.
+
+        Each has its per-function rewards (None where a function returned None), the combined
+        reward, the advantage the loss used, and `policy_version`: the global step the round
+        was generated at (it is first trained at the next step); with `async_grpo`, the step of
+        the weights that started the episode's group. Empty before the first round; replaced,
+        never mutated, by the next training round (eval rounds leave it alone).
+        """
+        return self._trainer_log.records
+
+    @property
+    def last_round_step(self) -> int:
+        """The global step at which the latest training round was assembled (-1 before one)."""
+        return self._trainer_log.round_step
+
+    @property
+    def last_completions(self) -> CompletionsTable | None:
+        """The latest round's completions table (every process's rows), with `log_completions`.
+
+        None before the first round or without `log_completions`; replaced by the next round.
+        Its `step` is the global step the round was played at; the logged table's is the log's.
+        """
+        return self._trainer_log.completions
+
+    @property
+    def last_episodes(self) -> list[tuple[Episode, float]]:
+        """The latest round's episodes on this process (train or eval), each with its reward.
+
+        Rewards are the combined (weighted) totals. Empty before the first round. Read-only:
+        the list is replaced, never mutated, by the next round.
+        """
+        return self._trainer_log.episodes
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the GRPO metrics queued since the last log, under TRL's names; show completions.
+
+        Each is the mean of its values since the last log (`TrainerLog.add_means`). With
+        `log_completions`, a log holding round metrics prints the latest round's completions
+        table (its `step` column set to the global step) and logs it to the `report_to`
+        integrations that take tables.
+        """
+        prefix = self._trainer_log.add_means(logs)
+        super().log(logs, start_time)
+        with_round = prefix + "reward" in logs  # not, e.g., the end-of-training summary
+        if with_round and self.accelerator.is_main_process:
+            self._trainer_log.show_completions(self.state.global_step, self.args)
 
     @property
     def continuous_batching_config(self) -> None:
@@ -415,30 +467,3 @@ class TRLAttributes(AtomicCheckpoints):
         with explained_write_errors(folder):
             self.create_model_card(model_name=hub_id.split("/")[-1] if hub_id else folder.name)
         super()._save_checkpoint(model, trial)
-
-
-def environment_reward(env_class: type) -> Callable[..., Any]:
-    """TRL's reward function for an environment class that scores itself.
-
-    `get_reward(environments, **kwargs)` calls `get_reward()` (or `reward()`) of each
-    environment that is exactly `env_class`, None for the others; it is `async` when that
-    method is.
-    """
-    method = "get_reward" if hasattr(env_class, "get_reward") else "reward"
-
-    if inspect.iscoroutinefunction(getattr(env_class, method)):
-
-        async def get_reward(environments: list[Any], **kwargs: Any) -> list[float | None]:
-            return [
-                await getattr(env, method)() if type(env) is env_class else None
-                for env in environments
-            ]
-
-    else:
-
-        def get_reward(environments: list[Any], **kwargs: Any) -> list[float | None]:  # type: ignore[misc]
-            return [
-                getattr(env, method)() if type(env) is env_class else None for env in environments
-            ]
-
-    return get_reward

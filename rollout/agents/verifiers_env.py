@@ -35,10 +35,13 @@ import importlib.util
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout.agents import Agent, AgentError
 from tools.threads import shield_unless_interrupted
+
+if TYPE_CHECKING:
+    from verifiers.v1 import EnvConfig
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +111,7 @@ def verifiers_agent(env_id: str, env_args: Mapping[str, Any] | None = None) -> A
     )
 
 
-def _episode_limits(config: Any) -> dict[str, int]:
+def _episode_limits(config: EnvConfig) -> dict[str, int]:
     """The agent seat's own turn cap (its `max_turns`) as the run's `max_turns`.
 
     Only with one agent seat, whose cap is then the trained agent's; verifiers' token caps
@@ -340,7 +343,7 @@ class _Held:
     holder: asyncio.Task[None] | None = None
 
 
-def _env_config(vf: Any, env_id: str, env_args: dict[str, Any]) -> Any:
+def _env_config(vf: Any, env_id: str, env_args: dict[str, Any]) -> EnvConfig:
     """The env config (verifiers') of `env_id`: `env_args` over agentgrpo's defaults.
 
     Raises:

@@ -268,9 +268,9 @@ class SlotBatch:
         """One plain decoding step over the first `slots` slots and `width` columns.
 
         On CUDA (with `cuda_graphs`) the step's graph replays, captured on first use; if the
-        capture fails, the step runs eagerly from then on, with a warning. A model under FSDP2
-        always runs eagerly: its forward hooks make FSDP's own streams wait for the current
-        one, which a capture cannot take in.
+        capture fails, the step runs eagerly from then on, with a warning. (A model under FSDP2
+        is given `cuda_graphs=False`: its forward hooks make FSDP's own streams wait for the
+        current one, which a capture cannot take in.)
         """
         buffers = self._buffers
         assert buffers is not None
@@ -285,9 +285,6 @@ class SlotBatch:
             self._graphs, self._pool, self._weights = {}, None, weights
         graph = self._graphs.get((slots, width))
         if graph is None:
-            if _under_fsdp(self.model):
-                self.cuda_graphs = False
-                return step
             try:
                 graph = self._capture(step, buffers)
             except Exception as error:  # any capture failure: run eagerly
@@ -414,13 +411,6 @@ def _copy_into(old: _Buffers, new: _Buffers) -> None:
             target[..., width:] = False
         elif name not in ("tokens_S_K", "logprobs_S_K", "step_1"):
             target.copy_(source)
-
-
-def _under_fsdp(model: torch.nn.Module) -> bool:
-    """Whether FSDP2 (`fully_shard`) hooks run in `model`'s forward."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def _addresses(model: torch.nn.Module) -> tuple[int, ...]:

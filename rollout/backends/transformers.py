@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import torch
@@ -50,6 +50,9 @@ from rollout.backends.prefill_plans import (
 from rollout.backends.slot_batch import SlotBatch
 from rollout.images import feature_token_ids, vision_forward_kwargs
 from rollout.types import Completion, Pictures, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 # What a row samples with when neither its request nor the backend's settings say otherwise.
 _SAMPLING_DEFAULTS = {
@@ -115,7 +118,7 @@ class TransformersBackend:
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         overrides = dict(sampling_overrides or {})
-        if features := feature_token_ids(model.config):
+        if features := feature_token_ids(_config(model)):
             overrides["suppress_tokens"] = sorted(
                 {*(overrides.get("suppress_tokens") or ()), *features}
             )
@@ -126,7 +129,7 @@ class TransformersBackend:
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.reuses_keys_and_values = _has_plain_attention_cache(model)
         self.batches_prefills = _layer_types(model) == {"full_attention"}
-        self.feature_ids = frozenset(feature_token_ids(model.config))
+        self.feature_ids = frozenset(feature_token_ids(_config(model)))
         # 3-D rotary positions (Qwen2-VL's family) depend on the whole prompt's pictures
         plain_positions = getattr(model.config, "vision_start_token_id", None) is None
         self.caches_images = self.batches_prefills and plain_positions
@@ -355,7 +358,7 @@ class TransformersBackend:
         if rope_delta is not None:
             position_ids = (position_ids + rope_delta).expand(3, 1, -1)  # type: ignore[operator]
         vision = {key: value.to(device) for key, value in vision.items()}
-        extra = vision_forward_kwargs(self.model.config, ids_1_T, vision)
+        extra = vision_forward_kwargs(_config(self.model), ids_1_T, vision)
         position_ids = extra.pop("position_ids", position_ids)
         return self.model(
             input_ids=ids_1_T,
@@ -456,6 +459,11 @@ def _has_plain_attention_cache(model: Any) -> bool:
 
 def _layer_types(model: Any) -> set[str]:
     return set(getattr(_text_config(model), "layer_types", None) or ["full_attention"])
+
+
+def _config(model: torch.nn.Module) -> PreTrainedConfig:
+    """`model.config`: the backend takes transformers models (possibly PEFT-wrapped)."""
+    return cast("PreTrainedConfig", model.config)
 
 
 def _text_config(model: Any) -> Any:

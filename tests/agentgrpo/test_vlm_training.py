@@ -19,7 +19,7 @@ from rollout import (
     SamplingParams,
     TransformersBackend,
 )
-from rollout.images import images_of, vision_forward_kwargs, with_row_images
+from rollout.images import vision_forward_kwargs, with_row_images
 from tests.support.trainer import rank_in_call, short_run_config
 from tests.support.vlm_models import FAMILIES, image_token_of, tiny_vlm
 
@@ -61,8 +61,8 @@ def test_the_sampler_logprobs_equal_a_plain_forward_over_the_same_ids_and_pixels
         processor.tokenizer, processor.tokenizer.chat_template, processor=processor
     )
     messages = with_row_images(QUESTION, {"image": RED})
-    ids, vision = renderer.encode_with_images(
-        renderer.render(messages, generation_prompt=True), images_of(messages)
+    ids, vision, _ = renderer.encode_messages(
+        renderer.render(messages, generation_prompt=True), messages
     )
     backend = TransformersBackend.from_tokenizer(model, processor.tokenizer)
     params = SamplingParams(max_tokens=8, seed=3)

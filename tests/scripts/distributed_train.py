@@ -177,7 +177,7 @@ def fixed_completions(
 def push_final_weights(trainer: GRPOTrainer) -> None:
     """Bring the server to the last step's weights, as the next round would (every process)."""
     policy = trainer.accelerator.unwrap_model(trainer.model)
-    with trainer.weight_sync.generating(policy, trainer.state.global_step):
+    with trainer.generator.generating(policy, trainer.state.global_step):
         pass
 
 

@@ -197,7 +197,7 @@ def play_on_final_weights(trainer):
     from tests.support.episodes import COUNTER_ROW
 
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
-    with trainer.weight_sync.generating(model, trainer.state.global_step):
+    with trainer.generator.generating(model, trainer.state.global_step):
         return model, anyio.run(trainer.engine.run, [COUNTER_ROW], 4)
 
 

@@ -11,6 +11,7 @@ backward, is recorded through a `TorchDispatchMode`.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from agentgrpo.learner import output_head
 from agentgrpo.learner.logprobs import completion_logprobs, logits_logprobs
 from agentgrpo.learner.output_head import chunk_tokens, head_logprobs
 from agentgrpo.models.loading import cast_lm_head_to_fp32
+from agentgrpo.models.sharded import fsdp_sharded
 from tests.agentgrpo.learner.test_shared_prompt_forward import (
     ENTROPY_TOLERANCE,
     GRADIENT_TOLERANCE,
@@ -288,18 +290,16 @@ def test_an_fsdp2_sharded_model_is_scored_inside_its_forward_as_a_whole_one_is(
     # that survive FSDP2's cast of the outputs to bfloat16 (accelerate's bf16 sets it).
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from agentgrpo.learner.shared_prompt import can_share_prompts
-
     whole = tiny_llama(tokenizer)
     chunks_of(5, whole.config.vocab_size)  # 27 real tokens: 6 checkpointed chunks
     bfloat16 = outputs != "float32"
     policy = MixedPrecisionPolicy(output_dtype=torch.bfloat16) if bfloat16 else None
     sharded = accelerate_units(copy.deepcopy(whole), policy)
-    assert output_head.sharded_forward(sharded) and not can_share_prompts(sharded)
+    assert fsdp_sharded(sharded) and not fsdp_sharded(whole)
     head_calls = []
     sharded.lm_head.register_forward_pre_hook(lambda *_: head_calls.append(1))
     batch = two_groups()
-    got = whole_gradients(numbers(sharded, batch, learner, 0.7))
+    got = whole_gradients(numbers(sharded, batch, learner, 0.7, sharded=True))
     assert len(head_calls) == 1  # the engine's hooks ran once, not once per chunk
     assert "forward" not in vars(sharded.lm_head)  # its own forward is back
     want = numbers(whole, batch, learner, 0.7)
@@ -322,7 +322,7 @@ def test_no_tensor_of_the_full_logits_size_exists_in_a_sharded_model_either(
     full_logits = batch.completion_width * len(batch) * whole.config.vocab_size  # 96 x V
     sharded = accelerate_units(whole)
     # The largest is the gathered norm, embedding and output layer (64 + 64 x V)
-    assert largest_tensor(learner, sharded, batch) < full_logits
+    assert largest_tensor(functools.partial(learner, sharded=True), sharded, batch) < full_logits
 
 
 def test_the_output_layers_own_forward_is_back_when_the_model_fails(tokenizer):

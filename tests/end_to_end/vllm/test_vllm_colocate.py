@@ -121,7 +121,7 @@ def test_grpo_trains_with_colocated_vllm_and_pushes_every_step(
     trainer = train_two_steps(
         untaught_path, tokenizer, tmp_path, vllm_mode="colocate", vllm_max_model_length=1024
     )
-    assert trainer.weight_sync.pushed_step == 1  # the second round ran on step 1's weights
+    assert trainer.generator.version == 1  # the second round ran on step 1's weights
     steps = [e for e in trainer.state.log_history if "grad_norm" in e]
     assert [e["frac_reward_zero_std"] for e in steps] == [0.0, 0.0]  # no tied group, by design
     assert all(e["grad_norm"] > 0 for e in steps)

@@ -20,7 +20,7 @@ import torch
 
 from agentgrpo import GRPOTrainer
 from agentgrpo.generation.vllm_serve import _parser, serve_command, serve_environment
-from agentgrpo.generation.weight_sync import ServerPush, policy_weights
+from agentgrpo.generation.weight_sync import ServedWeights, ServerPush, policy_weights
 from environments import Counter
 from rollout import EpisodeConfig, Finish, RolloutEngine
 from rollout.backends.vllm_server import ServerConnection, ServerUnavailableError, VLLMServerBackend
@@ -132,11 +132,12 @@ def test_a_pushed_training_step_reaches_the_server(backend, tokenizer, policy):
     anyio.run(engine.run, [COUNTER_ROW], 2)  # caches the prompt's KV under the old weights
     other = scripted_episode(tokenizer, [tool_call("increment", step=5), "Done."])
     updated = trained_copy(policy, other)
-    sync = ServerPush(backend.connection, free_port(), SINGLE_PROCESS)
+    sync = ServerPush(backend.connection, free_port())
+    served = ServedWeights(backend, sync, SINGLE_PROCESS)
     try:
         for step in (1, 2):  # the first push also forms the group
             started = time.perf_counter()
-            with sync.generating(updated, step):
+            with served.generating(updated, step):
                 print(f"server push {step}: {time.perf_counter() - started:.2f} s")
         episodes = anyio.run(engine.run, [COUNTER_ROW], 4)
         assert logprob_gap(updated, episodes, temperature=0.7) < 1e-3
@@ -166,7 +167,7 @@ def test_a_push_mid_turn_cuts_it_and_continues_it_with_the_new_weights(backend, 
     weights' (the served policy's before the cut, the pushed copy's after it)."""
     other = scripted_episode(tokenizer, [tool_call("increment", step=5), "Done."])
     updated = trained_copy(policy, other)
-    sync = ServerPush(backend.connection, free_port(), SINGLE_PROCESS)
+    sync = ServerPush(backend.connection, free_port())
     rare = tokenizer.vocab_size - 1  # the only stop id: the turn runs its whole budget
     long_turns = VLLMServerBackend(
         backend.connection, backend.model, {rare}, sampling_overrides={"ignore_eos": True}
@@ -224,7 +225,7 @@ def test_grpo_trains_against_the_server_and_pushes_every_step(
     # The first push replaces the served policy: any model of the same shape can train here.
     untaught_path = untaught_model_path(tmp_path_factory, tokenizer)
     trainer = train_two_steps(untaught_path, tokenizer, tmp_path, **served_by(server))
-    assert trainer.weight_sync.pushed_step == 1
+    assert trainer.generator.version == 1
     steps = [e for e in trainer.state.log_history if "grad_norm" in e]
     assert [e["frac_reward_zero_std"] for e in steps] == [0.0, 0.0]  # no tied group, by design
     assert all(e["grad_norm"] > 0 for e in steps)
@@ -269,7 +270,7 @@ def test_async_grpo_generates_on_the_server_and_pushes_between_its_requests(
         async_grpo=True,
         max_staleness=1,
     )
-    assert trainer._async.weights.version == 2  # pushed after each of the 2 steps
+    assert trainer._async.generation.weights.version == 2  # pushed after each of the 2 steps
     assert {step for step, _ in trainer.trained} == {0, 1}
     for step, versions in trainer.trained:  # every trained token tagged, none too stale
         assert versions and all(v is not None and 0 <= step - v <= 1 for v in versions)
@@ -288,7 +289,7 @@ class EvaluatedVersions(GRPOTrainer):
 
     def evaluate(self, *args, **kwargs):
         metrics = super().evaluate(*args, **kwargs)
-        self.evaluated.append((self.state.global_step, self._async.weights.version))
+        self.evaluated.append((self.state.global_step, self._async.generation.weights.version))
         return metrics
 
 

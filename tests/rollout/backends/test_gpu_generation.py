@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from agentgrpo.models.attention import use_grouped_query_sdpa
 from rollout import SamplingParams, TransformersBackend
-from rollout.backends.attention import use_grouped_query_sdpa
 from tests.rollout.backends.test_transformers_backend import PROMPTS, generate_concurrently
 from tests.support.tiny_model import tiny_model
 

@@ -12,7 +12,8 @@ from datasets import Dataset
 
 from agentgrpo import GRPOConfig
 from agentgrpo.generation import vllm_serve
-from agentgrpo.generation.weight_sync import policy_weights, sampling_overrides
+from agentgrpo.generation.sampling import sampling_overrides
+from agentgrpo.generation.weight_sync import policy_weights
 from environments import Counter
 from rollout import GenerationBackend
 from rollout.backends.vllm_colocate import import_vllm

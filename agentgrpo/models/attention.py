@@ -10,6 +10,10 @@ attention, which does exactly what "sdpa" does except that copy: on a CPU throug
 `scaled_dot_product_attention(enable_gqa=True)`; on a GPU for a decoding step (one query per
 row, over a masked cache such as `slot_batch`'s), where it would copy the whole cache
 every token, through two grouped matrix products that read each key and value head once.
+
+The switch is made where models are loaded (`models.loading`: the policy, and the model that
+`agentgrpo eval` and `doctor --generate` play with), so the learner and the transformers
+backend read the same attention.
 """
 
 from __future__ import annotations

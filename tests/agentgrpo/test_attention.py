@@ -6,8 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from agentgrpo import GRPOConfig
+from agentgrpo.models.attention import NAME, grouped_decode_attention, use_grouped_query_sdpa
 from agentgrpo.models.loading import load_policy
-from rollout.backends.attention import NAME, use_grouped_query_sdpa
 from tests.support.tiny_model import tiny_config
 
 
@@ -62,3 +62,15 @@ def test_the_policy_runs_on_it_and_a_saved_policy_does_not_record_it(tmp_path):
     policy.save_pretrained(tmp_path / "again")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "again")
     assert reloaded.config._attn_implementation == "sdpa"
+
+
+def test_grouped_decode_attention_equals_sdpa_over_repeated_heads():
+    torch.manual_seed(0)
+    query, key, value = torch.randn(3, 6, 1, 8), torch.randn(3, 2, 10, 8), torch.randn(3, 2, 10, 8)
+    mask = torch.rand(3, 1, 1, 10) > 0.4
+    mask[..., 0] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask
+    )
+    output = grouped_decode_attention(query, key, value, mask)
+    assert torch.allclose(output, expected.transpose(1, 2), atol=1e-5)
