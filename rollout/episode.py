@@ -187,7 +187,7 @@ async def run_episode(
     one raised: a `close` that fails (or times out) too becomes a note on it; after a method
     that timed out, `close` is not called (see `_close`).
     """
-    messages = with_row_images(prompt_messages(row), row) if "prompt" in row else []
+    messages = _row_messages(row)
     timeout_s = ctx.config.environment_timeout_s
     env, observation = None, None
     if ctx.environment_factory is not None:
@@ -321,7 +321,10 @@ def _bind(tools: Mapping[str, Tool], env: Any) -> dict[str, Tool]:
 def _start(
     ctx: EpisodeContext, messages: list[dict[str, Any]], row: Mapping, sample_seed: int
 ) -> _State:
-    images = images_of(messages)
+    try:
+        images = images_of(messages)
+    except ValueError as error:  # an image part without an image, or one it cannot show
+        raise ValueError(f"{error}. Row: {_show(row)}") from None
     vision: dict[str, Any] = {}
     if isinstance(row.get("prompt"), str) and not ctx.has_tools and not images:
         # TRL's standard format: the text itself, tokenized as is, with no chat template.
@@ -469,6 +472,20 @@ def _count(state: _State, parsed: ParsedTurn, results: list[ToolResult]) -> None
     state.tool_errors.update(str(r.error) for r in results if r.error is not None)
     if parsed.errors:
         state.tool_errors["parse"] += len(parsed.errors)
+
+
+def _row_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The row's prompt messages with its images (`with_row_images`); none without a prompt.
+
+    Raises:
+        ValueError: The row's images do not fit its prompt, or cannot be shown, naming the row.
+    """
+    if "prompt" not in row:
+        return []
+    try:
+        return with_row_images(prompt_messages(row), row)
+    except ValueError as error:
+        raise ValueError(f"{error}. Row: {_show(row)}") from None
 
 
 def _show(row: Mapping[str, Any], width: int = 200) -> str:

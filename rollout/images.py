@@ -11,6 +11,11 @@ Without torchvision (CPU machines here: the registries' torchvision wheels are C
 that do not load beside the CPU torch), transformers cannot build a processor that has a video
 processor (Qwen2-VL, Qwen2.5-VL), even for images only. `load_processor` then builds it without
 one (`image_only`): images work; videos, which agentgrpo never feeds, do not.
+
+Every picture shown to the model is a PIL image of at most `tools.MAX_PICTURE_PIXELS` pixels
+(`tools.picture_problem`): a path or a URL is never opened nor fetched, an empty or oversized
+picture from a row or an environment is an error, and one from a tool is a tool error the model
+reads.
 """
 
 from __future__ import annotations
@@ -22,8 +27,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tools import picture_problem
+from tools.call import MAX_PICTURE_PIXELS
+
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
+
+# What to give instead of a picture that cannot be shown (`tools.picture_problem`).
+PICTURES_ARE_PIL = (
+    f"give PIL images of at most {MAX_PICTURE_PIXELS:,} pixels (a datasets Image() column "
+    "decodes to them: `dataset.cast_column('image', datasets.Image())` loads a column of local "
+    "paths)"
+)
 
 # What a processor returns besides the pixel tensors; the rest is the model's vision input.
 _TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
@@ -189,7 +204,8 @@ def images_of(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
 
     Raises:
         ValueError: An image part holds no image (the row's `image`/`images` column fills
-            them: `with_row_images`).
+            them: `with_row_images`), or one that is not a PIL image, or is empty or oversized
+            (`tools.picture_problem`).
     """
     images = []
     for message in messages:
@@ -202,6 +218,8 @@ def images_of(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
                     "'images' column with one image per image part, or put the image in the "
                     "part as {'type': 'image', 'image': <PIL image>}"
                 )
+            if problem := picture_problem(part["image"]):
+                raise ValueError(f"an image part holds {problem}; {PICTURES_ARE_PIL}")
             images.append(part["image"])
     return images
 
@@ -220,14 +238,18 @@ def with_row_images(messages: list[dict[str, Any]], row: Mapping[str, Any]) -> l
     a row without those columns come back unchanged.
 
     Raises:
-        ValueError: The row has both columns, or a different number of images than the prompt
-            has empty image parts.
+        ValueError: The row has both columns, a different number of images than the prompt
+            has empty image parts, or an image that is not a PIL image, or is empty or oversized
+            (`tools.picture_problem`: a path or a URL is never opened nor fetched).
     """
     if "image" in row and "images" in row:
         raise ValueError("a row has both an 'image' and an 'images' column; keep one")
     if "image" not in row and "images" not in row:
         return messages
-    images = [row["image"]] if "image" in row else list(row["images"] or [])
+    column = "image" if "image" in row else "images"
+    images = [row["image"]] if column == "image" else list(row["images"] or [])
+    if problem := next(filter(None, map(picture_problem, images)), None):
+        raise ValueError(f"the row's {column!r} column holds {problem}; {PICTURES_ARE_PIL}")
     empty = [
         (m, p)
         for m, message in enumerate(messages)

@@ -146,7 +146,7 @@ class ToolCallRecord:
         result: The text the model was shown: the tool's output, or the error message; cut
             where the token budget left no room for the whole text.
         error: Why the call failed (`parse`, or a `tools.ToolErrorKind` value: `unknown_tool`,
-            `bad_arguments`, `exception`, `timeout`); None when it succeeded.
+            `bad_arguments`, `exception`, `timeout`, `bad_picture`); None when it succeeded.
         result_chars: The length of the tool's whole output when `result` is a cut of it;
             None when `result` is whole.
     """
@@ -163,7 +163,7 @@ class EpisodeStats:
     """Counts for one episode.
 
     `tool_errors` maps an error kind (`parse`, `unknown_tool`, `bad_arguments`, `exception`,
-    `timeout`) to how often it happened.
+    `timeout`, `bad_picture`) to how often it happened.
     """
 
     turns: int

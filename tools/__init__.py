@@ -24,6 +24,7 @@ from tools.call import (
     call_problems,
     call_tool,
     is_image,
+    picture_problem,
 )
 from tools.python import python, python_tool
 from tools.sandbox import SandboxUnavailableError
@@ -44,6 +45,7 @@ __all__ = [
     "call_problems",
     "call_tool",
     "is_image",
+    "picture_problem",
     "python",
     "python_tool",
     "run_in_daemon_thread",

@@ -11,12 +11,14 @@ new session. Linux only. With `"isolate": true` it builds, in this order:
    (made by the parent) holding the code (`/tmp/main.py`) and the writable folders in
    `_WRITABLE` (the working folder `/tmp/work`, `/dev/shm`),
    the paths in `"visible"` (system folders, the interpreter's prefixes) and the devices in
-   `_DEVICES` bound in, and a fresh `/proc`; then `pivot_root(2)` into it, the old root
+   `_DEVICES` bound in, and a fresh `/proc` (its `keys` and `key-users`, which list the
+   caller's keys, hidden under `/dev/null`); then `pivot_root(2)` into it, the old root
    detached, and every mount made read-only (`mount_setattr(2)`, recursive) except the
    working folder. What is not bound in (the rest of `/tmp`, `/run`, home folders, sockets on
    the filesystem) is not there;
 3. the code's process: rlimits set, every capability dropped for good (bounding set emptied,
-   securebits locked, `no_new_privs`), stdin from `/dev/null`, then `exec` of the interpreter.
+   securebits locked, `no_new_privs`), a new empty session keyring (`_leave_keyrings`), stdin
+   from `/dev/null`, then `exec` of the interpreter.
 
 This process then exits the way the code's process did: the same exit status, or killed by the
 same signal, so the parent reads it from its own child. A failure while isolating exits with
@@ -45,13 +47,16 @@ _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
 _MNT_DETACH = 0x2
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 _SYS_MOUNT_SETATTR = 442  # the same number on every architecture
+_SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 271, "s390x": 280}
+_KEYCTL_JOIN_SESSION_KEYRING = 1
 _AT_FDCWD, _AT_RECURSIVE = -100, 0x8000
 _MOUNT_ATTR_RDONLY = 0x1
 _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
 _PR_SET_CHILD_SUBREAPER = 36
 _SECUREBITS_ALL_LOCKED = 0x3F  # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS, each with its lock bit
 _DEVICES = ("null", "zero", "full", "random", "urandom")
-_WRITABLE = ("/tmp/work", "/dev/shm")  # /dev/shm: POSIX semaphores, for multiprocessing
+_WRITABLE = ("/tmp/work", "/dev/shm")
+_HIDDEN_PROC_FILES = ("keys", "key-users")  # /dev/shm: POSIX semaphores, for multiprocessing
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -63,6 +68,7 @@ class _MountAttr(ctypes.Structure):
 def main() -> None:
     """Read the config and the code, then run the code isolated or only limited."""
     config = json.loads(sys.argv[1])
+    _end_with_the_caller(config)
     code = sys.stdin.buffer.read()
     if config["cgroup_procs"]:
         _write(config["cgroup_procs"], "0")  # this process and all it starts
@@ -74,6 +80,20 @@ def main() -> None:
         print(f"sandbox setup failed: {exc}", file=sys.stderr)
         sys.exit(SETUP_FAILED)
     _relay(_run_supervised(config, code))
+
+
+def _end_with_the_caller(config: dict) -> None:
+    """End the call when the caller dies (SIGTERM), or past a deadline of its own (SIGALRM).
+
+    The kernel sends SIGTERM when the caller dies, however (`PR_SET_PDEATHSIG`); SIGALRM comes
+    `deadline_s` after the start, should the caller be alive but stuck. Isolated, either ends
+    this process, whose death takes the supervisor and the PID namespace with it; not isolated,
+    `_run_reaping` kills what the code started first.
+    """
+    _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != config["caller_pid"]:  # it died before the line above
+        sys.exit(SETUP_FAILED)
+    signal.alarm(config["deadline_s"])
 
 
 def _check(result: int, what: str) -> None:
@@ -137,6 +157,8 @@ def _build_root(root: str, code: bytes, config: dict) -> None:
         _bind(f"/dev/{name}", f"{root}/dev/{name}")
     os.mkdir(f"{root}/proc")
     _mount("proc", f"{root}/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    for name in _HIDDEN_PROC_FILES:  # they list keys of the caller's user, as it sees them
+        _mount("/dev/null", f"{root}/proc/{name}", None, _MS_BIND)
     _write(f"{root}/proc/sys/user/max_user_namespaces", "0")  # no nested namespace to mount in
 
 
@@ -213,9 +235,14 @@ def _run_reaping(config: dict) -> int:
     """
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
     signal.signal(signal.SIGTERM, _on_deadline)
+    signal.signal(signal.SIGALRM, _on_deadline)
     code_pid = os.fork()
     if code_pid == 0:
-        _exec_code(config, config["script"], config["workdir"])
+        try:
+            _exec_code(config, config["script"], config["workdir"])
+        except BaseException as exc:  # a forked child must never return into the caller
+            os.write(2, f"sandbox setup failed: {exc}\n".encode())
+            os._exit(SETUP_FAILED)
     _, status = os.waitpid(code_pid, 0)
     _kill_descendants()
     return status
@@ -273,11 +300,28 @@ def _exec_code(config: dict, script: str, workdir: str) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if config["isolate"]:  # counted per user namespace, so only this sandbox's processes
         resource.setrlimit(resource.RLIMIT_NPROC, (config["max_processes"],) * 2)
+    _leave_keyrings()
     os.chdir(workdir)
     null_fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null_fd, 0)
     env = dict(config["env"], HOME=workdir, TMPDIR=workdir)
     os.execve(config["python"], [config["python"], "-u", script], env)
+
+
+def _leave_keyrings() -> None:
+    """Join a new, empty session keyring: the caller's session keys are out of reach.
+
+    The keys in the caller's session keyring are its possessions, which a process reads only
+    while it holds that keyring (`KEYCTL_SEARCH @s`, then `KEYCTL_READ`). Where keyctl is refused
+    (a seccomp profile, as Docker's), the code cannot call it either.
+    """
+    number = _SYS_KEYCTL.get(os.uname().machine)
+    if number is None:
+        raise OSError(f"no keyctl syscall number known for {os.uname().machine}")
+    if _libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None) == -1:
+        errno = ctypes.get_errno()
+        if errno not in (1, 38):  # EPERM, ENOSYS: keyrings are closed to the code as well
+            raise OSError(errno, f"keyctl(KEYCTL_JOIN_SESSION_KEYRING): {os.strerror(errno)}")
 
 
 def _relay(status: int) -> None:

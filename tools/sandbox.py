@@ -14,9 +14,15 @@ What holds on every Linux machine, per call:
   the rest is read and thrown away, so the host's memory stays bounded;
 - environment: only the variables in `_CODE_ENV` (no tokens or keys leak through it); stdin is
   empty;
+- keys: a new, empty session keyring: the caller's session keys can be neither searched nor
+  read (isolated, `/proc/keys` lists none of the caller's either);
 - when the code's process ends, or the call does, everything it started ends too, processes
   that left its session included: with the PID namespace when isolated, by a subreaper when
-  not, and as root also by killing every process in the call's pids cgroup, then removed.
+  not, and as root also by killing every process in the call's pids cgroup, then removed;
+- when the caller dies, even by SIGKILL (the OOM killer, `kill -9`), the call ends too: the
+  child gets SIGTERM from the kernel (`PR_SET_PDEATHSIG`) and ends as at a deadline, and has a
+  deadline of its own, `timeout_s` + `DEADLINE_GRACE_S`, should the caller be stuck. The call
+  folders and cgroups a dead caller left are removed by the next process's first call.
 
 Isolation (`isolation="namespaces"`, the default; see `tools/_sandbox_child.py` for the steps),
 through Linux user namespaces:
@@ -49,22 +55,21 @@ guard against mistakes and runaway code, not a jail for a determined attacker.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import math
 import os
 import signal
 import site
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.abc
+
+from tools._sandbox_host import call_folder, cgroup_pids, pids_cgroup, remove_leftovers
 
 _CHILD_SCRIPT = str(Path(__file__).with_name("_sandbox_child.py"))
 _CODE_ENV = {
@@ -77,10 +82,10 @@ _CODE_ENV = {
     "MKL_NUM_THREADS": "1",
 }
 _SYSTEM_PATHS = {"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"}
-_CGROUP_PREFIX = "agentgrpo-sandbox"
 _KILL_ROUNDS = 1000  # rounds of killing a cgroup's processes; each round has fewer to kill
 _TERM_GRACE_S = 10.0  # a child told to end takes milliseconds; this only bounds a stuck one
-_call_numbers = itertools.count()
+# Seconds past `timeout_s` after which the child ends the call itself (the caller is stuck).
+DEADLINE_GRACE_S = 10
 
 
 @dataclass(frozen=True)
@@ -176,8 +181,9 @@ async def run_python(code: str, limits: SandboxLimits, isolation: str = "namespa
 
 async def _run(code: str, limits: SandboxLimits, isolated: bool) -> SandboxRun:
     """Run `code` in a sandbox of its own: a pids cgroup when root, a folder, the child."""
-    async with _pids_cgroup(limits.max_processes + 2) as cgroup:  # + the 2 supervisors
-        with _call_folder(isolated, code) as folder:
+    remove_leftovers()
+    async with pids_cgroup(limits.max_processes + 2) as cgroup:  # + the 2 supervisors
+        with call_folder(isolated, code) as folder:
             config = _child_config(isolated, cgroup, limits, folder)
             return await _execute(code.encode(), config, limits, cgroup)
 
@@ -185,11 +191,13 @@ async def _run(code: str, limits: SandboxLimits, isolated: bool) -> SandboxRun:
 def _child_config(
     isolated: bool, cgroup: Path | None, limits: SandboxLimits, folder: str
 ) -> dict[str, Any]:
-    """What `_sandbox_child.py` reads: the limits, and where the code lives (see `_call_folder`)."""
+    """What `_sandbox_child.py` reads: the limits, and where the code lives (`call_folder`)."""
     return {
         "isolate": isolated,
         "cgroup_procs": None if cgroup is None else str(cgroup / "cgroup.procs"),
         "cpu_s": limits.cpu_limit_s,
+        "caller_pid": os.getpid(),
+        "deadline_s": math.ceil(limits.timeout_s) + DEADLINE_GRACE_S,
         "memory_bytes": limits.memory_mb << 20,
         "max_processes": limits.max_processes + 2,
         "disk_bytes": limits.disk_mb << 20,
@@ -290,21 +298,13 @@ async def _kill_tree(pgid: int, cgroup: Path | None) -> None:
     if cgroup is None:
         return
     for _ in range(_KILL_ROUNDS):
-        pids = _cgroup_pids(cgroup)
+        pids = cgroup_pids(cgroup)
         if not pids:
             return
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         await anyio.sleep(0.01)
-
-
-def _cgroup_pids(cgroup: Path) -> list[int]:
-    """The processes in `cgroup`; none if it is gone."""
-    try:
-        return [int(pid) for pid in (cgroup / "cgroup.procs").read_text().split()]
-    except OSError:
-        return []
 
 
 class _Capture:
@@ -349,20 +349,6 @@ def _fit(stdout: _Capture, stderr: _Capture, budget_chars: int) -> tuple[str, in
     return (*stdout.text(budget_chars - stderr_chars), *stderr.text(stderr_chars))
 
 
-@contextlib.contextmanager
-def _call_folder(isolated: bool, code: str) -> Iterator[str]:
-    """A temporary folder for one call, removed afterwards.
-
-    Isolated, it stays empty here: the child mounts its new root on it, in its own mount
-    namespace. Not isolated, it holds the code (`main.py`) and the working folder (`work`).
-    """
-    with tempfile.TemporaryDirectory(prefix="agentgrpo-python-") as folder:
-        if not isolated:
-            os.mkdir(os.path.join(folder, "work"))
-            Path(folder, "main.py").write_text(code)
-        yield folder
-
-
 _ISOLATIONS = ("namespaces", "none")
 _isolation_failure: str | None = None  # why isolation does not work here; "" when it does
 
@@ -401,79 +387,3 @@ async def _isolation_failure_here() -> str:
         failure = probe.stderr.strip() or f"exit status {probe.exit_code}"
         _isolation_failure = "" if probe.exit_code == 0 else failure
     return _isolation_failure
-
-
-@contextlib.asynccontextmanager
-async def _pids_cgroup(max_tasks: int) -> AsyncIterator[Path | None]:
-    """As root, a fresh pids cgroup allowing `max_tasks` tasks; yields its folder.
-
-    Root is exempt from RLIMIT_NPROC, so this is what limits a fork bomb run by root. Yields
-    None when not root or when no writable pids hierarchy exists.
-    """
-    parent = _pids_cgroup_parent() if os.geteuid() == 0 else None
-    if parent is None:
-        yield None
-        return
-    folder = parent / f"{_CGROUP_PREFIX}-{os.getpid()}-{next(_call_numbers)}"
-    try:
-        folder.mkdir()
-        (folder / "pids.max").write_text(str(max_tasks))
-    except OSError:
-        yield None
-        return
-    try:
-        yield folder
-    finally:
-        await _remove_cgroup(folder)
-
-
-async def _remove_cgroup(folder: Path) -> None:
-    """Remove an emptied cgroup; its last tasks may take a moment to be reaped."""
-    with anyio.CancelScope(shield=True):
-        for _ in range(100):
-            if _removed(folder):
-                return
-            await anyio.sleep(0.02)
-
-
-def _removed(folder: Path) -> bool:
-    """Try to remove an empty folder (a cgroup folder is never slow to remove)."""
-    try:
-        folder.rmdir()
-    except OSError:
-        return False
-    return True
-
-
-def _pids_cgroup_parent() -> Path | None:
-    """Find our own cgroup's folder in a pids hierarchy we can make children in, or None."""
-    try:
-        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
-        memberships = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in mounts:
-        fields = line.split()
-        separator = fields.index("-")
-        mount_point, fstype, options = fields[4], fields[separator + 1], fields[separator + 3]
-        if fstype == "cgroup" and "pids" in options.split(","):
-            path = next((m.split(":", 2)[2] for m in memberships if ":pids:" in m), None)
-        elif fstype == "cgroup2":
-            path = next((m[3:] for m in memberships if m.startswith("0::")), None)
-        else:
-            continue
-        folder = Path(mount_point + (path or "/"))
-        if path is not None and _can_limit_pids(folder, fstype):
-            return folder
-    return None
-
-
-def _can_limit_pids(folder: Path, fstype: str) -> bool:
-    """Whether children of `folder` get a `pids.max` and `folder` is writable."""
-    if fstype == "cgroup2":
-        try:
-            if "pids" not in (folder / "cgroup.subtree_control").read_text().split():
-                return False
-        except OSError:
-            return False
-    return os.access(folder, os.W_OK)

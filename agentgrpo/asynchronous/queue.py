@@ -7,7 +7,10 @@ computed only with the round). A group's file is removed once a checkpoint holds
 trained on it (or the run ends normally after training on it), or when it is dropped as stale.
 So a run that was killed or Ctrl-C'd and resumes from its last checkpoint finds, in the folder,
 every group played since that checkpoint that it may train on again: `AsyncGeneration` trains
-the fresh ones first.
+the fresh ones first. A group's file is written whole and synced to disk before it is renamed
+into place, so a crash leaves a temporary file (ignored) or a whole group; a file that is not a
+whole group all the same (empty, or cut short by another program) is a `QueueFileError` naming
+it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from rollout.record import read_records, record_line
 
 QUEUE_DIR = Path("episodes") / "queue"
 _GROUP_FILE = re.compile(r"group-(\d{8})\.jsonl")
+
+
+class QueueFileError(ValueError):
+    """A file in the queue folder is not a whole group: what to remove is in the message."""
 
 
 @dataclass(frozen=True)
@@ -59,17 +66,25 @@ class QueueFolder:
         self._next = 1 + max((number for number, _ in self._files()), default=0)
 
     def write(self, records: Sequence[EpisodeRecord]) -> Path:
-        """Write a group's records at once (a temporary file renamed); its path."""
+        """Write a group's records at once (a temporary file, synced, renamed); its path."""
         path = self.folder / f"group-{self._next:08d}.jsonl"
         self._next += 1
         temporary = path.with_name(path.name + ".tmp")
         self.folder.mkdir(parents=True, exist_ok=True)
-        temporary.write_text("".join(record_line(r) for r in records), encoding="ascii")
+        with temporary.open("w", encoding="ascii") as file:
+            file.write("".join(record_line(r) for r in records))
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(temporary, path)
+        _sync_folder(self.folder)  # the rename itself, on disk
         return path
 
     def read(self) -> list[StoredGroup]:
-        """Every group waiting in the folder, in the order played."""
+        """Every group waiting in the folder, in the order played.
+
+        Raises:
+            QueueFileError: A group file is empty or not whole, naming it.
+        """
         return [self._group(path) for _, path in sorted(self._files())]
 
     def clear(self) -> None:
@@ -89,12 +104,34 @@ class QueueFolder:
         return [(int(m[1]), p) for m, p in matches if m]
 
     def _group(self, path: Path) -> StoredGroup:
-        records = read_records(path)
+        try:
+            records = read_records(path)
+        except ValueError as error:
+            raise QueueFileError(_not_whole(path, f"it does not read back ({error})")) from None
+        if not records:
+            raise QueueFileError(_not_whole(path, "it is empty"))
         rewards_G_F = torch.tensor(
             [[_nan_if_none(r.rewards.get(name)) for name in self.names] for r in records],
             dtype=torch.float32,
         ).reshape(len(records), len(self.names))
         return StoredGroup(path, records, rewards_G_F, records[0].policy_version)
+
+
+def _not_whole(path: Path, why: str) -> str:
+    return (
+        f"the queued group {path} is not a whole group: {why}. agentgrpo writes each group "
+        "whole and renames it into place, so another program or a damaged disk left it; remove "
+        "the file to resume without it"
+    )
+
+
+def _sync_folder(folder: Path) -> None:
+    """Sync `folder`'s entries (a rename into it) to disk, where the platform can."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _nan_if_none(value: float | None) -> float:

@@ -268,6 +268,14 @@ class AsyncGeneration:
             PlayedGroup([r.episode for r in g.records], g.rewards_G_F, g.version, g.path)
             for g in self.queue.read()
         ]
+        if sizes := sorted({len(g.episodes) for g in stored} - {self.num_generations}):
+            raise ValueError(
+                f"the queue folder {self.queue.folder} holds groups of "
+                f"{', '.join(map(str, sizes))} episodes, played "
+                f"with another num_generations than this run's {self.num_generations}: resume "
+                "with the num_generations that played them, or remove the folder to start the "
+                "queue afresh"
+            )
         kept = [g for g in stored if oldest <= g.version <= step]
         dropped = [g for g in stored if not oldest <= g.version <= step]
         self.buffer.preload(kept)

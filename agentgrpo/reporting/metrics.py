@@ -29,11 +29,13 @@ import torch
 
 from agentgrpo.learner.advantages import group_std, nanstd
 from rollout import Episode
+from tools import ToolErrorKind
 
 if TYPE_CHECKING:
     from agentgrpo.rounds.pipeline import RewardShaping
 
-TOOL_ERROR_KINDS = ("parse", "unknown_tool", "bad_arguments", "exception", "timeout")
+# A call the model wrote that did not parse, then why a parsed call failed (`tools.ToolErrorKind`).
+TOOL_ERROR_KINDS = ("parse", *(kind.value for kind in ToolErrorKind))
 _COLUMNS = (
     "prompt_tokens",
     "model_tokens",

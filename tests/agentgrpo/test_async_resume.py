@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
+import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -14,7 +16,7 @@ import anyio
 import pytest
 
 from agentgrpo import GRPOTrainer
-from agentgrpo.asynchronous.queue import QueueFolder
+from agentgrpo.asynchronous.queue import QueueFileError, QueueFolder
 from rollout import EpisodeRecord
 from tests.agentgrpo.test_async_rounds import PROMPTS, config
 from tests.support.episodes import scripted_episode
@@ -159,3 +161,47 @@ def test_a_run_that_starts_afresh_clears_what_an_earlier_run_queued(tokenizer, t
     trainer._async.generation.queue.write(stored_group(tokenizer, trainer, 0))
     trainer._async.generation._resume_queue(step=0)
     assert trainer._async.generation.queue.read() == []
+
+
+def test_a_queued_group_file_that_is_empty_or_cut_short_is_an_error_naming_it(tmp_path):
+    queue = QueueFolder(tmp_path, ["reward"])
+    queue.folder.mkdir(parents=True)
+    empty = queue.folder / "group-00000001.jsonl"
+    empty.write_text("")
+    with pytest.raises(
+        QueueFileError, match=re.escape(f"{empty} is not a whole group: it is empty")
+    ):
+        queue.read()
+    empty.write_text('{"prompt_ids": [1, 2')  # a group cut short mid-line
+    with pytest.raises(QueueFileError, match=re.escape(f"{empty} is not a whole group: it does")):
+        queue.read()
+
+
+def test_a_written_group_is_synced_before_it_is_renamed_into_place(
+    tokenizer, tmp_path, monkeypatch
+):
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def recording_fsync(descriptor: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{descriptor}"))
+        fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    queue = QueueFolder(tmp_path, ["reward"])
+    episode = scripted_episode(tokenizer, ["Hi.", "Done."])
+    path = queue.write([EpisodeRecord(episode, {"reward": 1.0}, math.nan, math.nan, 0)])
+    assert synced == [f"{path}.tmp", str(queue.folder)]  # the group's file, then the rename
+    assert [len(g.records) for g in queue.read()] == [1]
+
+
+def test_resuming_with_another_num_generations_than_the_queued_groups_is_refused(
+    tokenizer, tmp_path
+):
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer), rank_in_call, config(tmp_path), PROMPTS, processing_class=tokenizer
+    )
+    generation = trainer._async.generation
+    generation.queue.write(stored_group(tokenizer, trainer, 1)[:2])  # played with 2, not 4
+    with pytest.raises(ValueError, match=r"groups of 2 episodes.* this run's 4: resume with"):
+        generation._resume_queue(step=1)

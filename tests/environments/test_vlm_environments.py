@@ -153,3 +153,74 @@ def test_an_episode_that_forks_after_a_tool_picture_starts_its_new_row_with_the_
     assert second.prompt_ids.count(image_token_of(model)) == 4  # the fresh rendering
     assert second.images == (GREEN,) and second.loss_mask == [1] * len(answer)
     assert "pixel_values" in backend.visions[1]
+
+
+@pytest.mark.parametrize(
+    ("picture", "says"),
+    [
+        (Image.new("RGB", (0, 0)), "returned a 0x0 picture, which has no pixels"),
+        (Image.new("1", (5000, 4000)), "returned a 5000x4000 picture, over the 16,777,216 pixels"),
+    ],
+)
+def test_a_tool_picture_that_is_empty_or_oversized_is_a_tool_error_the_model_reads(picture, says):
+    def photo() -> object:
+        """Take a photo."""
+        return picture
+
+    tools = {"photo": as_tool(photo)}
+    result = anyio.run(call_tool, tools, "photo", {}, None)
+    assert result.error == "bad_picture" and says in result.content and result.images == ()
+
+
+class Requests:
+    """A loopback HTTP listener that counts the connections it gets."""
+
+    def __init__(self):
+        import socket
+
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.socket.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}/cat.png"
+
+    def count(self) -> int:
+        connections = 0
+        while True:
+            try:
+                connection, _ = self.socket.accept()
+            except TimeoutError:
+                return connections
+            connection.close()
+            connections += 1
+
+
+def test_a_rows_image_given_as_a_url_or_a_path_is_refused_naming_the_row_and_never_read(tmp_path):
+    _, processor = tiny_vlm("qwen2_5_vl")
+    engine = RolloutEngine(ImageReadingScript(lambda _: [1], {1}), processor)
+    listener = Requests()
+    path = tmp_path / "cat.png"
+    GREEN.save(path)
+    for value, column in ((listener.url, "image"), ([str(path)], "images")):
+        row = {"prompt": [{"role": "user", "content": "What is it?"}], column: value}
+        with pytest.raises(ValueError, match=f"the row's '{column}' column holds a str") as error:
+            anyio.run(lambda: engine.run([row]))  # noqa: B023 (run at once)
+        assert "not a PIL image" in str(error.value) and "Row: {'prompt'" in str(error.value)
+    assert listener.count() == 0  # nothing was fetched
+    part = {"type": "image", "image": listener.url}
+    row = {"prompt": [{"role": "user", "content": [part, {"type": "text", "text": "Hi"}]}]}
+    with pytest.raises(ValueError, match=r"an image part holds a str .*not a PIL image"):
+        anyio.run(lambda: engine.run([row]))
+    assert listener.count() == 0
+
+
+def test_an_environment_picture_with_no_pixels_is_an_error_naming_the_row():
+    _, processor = tiny_vlm("qwen2_5_vl")
+
+    class Blank:
+        def reset(self, **row):
+            return ["Look:", Image.new("RGB", (0, 0))]
+
+    engine = RolloutEngine(
+        ImageReadingScript(lambda _: [1], {1}), processor, environment_factory=Blank
+    )
+    with pytest.raises(ValueError, match=r"a 0x0 picture, which has no pixels.*Row: \{'prompt'"):
+        anyio.run(lambda: engine.run([{"prompt": "Hi"}]))

@@ -71,15 +71,36 @@ def run_in_own_group(command: list[str], env: dict):
 def launch_report(
     output: str, first: int = 3, each_chars: int = 3000, tail_chars: int = 4000
 ) -> str:
-    """A failed launch's first tracebacks (or stack dumps) whole, then its last lines.
+    """A failed launch's first tracebacks (or stack dumps), each to its error, then its last lines.
 
     The processes of a launch fail one after another, and the last to fail (often with an error
-    that only says another process left) buries the first cause under its own output.
+    that only says another process left) buries the first cause under its own output. A report
+    longer than `each_chars` keeps its first and last halves: where it started, and the error.
     """
     starts = sorted(
         match.start()
         for marker in REPORT_STARTS
         for match in re.finditer(re.escape(marker), output)
     )
-    firsts = [output[max(0, start - 200) : start + each_chars] for start in starts[:first]]
+    firsts = [_report_at(output, start, each_chars) for start in starts[:first]]
     return "\n...\n".join([*firsts, f"last {tail_chars} characters:\n{output[-tail_chars:]}"])
+
+
+def _report_at(output: str, start: int, each_chars: int) -> str:
+    """The traceback starting at `start`, through its error line; its middle cut when long.
+
+    Its frames are the indented lines after the first (each process prefixes its own lines with
+    `[rankN]: `); the first line after them that is not indented is the error.
+    """
+    lines = output[start:].splitlines(keepends=True)
+    end = len(lines)
+    for number, line in enumerate(lines[1:], start=1):
+        text = re.sub(r"^\[rank\d+\]: ", "", line)
+        if text.strip() and not text.startswith((" ", "\t")):
+            end = number + 1
+            break
+    report = output[max(0, start - 200) : start] + "".join(lines[:end])
+    if len(report) <= each_chars:
+        return report
+    half = each_chars // 2
+    return f"{report[:half]}\n[... {len(report) - 2 * half} characters ...]\n{report[-half:]}"

@@ -517,3 +517,75 @@ def test_a_sandbox_that_cannot_isolate_refuses_unless_told_isolation_none():
 def test_an_unknown_isolation_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"isolation must be one of \('namespaces', 'none'\)"):
         python_tool(isolation="off")
+
+
+KEYCTL_CODE = """
+import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+keyctl = {"x86_64": 250, "aarch64": 219}[platform.machine()]
+found = libc.syscall(keyctl, 10, -3, b"user", b"agentgrpo-test-key", 0)  # KEYCTL_SEARCH @s
+if found < 0:
+    print("not found:", ctypes.get_errno())
+else:
+    buffer = ctypes.create_string_buffer(64)
+    size = libc.syscall(keyctl, 11, found, buffer, 64)  # KEYCTL_READ
+    print("read:", buffer.raw[: max(size, 0)])
+"""
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="keyctl numbers")
+@pytest.mark.parametrize("isolation", ["namespaces", "none"])
+async def test_the_callers_session_keyring_is_out_of_reach(isolation):
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    add_key = {"x86_64": 248, "aarch64": 217}[os.uname().machine]
+    secret = b"trainer-secret"
+    key = libc.syscall(add_key, b"user", b"agentgrpo-test-key", secret, len(secret), -3)
+    assert key > 0, f"add_key failed: {os.strerror(ctypes.get_errno())}"
+    try:
+        result = await python_tool(timeout_s=30, isolation=isolation)(KEYCTL_CODE)
+        listed = await python_tool(timeout_s=30)("print(open('/proc/keys').read() or 'empty')")
+    finally:
+        libc.syscall({"x86_64": 250, "aarch64": 219}[os.uname().machine], 3, key)  # revoke
+    assert result.startswith("not found:") and "trainer-secret" not in result
+    assert listed == "empty"  # isolated, not even the keys' descriptions are listed
+
+
+CALLER_SCRIPT = """
+import sys
+import anyio
+from tools import python_tool
+
+anyio.run(python_tool(timeout_s=300, isolation=sys.argv[2]), sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "none"])
+async def test_a_call_ends_with_its_caller_killed_by_sigkill_and_its_folder_goes_later(isolation):
+    marker = f"agentgrpo-test-sleeper-{os.getpid()}-orphaned-{isolation}"
+    code = sleeper_code(marker) + "import time\ntime.sleep(1000)\n"
+    command = [sys.executable, "-c", CALLER_SCRIPT, code, isolation]
+    caller = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=str(REPO)))  # noqa: ASYNC220
+    try:
+        started = await anyio.to_thread.run_sync(wait_until, lambda: running_with(marker), 60.0)
+        assert started, "the sandboxed code never started"
+        folders = call_folders_of(caller.pid)
+        assert folders, "the call holds no folder"
+        caller.kill()  # SIGKILL: nothing of the caller's runs after it
+        caller.wait()
+        await assert_none_running_with(marker)  # the call ended with its caller
+    finally:
+        caller.kill()
+    await anyio.to_thread.run_sync(
+        subprocess.run,
+        [sys.executable, "-c", CALLER_SCRIPT, "print(1)", isolation],
+    )
+    assert call_folders_of(caller.pid) == []  # a later process's first call removed it
+
+
+def call_folders_of(pid: int) -> list[Path]:
+    """The sandbox call folders of process `pid` in the temporary folder."""
+    import tempfile
+
+    return sorted(Path(tempfile.gettempdir()).glob(f"agentgrpo-python-{pid}-*"))

@@ -109,6 +109,7 @@ def test_tool_call_frequency_is_calls_per_episode_and_failure_frequency_failures
         "bad_arguments": zero,
         "exception": zero,
         "timeout": torch.tensor([0.0, 0.0, 1.0]),
+        "bad_picture": zero,
     }
     metrics = tool_metrics(column)
     assert metrics["tools/call_frequency"] == 1.0
@@ -120,7 +121,7 @@ def test_tool_call_frequency_is_calls_per_episode_and_failure_frequency_failures
 
 
 def test_tool_metrics_are_logged_only_when_the_run_has_tools():
-    stats_N_S = torch.tensor([[5.0, 3.0, 0.0, 1.0, 1.0, 0.0, 0, 0, 0, 0, 0]] * 2)
+    stats_N_S = torch.tensor([[5.0, 3.0, 0.0, 1.0, 1.0, 0.0, 0, 0, 0, 0, 0, 0]] * 2)
     rewards_N_F, rewards_N = torch.tensor([[1.0], [0.0]]), torch.tensor([1.0, 0.0])
     without = round_metrics(stats_N_S, rewards_N_F, rewards_N, RewardLayout(["a"], [1.0], 2))
     with_tools = RewardLayout(["a"], [1.0], 2, with_tools=True)
