@@ -7,8 +7,8 @@
 |------------------|--------------------------------|-------------------------------------------|
 | transformers     | `SharedWeights`: the policy    | `CopiedWeights`: its own copy             |
 | vLLM colocate    | `ColocatedPush`                | refused (GRPOConfig: it holds the device) |
-| vLLM server      | `ServedWeights`                | the same `ServedWeights`; the learner's   |
-|                  |                                | rounds push through the producer          |
+| vLLM server      | `ServedWeights`                | the same `ServedWeights`; evaluation      |
+|                  |                                | pushes to it through the producer         |
 
 Launches: ZeRO-3 generating from shards over several processes is refused; `async_grpo` runs
 on one process (GRPOConfig) and not over sharded weights. PEFT policies go to vLLM merged
