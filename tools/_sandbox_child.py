@@ -55,8 +55,8 @@ _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS = 
 _PR_SET_CHILD_SUBREAPER = 36
 _SECUREBITS_ALL_LOCKED = 0x3F  # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS, each with its lock bit
 _DEVICES = ("null", "zero", "full", "random", "urandom")
-_WRITABLE = ("/tmp/work", "/dev/shm")
-_HIDDEN_PROC_FILES = ("keys", "key-users")  # /dev/shm: POSIX semaphores, for multiprocessing
+_WRITABLE = ("/tmp/work", "/dev/shm")  # /dev/shm: POSIX semaphores, for multiprocessing
+_HIDDEN_PROC_FILES = ("keys", "key-users")  # they list the keys of the caller's user
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -157,7 +157,7 @@ def _build_root(root: str, code: bytes, config: dict) -> None:
         _bind(f"/dev/{name}", f"{root}/dev/{name}")
     os.mkdir(f"{root}/proc")
     _mount("proc", f"{root}/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    for name in _HIDDEN_PROC_FILES:  # they list keys of the caller's user, as it sees them
+    for name in _HIDDEN_PROC_FILES:
         _mount("/dev/null", f"{root}/proc/{name}", None, _MS_BIND)
     _write(f"{root}/proc/sys/user/max_user_namespaces", "0")  # no nested namespace to mount in
 
