@@ -76,6 +76,7 @@ from environments.contract import (
     check_environment,
     class_tools,
     environment_tools,
+    reward_method_name,
     tool_method,
     tool_names,
 )
@@ -145,6 +146,7 @@ __all__ = [
     "reasoning_gym_environment",
     "reset_environment",
     "resolve_environment",
+    "reward_method_name",
     "run_environment_code",
     "run_environment_code_blocking",
     "task_names",

@@ -60,7 +60,10 @@ class Environment(Protocol):
     here rather than declared; a checker cannot express an optional method):
 
     - ``reward(self) -> float`` (or ``get_reward``, TRL's name; not both): the episode's reward
-      from the final state, sync or ``async def``, a finite number.
+      from the final state, sync or ``async def``, a finite number. A ``reward`` that is not a
+      method (``self.reward = 0.0``, as TRL's OpenEnv examples keep their score) is the class's
+      own state: the engine never reads it, and reward functions may
+      (``reward_funcs=[lambda environments, **kw: [e.reward for e in environments]]``).
     - ``close(self) -> None``: called when the episode ends, failed or not; synchronous. Not
       called while a method that timed out (``environment_timeout_s``) may still run.
     - ``done``: a bool attribute or property; setting it true ends the episode after the current
@@ -203,8 +206,9 @@ def check_environment(cls: type, factory: Callable[[], Any] | None = None) -> No
 
     Checks that the engine can make an instance with no arguments, that ``reset`` is a plain
     method whose parameters can be passed by name, that every tool method yields a JSON
-    schema, and that the optional members have the right kind: ``reward`` (or ``get_reward``,
-    not both) and ``close`` methods, ``reset`` and ``close`` not ``async def``, ``dataset`` and
+    schema, and that the optional members have the right kind: at most one of the ``reward``
+    and ``get_reward`` methods (a non-callable one is state), a ``close`` method, ``reset`` and
+    ``close`` not ``async def``, ``dataset`` and
     ``demonstrations`` classmethods, ``done`` not a method (it is read as a bool, and a method
     is always truthy).
 
@@ -253,17 +257,28 @@ def _check_init(cls: type) -> None:
         )
 
 
+def reward_method_name(cls: type) -> str | None:
+    """The name of the class's reward method, ``reward`` or ``get_reward``; None if it has none.
+
+    Only a method counts: a ``reward`` attribute that is not callable is the class's state.
+
+    Raises:
+        EnvironmentSpecError: The class has both methods.
+    """
+    present = [m for m in ("reward", "get_reward") if callable(getattr(cls, m, None))]
+    if len(present) == 2:
+        raise EnvironmentSpecError(both_rewards_message(cls.__qualname__))
+    return present[0] if present else None
+
+
 def _check_methods(cls: type) -> None:
-    """``reward``, ``get_reward`` and ``close`` are methods; one reward; ``close`` is sync."""
+    """One reward method at most; ``close`` is a sync method."""
     name = cls.__qualname__
-    for member in ("reward", "get_reward", "close"):
-        if hasattr(cls, member) and not callable(getattr(cls, member)):
-            raise EnvironmentSpecError(
-                f"{name}.{member} must be a method `def {member}(self)`, "
-                f"not {type(getattr(cls, member)).__name__}"
-            )
-    if getattr(cls, "reward", None) is not None and getattr(cls, "get_reward", None) is not None:
-        raise EnvironmentSpecError(both_rewards_message(name))
+    reward_method_name(cls)
+    if hasattr(cls, "close") and not callable(cls.close):
+        raise EnvironmentSpecError(
+            f"{name}.close must be a method `def close(self)`, not {type(cls.close).__name__}"
+        )
     if inspect.iscoroutinefunction(getattr(cls, "close", None)):
         raise EnvironmentSpecError(async_method_message(name, "close"))
 

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import anyio
 
+from environments.contract import reward_method_name
 from environments.errors import (
     EnvironmentCloseError,
     EnvironmentDoneError,
@@ -30,7 +31,6 @@ from environments.errors import (
     EnvironmentSpecError,
     EnvironmentTimeoutError,
     async_method_message,
-    both_rewards_message,
 )
 from tools.call import is_image
 from tools.threads import (
@@ -212,8 +212,9 @@ async def read_reward(env: object, timeout_s: float | None = None) -> float | No
     """Read the episode reward from the environment's state; None if it defines no reward.
 
     The reward method is ``reward()`` (agentgrpo's name) or ``get_reward()`` (TRL's), sync or
-    ``async def``. A sync one runs in a daemon thread (`tools.run_in_daemon_thread`), so a slow
-    scorer never blocks the event loop.
+    ``async def``, a method of the class: a ``reward`` attribute that is not one is the
+    environment's own state, not read here. A sync one runs in a daemon thread
+    (`tools.run_in_daemon_thread`), so a slow scorer never blocks the event loop.
 
     Args:
         env: The environment at the end of its episode (before `close_environment`).
@@ -223,8 +224,8 @@ async def read_reward(env: object, timeout_s: float | None = None) -> float | No
         The method's value as a finite float; None when the class defines neither method.
 
     Raises:
-        EnvironmentSpecError: The class defines both ``reward`` and ``get_reward``.
-        EnvironmentRewardError: The method is not callable, raised (chained), or returned
+        EnvironmentSpecError: The class defines both ``reward`` and ``get_reward`` methods.
+        EnvironmentRewardError: The instance hid the method, it raised (chained), or returned
             something that is not a finite number (a string, None, NaN, inf). A reward that
             fails is never scored 0.0: that would train on a wrong signal.
         EnvironmentTimeoutError: The method did not return within `timeout_s`.
@@ -255,17 +256,17 @@ async def read_reward(env: object, timeout_s: float | None = None) -> float | No
 
 
 def _reward_method(env: object) -> Callable[[], Any] | None:
-    present = [m for m in ("reward", "get_reward") if getattr(env, m, None) is not None]
-    name = type(env).__qualname__
-    if len(present) == 2:
-        raise EnvironmentSpecError(both_rewards_message(name))
-    if not present:
+    """The bound reward method of `env`'s class (`reward_method_name`), or None."""
+    method_name = reward_method_name(type(env))
+    if method_name is None:
         return None
-    method = getattr(env, present[0])
+    method = getattr(env, method_name)
     if not callable(method):
+        name = type(env).__qualname__
         raise EnvironmentRewardError(
-            f"{name}.{present[0]} must be a method `def {present[0]}(self) -> float`, "
-            f"not {type(method).__name__}"
+            f"{name}.{method_name} is a method of the class, but the instance set an attribute "
+            f"of that name over it ({type(method).__name__}); rename the attribute, e.g. "
+            f"self.score, or the method"
         )
     return method
 

@@ -2,8 +2,9 @@
 
 The public API is re-exported here. The episode core is one stage per module: `types`
 (contracts), `backend` (the generator protocol), `template` (chat templates, append-only
-deltas), `images` (a vision-language model's pictures: placeholders expanded by its processor,
-the tensors its forward takes), `tokens` (the append-only token row), `episode` (one
+deltas), `template_sandbox` (every render bounded in time and size), `images` (a
+vision-language model's pictures: placeholders expanded by its processor, the tensors its
+forward takes), `tokens` (the append-only token row), `episode` (one
 episode's loop), `engine` (concurrency), `record` (episodes as JSON lines), `demonstrations`
 (warm-start rows). Three rooms hang off it and the core imports only the first: `parsers`
 (tool calls), `backends` (transformers, vLLM, the scripted double) and `agents` (an agent's own
@@ -30,6 +31,7 @@ from rollout.template import (
     ToolTemplateError,
     load_template,
 )
+from rollout.template_sandbox import RenderLimits, TemplateRenderError
 from rollout.tokens import TokenRow
 from rollout.types import (
     Completion,
@@ -61,10 +63,12 @@ __all__ = [
     "Pictures",
     "PlaySetup",
     "PromptTooLongError",
+    "RenderLimits",
     "RolloutEngine",
     "SamplingParams",
     "ScriptedBackend",
     "TemplateDriftError",
+    "TemplateRenderError",
     "TokenRow",
     "ToolCall",
     "ToolCallRecord",

@@ -321,10 +321,18 @@ def _template_owner(processor: Any, tokenizer: Any) -> Any:
 def _plain_tools(functions: Iterable[Callable[..., Any]]) -> dict[str, Tool]:
     """The plain tools by name; two with one name are an error (the model could call only one).
 
+    A function that carries `check_machine` (`tools.python_tool`'s) has it called once here,
+    before any episode: what this machine cannot give it is said, or refused, at start-up.
+
     Raises:
         ValueError: Two functions share a tool name.
+        SandboxUnavailableError: A sandboxed tool cannot isolate code on this machine.
     """
     tools: dict[str, Tool] = {}
+    functions = list(functions)
+    for check in dict.fromkeys(getattr(f, "check_machine", None) for f in functions):
+        if check is not None:
+            check()
     for tool in map(as_tool, functions):
         if tool.name in tools:
             raise ValueError(

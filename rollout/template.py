@@ -17,7 +17,10 @@ megabyte result is never tokenized only to be thrown away.
 
 Templates are jinja2, rendered in a sandbox with the conventions Hugging Face templates rely on
 (`trim_blocks`, `lstrip_blocks`, a `tojson` filter that keeps non-ASCII text, `raise_exception`,
-`strftime_now`, and the `{% generation %}` block, which renders its body).
+`strftime_now`, and the `{% generation %}` block, which renders its body). A template is code
+from a model folder or a user, so every compile and render is bounded in time, output and the
+size of what it builds (`rollout.template_sandbox`): past a bound it stops with
+`TemplateRenderError`, naming the template (`describe_template`), the bound and the line.
 """
 
 from __future__ import annotations
@@ -32,9 +35,15 @@ from typing import Any
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rollout.images import encode_messages, image_placeholder
+from rollout.template_sandbox import (
+    BoundedSandbox,
+    RenderLimits,
+    TemplateRenderError,
+    bounded,
+    render_bounded,
+)
 from rollout.text_encoding import EncodeCache, max_token_chars
 
 BUILTIN_TEMPLATES = {"chatml_tools": "chatml_tools.jinja", "chatml_vision": "chatml_vision.jinja"}
@@ -104,13 +113,40 @@ def _tojson(value: Any, ensure_ascii=False, indent=None, separators=None, sort_k
 
 @lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
+    """`source` compiled; call it under `bounded` (jinja folds constant filters while compiling)."""
+    env = BoundedSandbox(
+        filters={"tojson": _tojson},
+        globals={
+            "raise_exception": _raise_exception,
+            "strftime_now": lambda fmt: datetime.now().strftime(fmt),
+        },
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[loopcontrols, _GenerationBlock],
     )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+@lru_cache(maxsize=len(BUILTIN_TEMPLATES))
+def _builtin_source(name: str) -> str:
+    files = resources.files("rollout") / "templates" / BUILTIN_TEMPLATES[name]
+    return files.read_text(encoding="utf-8")
+
+
+def describe_template(template: str, *owners: Any) -> str:
+    """How errors name `template`, as the start of a sentence.
+
+    A built-in by its name; the template of one of `owners` (a tokenizer or processor whose
+    `chat_template` it is) by that one's model folder or hub id; other source by its start.
+    """
+    builtin = next((name for name in BUILTIN_TEMPLATES if template == _builtin_source(name)), None)
+    if builtin is not None:
+        return f"The built-in chat template {builtin!r}"
+    for owner in owners:
+        if owner is not None and template == getattr(owner, "chat_template", None):
+            where = getattr(owner, "name_or_path", "") or type(owner).__name__
+            return f"The chat template of {where!r} (tokenizer_config.json or chat_template.jinja)"
+    return f"The chat template given as jinja source (starting {template[:40]!r})"
 
 
 def load_template(tokenizer: Any, chat_template: str | None = None) -> str:
@@ -133,8 +169,7 @@ def load_template(tokenizer: Any, chat_template: str | None = None) -> str:
             )
         return tokenizer.chat_template
     if chat_template in BUILTIN_TEMPLATES:
-        files = resources.files("rollout") / "templates" / BUILTIN_TEMPLATES[chat_template]
-        return files.read_text(encoding="utf-8")
+        return _builtin_source(chat_template)
     if "{{" not in chat_template and "{%" not in chat_template:
         raise ValueError(
             f"chat_template={chat_template!r} is neither a built-in template "
@@ -156,6 +191,11 @@ class ChatRenderer:
         processor: A vision-language model's processor (`rollout.images.load_processor`), or
             None. With one, messages may hold image parts: the template gets the processor's
             `image_placeholder`, and `encode_messages` expands it into image tokens.
+        limits: The bounds on each render (`RenderLimits`; its defaults when None).
+
+    Raises:
+        TemplateRenderError: Compiling the template went past a bound (so does `render`).
+        jinja2.TemplateSyntaxError: The template is not valid jinja.
 
     """
 
@@ -167,15 +207,19 @@ class ChatRenderer:
         template_kwargs: Mapping[str, Any] | None = None,
         encode_cache_size: int = 1 << 21,
         processor: Any = None,
+        limits: RenderLimits | None = None,
     ):
         self.tokenizer = tokenizer
         self.template = template
+        self.limits = limits or RenderLimits()
+        self.source = describe_template(template, processor, tokenizer)
         self.tools = [dict(t) for t in tools]
         self.template_kwargs = dict(template_kwargs or {})
         self.processor = processor
         if processor is not None:
             self.template_kwargs.setdefault("image_placeholder", image_placeholder(processor))
-        self._compiled = _compile(template)
+        with bounded(self.limits, self.source):
+            self._compiled = _compile(template)
         # Group members render the same prompt and tool turns often repeat: encode each text once.
         self._encoded = EncodeCache(self._encode_uncached, encode_cache_size)
         self._special = {
@@ -183,14 +227,21 @@ class ChatRenderer:
         }
 
     def render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> str:
-        """The template's text for `messages`, ending with the assistant header if asked."""
-        return self._compiled.render(
+        """The template's text for `messages`, ending with the assistant header if asked.
+
+        Raises:
+            TemplateRenderError: The render went past a bound of `limits`.
+            jinja2.TemplateError: The template failed (`raise_exception`, an undefined name).
+
+        """
+        variables = dict(  # a template kwarg named like a variable is a TypeError, as in render()
             messages=messages,
             tools=self.tools or None,
             add_generation_prompt=generation_prompt,
             **self._special,
             **self.template_kwargs,
         )
+        return render_bounded(self._compiled, variables, self.limits, self.source)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text; the template, not the tokenizer, adds special tokens."""
@@ -372,10 +423,16 @@ class ChatRenderer:
             {"role": "tool", "name": "f", "content": _PROBE_RESULT},
         ]
         probe = ChatRenderer(
-            self.tokenizer, self.template, [*self.tools, probe_tool], self.template_kwargs
+            self.tokenizer,
+            self.template,
+            [*self.tools, probe_tool],
+            self.template_kwargs,
+            limits=self.limits,
         )
         try:
             text = probe.render(messages, generation_prompt=True)
+        except TemplateRenderError:  # its own message says what went wrong and what to do
+            raise
         except Exception as error:  # template code fails any way: `str + dict` is a TypeError
             raise ToolTemplateError(
                 f"The chat template fails on a conversation with a tool call "

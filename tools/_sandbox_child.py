@@ -1,7 +1,8 @@
 """The sandbox's first process: isolate, limit, then run the code. Standard library only.
 
-Run by `tools.sandbox` as `python -I _sandbox_child.py CONFIG_JSON` with the code on stdin, in a
-new session. Linux only. With `"isolate": true` it builds, in this order:
+Run by `tools.sandbox` as `python -I _sandbox_child.py`, in a new session, with the config (one
+line of JSON) then the code on stdin: nothing of the host's paths in its command line, which
+the code can read in `/proc/1/cmdline`. Linux only. With `"isolate": true` it builds, in this order:
 
 1. a new user, mount, network and PID namespace (`unshare(2)`), the caller's uid and gid mapped
    to 0 inside; the network namespace has only a loopback device, left down;
@@ -17,8 +18,13 @@ new session. Linux only. With `"isolate": true` it builds, in this order:
    working folder. What is not bound in (the rest of `/tmp`, `/run`, home folders, sockets on
    the filesystem) is not there;
 3. the code's process: rlimits set, every capability dropped for good (bounding set emptied,
-   securebits locked, `no_new_privs`), a new empty session keyring (`_leave_keyrings`), stdin
-   from `/dev/null`, then `exec` of the interpreter.
+   securebits locked, `no_new_privs`), `memfd_create` refused (`_refuse_memory_files`), a new
+   empty session keyring (`_leave_keyrings`), stdin from `/dev/null`, then `exec` of the
+   interpreter.
+
+The supervisor ignores SIGINT, the one signal with a handler of Python's that the code could
+send it (PID 1 of a namespace gets no other signal from inside), so that the code cannot make
+it report a setup failure.
 
 This process then exits the way the code's process did: the same exit status, or killed by the
 same signal, so the parent reads it from its own child. A failure while isolating exits with
@@ -48,6 +54,18 @@ _MNT_DETACH = 0x2
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 _SYS_MOUNT_SETATTR = 442  # the same number on every architecture
 _SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 271, "s390x": 280}
+# Per architecture: the seccomp audit value, then memfd_create's number.
+_MEMFD_CREATE = {
+    "x86_64": (0xC000003E, 319),
+    "aarch64": (0xC00000B7, 279),
+    "riscv64": (0xC00000F3, 279),
+    "ppc64le": (0xC0000015, 360),
+    "s390x": (0x80000016, 350),
+}
+_X32_SYSCALL_BIT = 0x40000000  # x86_64's x32 calls: refused with the other foreign ones
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO, _EPERM = 0x7FFF0000, 0x00050000, 1
+_BPF_LD_ABS, _BPF_JEQ, _BPF_JGE, _BPF_RET = 0x20, 0x15, 0x35, 0x06
 _KEYCTL_JOIN_SESSION_KEYRING = 1
 _AT_FDCWD, _AT_RECURSIVE = -100, 0x8000
 _MOUNT_ATTR_RDONLY = 0x1
@@ -65,13 +83,26 @@ class _MountAttr(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in ("set", "clr", "propagation", "userns")]
 
 
+class _BpfInstruction(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+class _BpfProgram(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_BpfInstruction))]
+
+
 def main() -> None:
     """Read the config and the code, then run the code isolated or only limited."""
-    config = json.loads(sys.argv[1])
+    config = json.loads(sys.stdin.buffer.readline())
     _end_with_the_caller(config)
     code = sys.stdin.buffer.read()
-    if config["cgroup_procs"]:
-        _write(config["cgroup_procs"], "0")  # this process and all it starts
+    for procs in config["cgroup_procs"]:
+        _write(procs, "0")  # this process and all it starts
     if not config["isolate"]:
         _relay(_run_reaping(config))
     try:
@@ -209,6 +240,7 @@ def _supervise(config: dict, code: bytes, status_fd: int) -> None:
     """As PID 1: build the new root, start the code, reap until it ends, report its status."""
     try:
         _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the code's SIGINT, not a setup failure
         _build_root(config["root"], code, config)
         _pivot_into(config["root"])
         code_pid = os.fork()
@@ -216,14 +248,14 @@ def _supervise(config: dict, code: bytes, status_fd: int) -> None:
             os.close(status_fd)
             _drop_capabilities()
             _exec_code(config, "/tmp/main.py", "/tmp/work")
-        while True:
-            pid, status = os.wait()
-            if pid == code_pid:
-                os.write(status_fd, str(status).encode())
-                os._exit(0)
     except BaseException as exc:  # a forked child must never return into the caller
         os.write(2, f"sandbox setup failed: {exc}\n".encode())
         os._exit(SETUP_FAILED)
+    while True:
+        pid, status = os.wait()
+        if pid == code_pid:
+            os.write(status_fd, str(status).encode())
+            os._exit(0)
 
 
 def _run_reaping(config: dict) -> int:
@@ -234,6 +266,7 @@ def _run_reaping(config: dict) -> int:
     the same, then dies by SIGKILL.
     """
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the code's SIGINT is not this process's
     signal.signal(signal.SIGTERM, _on_deadline)
     signal.signal(signal.SIGALRM, _on_deadline)
     code_pid = os.fork()
@@ -298,14 +331,46 @@ def _exec_code(config: dict, script: str, workdir: str) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (config["memory_bytes"],) * 2)
     resource.setrlimit(resource.RLIMIT_FSIZE, (config["disk_bytes"],) * 2)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (config["max_open_files"],) * 2)
     if config["isolate"]:  # counted per user namespace, so only this sandbox's processes
         resource.setrlimit(resource.RLIMIT_NPROC, (config["max_processes"],) * 2)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python's own handler, as exec will set it
+    _refuse_memory_files()
     _leave_keyrings()
     os.chdir(workdir)
     null_fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null_fd, 0)
     env = dict(config["env"], HOME=workdir, TMPDIR=workdir)
     os.execve(config["python"], [config["python"], "-u", script], env)
+
+
+def _refuse_memory_files() -> None:
+    """Install a seccomp filter under which `memfd_create` fails with EPERM.
+
+    So do the system calls of another architecture (x86_64's 32-bit and x32 calls), which would
+    reach it by another number. A memory file holds memory that no mapping counts against
+    RLIMIT_AS; each is bounded by RLIMIT_FSIZE, but not their number. Sets `no_new_privs`, which
+    the filter needs.
+    """
+    machine = os.uname().machine
+    if machine not in _MEMFD_CREATE:
+        raise OSError(38, f"seccomp: no known memfd_create number on {machine}")
+    arch, memfd_create = _MEMFD_CREATE[machine]
+    refuse = _SECCOMP_RET_ERRNO | _EPERM
+    program = [  # (code, jump if true, jump if false, value); jumps skip that many lines
+        (_BPF_LD_ABS, 0, 0, 4),  # the call's architecture
+        (_BPF_JEQ, 0, 4, arch),
+        (_BPF_LD_ABS, 0, 0, 0),  # the call's number
+        (_BPF_JGE, 2, 0, _X32_SYSCALL_BIT),
+        (_BPF_JEQ, 1, 0, memfd_create),
+        (_BPF_RET, 0, 0, _SECCOMP_RET_ALLOW),
+        (_BPF_RET, 0, 0, refuse),
+    ]
+    instructions = (_BpfInstruction * len(program))(*(_BpfInstruction(*i) for i in program))
+    filter_ = _BpfProgram(len(program), instructions)
+    _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    result = _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(filter_), 0, 0)
+    _check(result, "prctl(PR_SET_SECCOMP)")
 
 
 def _leave_keyrings() -> None:

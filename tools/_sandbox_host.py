@@ -1,7 +1,10 @@
-"""What a sandbox call holds on the host, and its removal: the call's folder and pids cgroup.
+"""What a sandbox call holds on the host, and its removal: the call's folder and cgroups.
 
-Both are named `<prefix>-<caller pid>-...`, so that the first call of a later process removes
-those of a caller that died mid-call (`remove_leftovers`): killed by SIGKILL, it could not.
+As root, a call's processes are held in a pids cgroup and a memory cgroup where a hierarchy of
+each is writable (`call_cgroups`); `cgroup_gaps` says, in words, which limit cannot be had here.
+Folders and cgroups are named `<prefix>-<caller pid>-...`, so that the first call of a later
+process removes those of a caller that died mid-call (`remove_leftovers`): killed by SIGKILL, it
+could not.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -43,10 +47,11 @@ def remove_leftovers() -> None:
     folders = Path(tempfile.gettempdir()).glob(f"{CALL_FOLDER_PREFIX}-*-*")
     for folder in (f for f in folders if _of_a_dead_process(f.name)):
         shutil.rmtree(folder, ignore_errors=True)
-    parent = _pids_cgroup_parent() if os.geteuid() == 0 else None
-    cgroups = parent.glob(f"{CGROUP_PREFIX}-*-*") if parent is not None else ()
-    for cgroup in (c for c in cgroups if _of_a_dead_process(c.name)):
-        _removed(cgroup)  # empty: its processes died with their caller
+    found = [_cgroup_parent(c) for c in _CONTROLLERS] if os.geteuid() == 0 else []
+    for parent in {p for p in found if p is not None}:
+        for cgroup in parent.glob(f"{CGROUP_PREFIX}-*-*"):
+            if _of_a_dead_process(cgroup.name):
+                _removed(cgroup)  # empty: its processes died with their caller
 
 
 def _of_a_dead_process(name: str) -> bool:
@@ -63,6 +68,30 @@ def _of_a_dead_process(name: str) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class CallCgroups:
+    """The cgroups one call's processes join: one folder per hierarchy (one in cgroup v2).
+
+    Attributes:
+        pids: The folder whose `pids.max` bounds the call's processes, or None.
+        memory: The folder whose memory limit bounds the call's memory, what the kernel holds
+            for it included (pipes, files in memory, page tables), or None.
+
+    """
+
+    pids: Path | None = None
+    memory: Path | None = None
+
+    @property
+    def folders(self) -> list[Path]:
+        """Each folder once: every process of the call is in each."""
+        return list(dict.fromkeys(f for f in (self.pids, self.memory) if f is not None))
+
+    def procs(self) -> list[int]:
+        """The call's processes; none once they are gone."""
+        return cgroup_pids(self.folders[0]) if self.folders else []
+
+
 def cgroup_pids(cgroup: Path) -> list[int]:
     """The processes in `cgroup`; none if it is gone."""
     try:
@@ -71,28 +100,84 @@ def cgroup_pids(cgroup: Path) -> list[int]:
         return []
 
 
-@contextlib.asynccontextmanager
-async def pids_cgroup(max_tasks: int) -> AsyncIterator[Path | None]:
-    """As root, a fresh pids cgroup allowing `max_tasks` tasks; yields its folder.
+def cgroup_gaps() -> list[str]:
+    """What this process cannot bound with cgroups, in words; empty when it can bound both.
 
-    Root is exempt from RLIMIT_NPROC, so this is what limits a fork bomb run by root. Yields
-    None when not root or when no writable pids hierarchy exists.
+    Only root makes cgroups here (another user's call stays within RLIMIT_NPROC, counted per
+    user namespace, and its rlimits).
     """
-    parent = _pids_cgroup_parent() if os.geteuid() == 0 else None
-    if parent is None:
-        yield None
-        return
-    folder = parent / f"{CGROUP_PREFIX}-{os.getpid()}-{next(_call_numbers)}"
+    if os.geteuid() != 0:
+        return []
+    gaps = []
+    if _cgroup_parent("pids") is None:
+        gaps.append(
+            "max_processes is not enforced: this process runs as root, which RLIMIT_NPROC "
+            "does not bind, and no pids cgroup is writable here. Run as another user, or give "
+            "the container a writable cgroup (e.g. `docker run --cgroupns=private`)"
+        )
+    if _cgroup_parent("memory") is None:
+        gaps.append(
+            "memory_mb bounds each process, not the call: no memory cgroup is writable here, "
+            "so a call may hold up to max_processes x memory_mb, and what the kernel holds for "
+            "it is bounded by max_open_files per process only"
+        )
+    return gaps
+
+
+@contextlib.asynccontextmanager
+async def call_cgroups(max_tasks: int, memory_bytes: int) -> AsyncIterator[CallCgroups]:
+    """As root, fresh cgroups for one call: at most `max_tasks` tasks, `memory_bytes` of memory.
+
+    Each limit is set where its controller has a writable hierarchy (`cgroup_gaps` says where
+    not); the folders are removed afterwards, once empty. Not root, the call gets none.
+    """
+    made: list[Path] = []
     try:
-        folder.mkdir()
-        (folder / "pids.max").write_text(str(max_tasks))
-    except OSError:
-        yield None
-        return
-    try:
-        yield folder
+        pids = _limited("pids", {"pids.max": str(max_tasks)}, made)
+        memory = _limited("memory", _memory_files(memory_bytes), made)
+        yield CallCgroups(pids, memory)
     finally:
-        await _remove_cgroup(folder)
+        for folder in reversed(made):
+            await _remove_cgroup(folder)
+
+
+def _limited(controller: str, limits: dict[str, str], made: list[Path]) -> Path | None:
+    """The call's folder under `controller`'s hierarchy with `limits` written, or None.
+
+    In cgroup v2 both controllers share one folder, made once (listed in `made`).
+    """
+    parent = _cgroup_parent(controller) if os.geteuid() == 0 else None
+    if parent is None:
+        return None
+    folder = next((f for f in made if f.parent == parent), None)
+    try:
+        if folder is None:
+            folder = parent / f"{CGROUP_PREFIX}-{os.getpid()}-{next(_call_numbers)}"
+            folder.mkdir()
+            made.append(folder)
+        for name, value in limits.items():
+            if (folder / name).exists():  # v1 and v2 name the memory limits differently
+                (folder / name).write_text(value)
+    except OSError:
+        return None
+    return folder
+
+
+def _memory_files(memory_bytes: int) -> dict[str, str]:
+    """The memory limit's files, cgroup v2's and v1's (each written where it exists), in order.
+
+    Swap is held to the same total (v1) or refused (v2); v2 kills the whole call at the limit.
+    """
+    return {
+        "memory.max": str(memory_bytes),
+        "memory.swap.max": "0",
+        "memory.oom.group": "1",
+        "memory.limit_in_bytes": str(memory_bytes),
+        "memory.memsw.limit_in_bytes": str(memory_bytes),
+    }
+
+
+_CONTROLLERS = ("pids", "memory")
 
 
 async def _remove_cgroup(folder: Path) -> None:
@@ -113,8 +198,9 @@ def _removed(folder: Path) -> bool:
     return True
 
 
-def _pids_cgroup_parent() -> Path | None:
-    """Find our own cgroup's folder in a pids hierarchy we can make children in, or None."""
+@functools.cache
+def _cgroup_parent(controller: str) -> Path | None:
+    """Our own cgroup's folder in a `controller` hierarchy we can make children in, or None."""
     try:
         mounts = Path("/proc/self/mountinfo").read_text().splitlines()
         memberships = Path("/proc/self/cgroup").read_text().splitlines()
@@ -124,23 +210,24 @@ def _pids_cgroup_parent() -> Path | None:
         fields = line.split()
         separator = fields.index("-")
         mount_point, fstype, options = fields[4], fields[separator + 1], fields[separator + 3]
-        if fstype == "cgroup" and "pids" in options.split(","):
-            path = next((m.split(":", 2)[2] for m in memberships if ":pids:" in m), None)
+        if fstype == "cgroup" and controller in options.split(","):
+            member = f":{controller}:"
+            path = next((m.split(":", 2)[2] for m in memberships if member in m), None)
         elif fstype == "cgroup2":
             path = next((m[3:] for m in memberships if m.startswith("0::")), None)
         else:
             continue
         folder = Path(mount_point + (path or "/"))
-        if path is not None and _can_limit_pids(folder, fstype):
+        if path is not None and _can_limit(folder, fstype, controller):
             return folder
     return None
 
 
-def _can_limit_pids(folder: Path, fstype: str) -> bool:
-    """Whether children of `folder` get a `pids.max` and `folder` is writable."""
+def _can_limit(folder: Path, fstype: str, controller: str) -> bool:
+    """Whether `folder` is writable and its children get `controller`'s files."""
     if fstype == "cgroup2":
         try:
-            if "pids" not in (folder / "cgroup.subtree_control").read_text().split():
+            if controller not in (folder / "cgroup.subtree_control").read_text().split():
                 return False
         except OSError:
             return False

@@ -14,14 +14,19 @@ A clean run (exit status 0) with output returns just the output; one with no out
 returns `[no output, exit status 0]`. The one exception is the user's, not the program's: on a
 machine where the sandbox cannot isolate, every call raises `SandboxUnavailableError`, unless
 the tool was made with `isolation="none"`.
+
+The tool carries `check_machine` (no arguments), which the rollout engine calls once when it is
+built, before any model code runs: it raises that error at start-up, and logs a warning for
+each limit this machine cannot hold (`tools.sandbox.check_machine`).
 """
 
 from __future__ import annotations
 
+import functools
 import signal
 from collections.abc import Awaitable, Callable
 
-from tools.sandbox import SandboxLimits, SandboxRun, check_isolation, run_python
+from tools.sandbox import SandboxLimits, SandboxRun, check_isolation, check_machine, run_python
 
 _DESCRIPTION = """Run a Python 3 program in a sandbox and return what it printed.
 
@@ -46,6 +51,7 @@ def python_tool(
     disk_mb: int = 64,
     max_output_chars: int = 10_000,
     isolation: str = "namespaces",
+    max_open_files: int = 128,
 ) -> Callable[[str], Awaitable[str]]:
     """Make a `python` tool with these limits (see `SandboxLimits` for each).
 
@@ -59,20 +65,25 @@ def python_tool(
         isolation: `"namespaces"`: isolate each call (see `tools.sandbox`), and raise
             `SandboxUnavailableError` from the first call on a machine where that does not
             work. `"none"`: the limits only; the code can read your files and secrets.
+        max_open_files: Files, pipes and sockets each process may have open at once.
 
     Returns:
         An async tool function named `python` taking `code: str`; its description (what the
-        model reads) states the limits.
+        model reads) states the limits. Its `check_machine()` checks this machine for it.
 
     Raises:
         ValueError: If a limit is not a positive number, or `isolation` is neither value.
 
     """
-    limits = SandboxLimits(timeout_s, cpu_s, memory_mb, max_processes, disk_mb, max_output_chars)
+    limits = SandboxLimits(
+        timeout_s, cpu_s, memory_mb, max_processes, disk_mb, max_output_chars, max_open_files
+    )
     check_isolation(isolation)
 
     async def python(code: str) -> str:
         return format_run(await run_python(code, limits, isolation), limits)
+
+    python.check_machine = functools.partial(check_machine, isolation)  # type: ignore[attr-defined]
 
     python.__doc__ = _DESCRIPTION.format(
         timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars

@@ -9,6 +9,10 @@ What holds on every Linux machine, per call:
 - wall clock: after `timeout_s` the whole process group is killed (SIGKILL);
 - CPU time: RLIMIT_CPU (SIGXCPU at `cpu_s`, SIGKILL a second later);
 - memory: RLIMIT_AS of `memory_mb` per process (Python raises MemoryError);
+- memory the kernel holds for the code, which RLIMIT_AS does not count: at most
+  `max_open_files` open files per process (RLIMIT_NOFILE: pipes, sockets and their buffers),
+  and no `memfd_create` (refused with EPERM by a seccomp filter: a file in memory that no
+  mapping counts);
 - file size: RLIMIT_FSIZE of `disk_mb` per file; no core dumps;
 - output: at most `max_output_chars` characters come back, with a marker saying what was cut;
   the rest is read and thrown away, so the host's memory stays bounded;
@@ -16,9 +20,13 @@ What holds on every Linux machine, per call:
   empty;
 - keys: a new, empty session keyring: the caller's session keys can be neither searched nor
   read (isolated, `/proc/keys` lists none of the caller's either);
+- as root, where a hierarchy of each is writable, cgroups for the whole call: a pids cgroup of
+  `max_processes` and a memory cgroup of `memory_mb + disk_mb` (+ `SUPERVISOR_MB` for the
+  sandbox's own processes) that counts what the kernel holds too (pipes, files in memory,
+  page tables). `check_machine` says once, in words, which of them cannot be had here;
 - when the code's process ends, or the call does, everything it started ends too, processes
   that left its session included: with the PID namespace when isolated, by a subreaper when
-  not, and as root also by killing every process in the call's pids cgroup, then removed;
+  not, and as root also by killing every process in the call's cgroups, then removed;
 - when the caller dies, even by SIGKILL (the OOM killer, `kill -9`), the call ends too: the
   child gets SIGTERM from the kernel (`PR_SET_PDEATHSIG`) and ends as at a deadline, and has a
   deadline of its own, `timeout_s` + `DEADLINE_GRACE_S`, should the caller be stuck. The call
@@ -47,15 +55,19 @@ code then reads and writes what this process's user can, uses the network, and s
 user's processes (its subreaper among them: killing that first lets its children outlive the
 call, unless root's cgroup finds them).
 
-Not guaranteed: reading the visible paths (`/etc` among them). Memory is limited per process,
-so up to `max_processes * memory_mb` in all. A kernel bug is not defended against: this is a
+Not guaranteed: reading the visible paths (`/etc` among them). Without a memory cgroup, memory
+is limited per process, so up to `max_processes * memory_mb` in all, plus the buffers of
+`max_open_files` pipes and sockets per process. A kernel bug is not defended against: this is a
 guard against mistakes and runaway code, not a jail for a determined attacker.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import json
+import logging
 import math
 import os
 import signal
@@ -69,8 +81,15 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from tools._sandbox_host import call_folder, cgroup_pids, pids_cgroup, remove_leftovers
+from tools._sandbox_host import (
+    CallCgroups,
+    call_cgroups,
+    call_folder,
+    cgroup_gaps,
+    remove_leftovers,
+)
 
+logger = logging.getLogger(__name__)
 _CHILD_SCRIPT = str(Path(__file__).with_name("_sandbox_child.py"))
 _CODE_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -86,6 +105,7 @@ _KILL_ROUNDS = 1000  # rounds of killing a cgroup's processes; each round has fe
 _TERM_GRACE_S = 10.0  # a child told to end takes milliseconds; this only bounds a stuck one
 # Seconds past `timeout_s` after which the child ends the call itself (the caller is stuck).
 DEADLINE_GRACE_S = 10
+SUPERVISOR_MB = 64  # the memory cgroup's room for the sandbox's own two Python processes
 
 
 @dataclass(frozen=True)
@@ -99,6 +119,7 @@ class SandboxLimits:
         max_processes: Processes and threads the code may have at once (isolated runs only).
         disk_mb: Size of the working folder, and of any one file written, in MiB.
         max_output_chars: Characters of stdout plus stderr returned; the rest is cut.
+        max_open_files: Files, pipes and sockets each process may have open at once.
 
     """
 
@@ -108,6 +129,7 @@ class SandboxLimits:
     max_processes: int = 64
     disk_mb: int = 64
     max_output_chars: int = 10_000
+    max_open_files: int = 128
 
     def __post_init__(self) -> None:
         """Refuse limits that are not positive numbers, naming the bad one."""
@@ -120,6 +142,16 @@ class SandboxLimits:
                 f"max_output_chars must be an integer of at least 100, got "
                 f"{self.max_output_chars!r}"
             )
+        if not isinstance(self.max_open_files, int) or self.max_open_files < 16:
+            raise ValueError(
+                f"max_open_files must be an integer of at least 16 (Python itself opens "
+                f"several), got {self.max_open_files!r}"
+            )
+
+    @property
+    def call_memory_bytes(self) -> int:
+        """The memory cgroup's limit: the code's memory and disk, and the supervisors'."""
+        return (self.memory_mb + self.disk_mb + SUPERVISOR_MB) << 20
 
     @property
     def cpu_limit_s(self) -> int:
@@ -180,26 +212,28 @@ async def run_python(code: str, limits: SandboxLimits, isolation: str = "namespa
 
 
 async def _run(code: str, limits: SandboxLimits, isolated: bool) -> SandboxRun:
-    """Run `code` in a sandbox of its own: a pids cgroup when root, a folder, the child."""
+    """Run `code` in a sandbox of its own: cgroups when root, a folder, the child."""
     remove_leftovers()
-    async with pids_cgroup(limits.max_processes + 2) as cgroup:  # + the 2 supervisors
+    max_tasks = limits.max_processes + 2  # + the 2 supervisors
+    async with call_cgroups(max_tasks, limits.call_memory_bytes) as cgroups:
         with call_folder(isolated, code) as folder:
-            config = _child_config(isolated, cgroup, limits, folder)
-            return await _execute(code.encode(), config, limits, cgroup)
+            config = _child_config(isolated, cgroups, limits, folder)
+            return await _execute(code.encode(), config, limits, cgroups)
 
 
 def _child_config(
-    isolated: bool, cgroup: Path | None, limits: SandboxLimits, folder: str
+    isolated: bool, cgroups: CallCgroups, limits: SandboxLimits, folder: str
 ) -> dict[str, Any]:
     """What `_sandbox_child.py` reads: the limits, and where the code lives (`call_folder`)."""
     return {
         "isolate": isolated,
-        "cgroup_procs": None if cgroup is None else str(cgroup / "cgroup.procs"),
+        "cgroup_procs": [str(cgroup / "cgroup.procs") for cgroup in cgroups.folders],
         "cpu_s": limits.cpu_limit_s,
         "caller_pid": os.getpid(),
         "deadline_s": math.ceil(limits.timeout_s) + DEADLINE_GRACE_S,
         "memory_bytes": limits.memory_mb << 20,
         "max_processes": limits.max_processes + 2,
+        "max_open_files": limits.max_open_files,
         "disk_bytes": limits.disk_mb << 20,
         "python": sys.executable,
         "env": _CODE_ENV,
@@ -226,7 +260,7 @@ def _visible_paths() -> list[str]:
 
 
 async def _execute(
-    code: bytes, config: dict[str, Any], limits: SandboxLimits, cgroup: Path | None
+    code: bytes, config: dict[str, Any], limits: SandboxLimits, cgroups: CallCgroups
 ) -> SandboxRun:
     """Start the child, feed it the code, collect capped output until it ends or times out.
 
@@ -234,7 +268,7 @@ async def _execute(
     that left its session can neither outlive the call nor hold the output pipes open.
     """
     start_s = time.perf_counter()
-    command = [sys.executable, "-I", _CHILD_SCRIPT, json.dumps(config)]
+    command = [sys.executable, "-I", _CHILD_SCRIPT]  # the config goes first on stdin
     process = await anyio.open_process(command, env=_CODE_ENV, start_new_session=True)
     limit_bytes = 4 * limits.max_output_chars  # enough bytes for that many UTF-8 characters
     stdout, stderr = _Capture(limit_bytes, keep_tail=False), _Capture(limit_bytes, keep_tail=True)
@@ -242,15 +276,15 @@ async def _execute(
     try:
         with anyio.move_on_after(limits.timeout_s):
             async with anyio.create_task_group() as tasks:
-                tasks.start_soon(_feed, process, code)
+                tasks.start_soon(_feed, process, json.dumps(config).encode() + b"\n" + code)
                 tasks.start_soon(stdout.drain, process.stdout)
                 tasks.start_soon(stderr.drain, process.stderr)
                 await process.wait()
                 exited = True
-                await _kill_tree(process.pid, cgroup)  # what it left would hold the pipes open
+                await _kill_tree(process.pid, cgroups)  # what it left would hold the pipes open
     finally:
         with anyio.CancelScope(shield=True):
-            await _stop(process, cgroup)
+            await _stop(process, cgroups)
             await process.aclose()
     assert process.returncode is not None  # aclose() waited for the process to exit
     stdout_text, stdout_cut, stderr_text, stderr_cut = _fit(stdout, stderr, limits.max_output_chars)
@@ -266,14 +300,17 @@ async def _execute(
 
 
 async def _feed(process: anyio.abc.Process, code: bytes) -> None:
-    """Write the code to the child's stdin and close it; a child that died early is fine."""
+    """Write the config line and the code to the child's stdin and close it.
+
+    A child that died early is fine.
+    """
     assert process.stdin is not None
     with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
         await process.stdin.send(code)
     await process.stdin.aclose()
 
 
-async def _stop(process: anyio.abc.Process, cgroup: Path | None) -> None:
+async def _stop(process: anyio.abc.Process, cgroups: CallCgroups) -> None:
     """End the child and all the code started: SIGTERM first, then SIGKILL to every one.
 
     SIGTERM lets an unisolated child kill what the code left (see `_sandbox_child`); an
@@ -284,21 +321,19 @@ async def _stop(process: anyio.abc.Process, cgroup: Path | None) -> None:
             process.terminate()
         with anyio.move_on_after(_TERM_GRACE_S):
             await process.wait()
-    await _kill_tree(process.pid, cgroup)
+    await _kill_tree(process.pid, cgroups)
 
 
-async def _kill_tree(pgid: int, cgroup: Path | None) -> None:
-    """SIGKILL the child's process group (it leads a new session) and everything in `cgroup`.
+async def _kill_tree(pgid: int, cgroups: CallCgroups) -> None:
+    """SIGKILL the child's process group (it leads a new session) and everything in `cgroups`.
 
-    The cgroup holds every process the code started, those that left the session included;
-    new ones may be forked while we kill, so this repeats until the cgroup is empty.
+    The cgroups hold every process the code started, those that left the session included;
+    new ones may be forked while we kill, so this repeats until they are empty.
     """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    if cgroup is None:
-        return
     for _ in range(_KILL_ROUNDS):
-        pids = cgroup_pids(cgroup)
+        pids = cgroups.procs()
         if not pids:
             return
         for pid in pids:
@@ -359,23 +394,54 @@ def check_isolation(isolation: str) -> None:
         raise ValueError(f"isolation must be one of {_ISOLATIONS}, got {isolation!r}")
 
 
+def check_machine(isolation: str) -> None:
+    """Say at start-up what the sandbox cannot hold on this machine, before any call is made.
+
+    Logs a warning, once per process, for each limit that cannot be had here (`cgroup_gaps`),
+    and probes isolation as the first call would (once per process, in a thread of its own).
+
+    Raises:
+        SandboxUnavailableError: `isolation="namespaces"` on a machine where it does not work.
+        ValueError: `isolation` is neither `"namespaces"` nor `"none"`.
+    """
+    check_isolation(isolation)
+    _warn_of_gaps()
+    if isolation == "namespaces":
+        with concurrent.futures.ThreadPoolExecutor(1) as thread:
+            failure = thread.submit(anyio.run, _isolation_failure_here).result()
+        if failure:
+            raise _unavailable(failure)
+
+
+@functools.cache
+def _warn_of_gaps() -> None:
+    for gap in cgroup_gaps():
+        logger.warning("the python tool's sandbox: %s.", gap)
+
+
 async def _isolation_required(isolation: str) -> bool:
     """Whether to isolate this call; raise if isolation is asked for and cannot be had."""
     check_isolation(isolation)
+    _warn_of_gaps()
     if isolation == "none":
         return False
     failure = await _isolation_failure_here()
     if failure:
-        raise SandboxUnavailableError(
-            f"the Python sandbox cannot isolate code on this machine ({failure}). It needs "
-            "Linux user namespaces (check `unshare --user --map-root-user --mount --net --pid "
-            "--fork true`; on Ubuntu, AppArmor's kernel.apparmor_restrict_unprivileged_userns "
-            "may forbid them). To run model-written code with time, memory and output limits "
-            "only, knowing it can then read this process's files and secrets, write anywhere "
-            "this user can and use the network, pass isolation='none' (e.g. "
-            "python_tool(isolation='none'))."
-        )
+        raise _unavailable(failure)
     return True
+
+
+def _unavailable(failure: str) -> SandboxUnavailableError:
+    """The error for a machine where isolation fails with `failure`, with what to do."""
+    return SandboxUnavailableError(
+        f"the Python sandbox cannot isolate code on this machine ({failure}). It needs "
+        "Linux user namespaces (check `unshare --user --map-root-user --mount --net --pid "
+        "--fork true`; on Ubuntu, AppArmor's kernel.apparmor_restrict_unprivileged_userns "
+        "may forbid them). To run model-written code with time, memory and output limits "
+        "only, knowing it can then read this process's files and secrets, write anywhere "
+        "this user can and use the network, pass isolation='none' (e.g. "
+        "python_tool(isolation='none'))."
+    )
 
 
 async def _isolation_failure_here() -> str:

@@ -127,6 +127,17 @@ class GroupBuffer:
         if self._closed:
             raise ProducerFailed("the episode producer was stopped")
 
+    def raise_error(self) -> None:
+        """Raise the producer's error, if it stopped on one (nothing after `close` alone).
+
+        A producer that failed while the learner was busy (a reward function that raised, a
+        full disk) has no waiting `take` to raise in: the next round raises it here, rather
+        than start a new producer past it and lose the error.
+        """
+        with self._changed:
+            if self._error is not None:
+                raise self._error
+
     def fail(self, error: BaseException) -> None:
         """Record the producer's error: the learner's waiting `take` raises it."""
         with self._changed:

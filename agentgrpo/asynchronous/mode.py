@@ -2,7 +2,7 @@
 
 With `async_grpo` the trainer holds an `AsyncRounds`: a producer (`asynchronous.rounds.
 AsyncGeneration`) that plays groups into a bounded queue while the learner trains, the callback
-that pushes new weights to it every `weight_sync_steps` (`asynchronous.rounds.WeightPushes`),
+that pushes new weights to it every `weight_sync_steps` (`WeightPushes`),
 and the round parts that take its training rounds from that queue. The loss's old logprobs are
 then the sampler's: the weights that drew each token. The producer generates with a copy of the
 policy, or with the run's vLLM server (`generation.generator.choose_generators`); evaluation
@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import TrainerCallback
 
-from agentgrpo.asynchronous.rounds import AsyncGeneration, WeightPushes, asynchronous_round_parts
+from agentgrpo.asynchronous.rounds import AsyncGeneration, asynchronous_round_parts
 from agentgrpo.generation.generator import ConcurrentGenerator
+from agentgrpo.rounds.dynamic_sampling import GroupFilter
 from agentgrpo.rounds.pipeline import RoundParts, RoundPlan
 from agentgrpo.rounds.scoring import Scorer
 from rollout import GenerationBackend, RolloutEngine
@@ -73,8 +75,9 @@ class AsyncRounds:
             record: Receives the train metrics: the producer's, and the learner's seconds
                 spent on each push.
         """
+        group_filter = GroupFilter.of(args, parts.shaping.combine, plan.prompts_per_process)
         generation = AsyncGeneration.build(
-            args, plan, policy, producer, make_engine, scorer, dataset
+            args, plan, policy, producer, make_engine, scorer, dataset, group_filter
         )
         return cls(
             generation,
@@ -114,3 +117,32 @@ def check_async_players(rollout_func: Any, agent: Any) -> None:
             "async_grpo plays episodes with the engine's own loop; a rollout_func or an "
             "agent cannot run asynchronously yet: set async_grpo=False."
         )
+
+
+class WeightPushes(TrainerCallback):
+    """Push the policy to the generator after every `weight_sync_steps` optimizer steps.
+
+    Args:
+        generation: The producer to push to.
+        every: `weight_sync_steps`.
+        record: Receives `perf/weight_sync_s`, the learner's time spent on each push.
+    """
+
+    def __init__(
+        self, generation: AsyncGeneration, every: int, record: Callable[[dict[str, float]], None]
+    ):
+        self.generation, self.every, self.record = generation, every, record
+
+    def on_save(self, args, state, control, **kwargs):
+        """The checkpoint holds the rounds trained so far: their queued files can go."""
+        self.generation.forget_trained(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Training ended normally: nothing trained will be trained again."""
+        self.generation.forget_trained(2**62)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Push when the step count reaches a multiple of `every`."""
+        if state.global_step % self.every == 0:
+            seconds = self.generation.push(state.global_step)
+            self.record({"perf/weight_sync_s": seconds})

@@ -10,11 +10,13 @@ every group played since that checkpoint that it may train on again: `AsyncGener
 the fresh ones first. A group's file is written whole and synced to disk before it is renamed
 into place, so a crash leaves a temporary file (ignored) or a whole group; a file that is not a
 whole group all the same (empty, or cut short by another program) is a `QueueFileError` naming
-it.
+it. A write the folder refuses (a full disk) stops the run with `OutputDirUnwritable` naming
+the folder, and leaves no temporary file behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from agentgrpo.run_folder import explained_write_errors
 from rollout import EpisodeRecord
 from rollout.record import read_records, record_line
 
@@ -66,17 +69,30 @@ class QueueFolder:
         self._next = 1 + max((number for number, _ in self._files()), default=0)
 
     def write(self, records: Sequence[EpisodeRecord]) -> Path:
-        """Write a group's records at once (a temporary file, synced, renamed); its path."""
+        """Write a group's records at once (a temporary file, synced, renamed); its path.
+
+        Raises:
+            OutputDirUnwritable: The folder refuses the write (a full disk, say); the message
+                names it, why and what to do. The temporary file is removed: nothing of the
+                group is left, and the run stops (its groups since the last checkpoint are
+                played again by `--resume`).
+        """
         path = self.folder / f"group-{self._next:08d}.jsonl"
         self._next += 1
         temporary = path.with_name(path.name + ".tmp")
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with temporary.open("w", encoding="ascii") as file:
-            file.write("".join(record_line(r) for r in records))
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-        _sync_folder(self.folder)  # the rename itself, on disk
+        with explained_write_errors(self.folder):
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                with temporary.open("w", encoding="ascii") as file:
+                    file.write("".join(record_line(r) for r in records))
+                    file.flush()
+                    os.fsync(file.fileno())
+                os.replace(temporary, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    temporary.unlink()
+                raise
+            _sync_folder(self.folder)  # the rename itself, on disk
         return path
 
     def read(self) -> list[StoredGroup]:

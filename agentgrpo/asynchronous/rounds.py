@@ -41,12 +41,12 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 import torch
-from transformers import TrainerCallback
 
 from agentgrpo.asynchronous.buffer import GroupBuffer, PlayedGroup, RowStream
 from agentgrpo.asynchronous.queue import QueueFolder
 from agentgrpo.generation.generator import ConcurrentGenerator
 from agentgrpo.learner.batch import TrainingBatch
+from agentgrpo.rounds.dynamic_sampling import GroupFilter
 from agentgrpo.rounds.pipeline import RoundParts, RoundPlan
 from agentgrpo.rounds.scoring import RewardLogs, Scorer, play_round
 from rollout import Episode, EpisodeRecord, GenerationBackend, RolloutEngine
@@ -88,6 +88,8 @@ class AsyncGeneration:
             producer starts in `rows`).
         queue: Where each played group is written before it is trained on (`asynchronous.queue`),
             or None to keep them in memory only.
+        group_filter: Drops the groups that teach nothing as they end (`dynamic_sampling`), or
+            None to keep every group.
     """
 
     def __init__(
@@ -104,8 +106,12 @@ class AsyncGeneration:
         policy: Callable[[], torch.nn.Module],
         rows_per_step: float,
         queue: QueueFolder | None = None,
+        group_filter: GroupFilter | None = None,
     ):
         self.policy, self.rows_per_step, self.queue = policy, rows_per_step, queue
+        self.group_filter = group_filter
+        self._rows_dropped = 0  # rows whose groups `group_filter` dropped since the start
+        self._filtered_reported = 0  # groups it dropped, as of the last `take_metrics`
         self.consumed: list[tuple[int, Path]] = []  # (step a round took it at, its file)
         self.resumed_groups = 0  # groups a resumed run found in the queue and kept
         self.resumed_dropped = 0  # episodes it found there too stale to train on
@@ -132,6 +138,7 @@ class AsyncGeneration:
         make_engine: Callable[[GenerationBackend], RolloutEngine],
         scorer: Scorer,
         dataset: Any,
+        group_filter: GroupFilter | None = None,
     ) -> AsyncGeneration:
         """The producer of a `GRPOConfig` with `async_grpo`.
 
@@ -143,6 +150,7 @@ class AsyncGeneration:
             make_engine: Builds the engine (as the trainer builds its own) over a backend.
             scorer: The trainer's scorer (its reward logs are the run's).
             dataset: The training rows.
+            group_filter: See the class's arguments.
         """
         return cls(
             make_engine(weights.backend),
@@ -157,6 +165,7 @@ class AsyncGeneration:
             policy=policy,
             rows_per_step=plan.prompts_per_process * plan.accumulation_steps / plan.repeats,
             queue=QueueFolder(str(args.output_dir), scorer.names),  # TrainingArguments sets it
+            group_filter=group_filter,
         )
 
     # ------------------------------------------------------------------ producer
@@ -166,16 +175,18 @@ class AsyncGeneration:
 
         It starts lazily, at the first round: a resumed run has loaded its checkpoint by then.
         Nothing happens while it runs; after `stop` (a second `train()`), a new one starts with
-        an empty buffer and the queue folder's groups.
+        an empty buffer and the queue folder's groups; one that stopped on an error is not
+        restarted: its error is raised (`GroupBuffer.raise_error`).
         """
         if self._thread is not None:
             if self._thread.is_alive():
                 return
+            self.buffer.raise_error()
             dropped = self.buffer.dropped_episodes
             self.buffer = GroupBuffer(self.buffer.max_episodes, self._forget)
             self.buffer.dropped_episodes = self._dropped_reported = dropped
             self._ready = threading.Event()
-        self.rows.taken = int(step * self.rows_per_step)
+        self.rows.taken, self._rows_dropped = int(step * self.rows_per_step), 0
         self._load(step)
         self._resume_queue(step)
         self._thread = threading.Thread(target=self._main, name="agentgrpo-producer", daemon=True)
@@ -209,6 +220,9 @@ class AsyncGeneration:
             episodes, rewards_G_F = await play_round(
                 self.engine, [row], self.num_generations, seed, scorer
             )
+            if self.group_filter is not None and self.group_filter.drops(rewards_G_F):
+                self._rows_dropped += 1  # another row takes its place
+                continue
             version = min(episode_version(e, started) for e in episodes)
             group = PlayedGroup(episodes, rewards_G_F, version, logs=scorer.logs)
             if not await anyio.to_thread.run_sync(self._store_and_put, group):
@@ -221,12 +235,13 @@ class AsyncGeneration:
         before `(v + max_staleness + 1) * rows_per_step` are trained on within `max_staleness`
         steps of `v` (the config's check makes that at least the rows of the learner's round).
         Past them the producer waits for a push: generation is held to `max_staleness`, not
-        spent on groups that would be dropped.
+        spent on groups that would be dropped. Rows whose groups dynamic sampling dropped do
+        not count: the learner never takes them.
         """
         started, pushed = time.perf_counter(), self._pushed
         assert pushed is not None  # made by `_produce`, which runs this
         async with pushed:
-            while self.rows.taken >= self._fresh_rows():
+            while self.rows.taken - self._rows_dropped >= self._fresh_rows():
                 await pushed.wait()
         self._waits.held_s += time.perf_counter() - started
 
@@ -390,7 +405,8 @@ class AsyncGeneration:
         episodes dropped as stale since the last call. `rollout/queue_size`: episodes waiting.
         `perf/rollout_wait_s`: the learner's wait for episodes. `perf/weight_sync_pause_s`:
         generation paused for weight pushes. `perf/generation_held_s`: the producer's workers
-        waited for newer weights, summed over workers (`_hold`).
+        waited for newer weights, summed over workers (`_hold`). With dynamic sampling,
+        `dynamic_sampling/groups_replaced`: uninformative groups dropped since the last call.
         """
         staleness, self._waits.staleness = self._waits.staleness, []
         dropped = self.buffer.dropped_episodes - self._dropped_reported
@@ -403,6 +419,10 @@ class AsyncGeneration:
             "perf/generation_held_s": self._waits.held_s,
         }
         self._waits.learner_s = self._waits.held_s = 0.0
+        if self.group_filter is not None:
+            dropped = self.group_filter.dropped
+            metrics["dynamic_sampling/groups_replaced"] = float(dropped - self._filtered_reported)
+            self._filtered_reported = dropped
         if staleness:
             metrics["sample/staleness_mean"] = sum(staleness) / len(staleness)
             metrics["sample/staleness_max"] = float(max(staleness))
@@ -448,6 +468,7 @@ def asynchronous_round_parts(
     return dataclasses.replace(
         parts,
         play=lambda rows, n, seed: generation.take_round(rows, n, seed, step=step()),
+        dynamic=None,  # the producer drops uninformative groups itself (`GroupFilter`)
         collate=lambda episodes, advantages_N: _sampler_as_old(collate(episodes, advantages_N)),
         old_logprobs=lambda batch: batch.sampler_logprobs_B_C,
     )
@@ -456,32 +477,3 @@ def asynchronous_round_parts(
 def _sampler_as_old(batch: TrainingBatch) -> TrainingBatch:
     """`batch` with the sampler's logprobs as the old ones."""
     return dataclasses.replace(batch, old_logprobs_B_C=batch.sampler_logprobs_B_C)
-
-
-class WeightPushes(TrainerCallback):
-    """Push the policy to the generator after every `weight_sync_steps` optimizer steps.
-
-    Args:
-        generation: The producer to push to.
-        every: `weight_sync_steps`.
-        record: Receives `perf/weight_sync_s`, the learner's time spent on each push.
-    """
-
-    def __init__(
-        self, generation: AsyncGeneration, every: int, record: Callable[[dict[str, float]], None]
-    ):
-        self.generation, self.every, self.record = generation, every, record
-
-    def on_save(self, args, state, control, **kwargs):
-        """The checkpoint holds the rounds trained so far: their queued files can go."""
-        self.generation.forget_trained(state.global_step)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        """Training ended normally: nothing trained will be trained again."""
-        self.generation.forget_trained(2**62)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        """Push when the step count reaches a multiple of `every`."""
-        if state.global_step % self.every == 0:
-            seconds = self.generation.push(state.global_step)
-            self.record({"perf/weight_sync_s": seconds})

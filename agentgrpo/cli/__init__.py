@@ -40,9 +40,13 @@ ENV_ARGS_HELP = (
 
 
 def command() -> typing.NoReturn:
-    """The `agentgrpo` command: `main()`, then exit, even if user code left threads running."""
-    from agentgrpo.cli.exiting import EXIT_GRACE_S, exit_within
+    """The `agentgrpo` command: `main()`, then exit, even if user code left threads running.
 
+    Launched by torchrun, it also stops once its launcher is gone (`end_with_launcher`).
+    """
+    from agentgrpo.cli.exiting import EXIT_GRACE_S, end_with_launcher, exit_within
+
+    end_with_launcher()
     status = 1  # an error escaping `main` (Python prints its traceback on the way out)
     try:
         status = main()

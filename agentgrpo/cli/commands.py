@@ -85,10 +85,13 @@ def _run_in_folder(
 
     checkpoint = _resume_from(settings["resume"], config)
     model = sources.model_path(settings["model"])
-    kept = resume_check.run_settings(namespace.env, settings["env_args"], config)
+    kept = resume_check.run_settings(
+        namespace.env, settings["env_args"], config, settings["reward"]
+    )
     if checkpoint is not None:
-        resume_check.check_resume(checkpoint, _output_dir(config), kept, model)
-    elif config.should_save:
+        for warning in resume_check.check_resume(checkpoint, _output_dir(config), kept, model):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+    if config.should_save:  # a resumed run records the rewards it goes on with
         resume_check.write_run_settings(_output_dir(config), kept)
     train_rows = sources.rows(
         source, settings["dataset"], settings["dataset_split"], settings["dataset_size"]

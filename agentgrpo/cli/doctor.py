@@ -84,7 +84,9 @@ def doctor(namespace: argparse.Namespace) -> int:
     setup = _setup(namespace, path, tokenizer, env_class)
     results = checks.fast_checks(setup) if isinstance(setup, Setup) else [setup]
     if env_class is not None and isinstance(setup, Setup):
-        results.append(checks.check_environment_runs(env_class, _rows(env_class), setup))
+        template_ok = all(r.status is not Status.FAIL for r in results if r.name == "template")
+        rendered_in = setup if template_ok else None
+        results.append(checks.check_environment_runs(env_class, _rows(env_class), rendered_in))
     for result in results:
         print(result.line(), flush=True)
     failed = any(r.status is Status.FAIL for r in results)

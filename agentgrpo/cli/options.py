@@ -85,6 +85,7 @@ LIMITS: dict[str, Limit] = {
     "steps_per_generation": _at_least(1),
     "generation_batch_size": _at_least(1),
     "num_iterations": _at_least(1),
+    "max_resample_rounds": _at_least(1),
     "warmup_steps": _at_least(0, "a number"),
     "seed": (lambda n: 0 <= n < 2**32, "a whole number from 0 to 2**32 - 1"),
     "learning_rate": _at_least(0, "a number"),

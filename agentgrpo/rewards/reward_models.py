@@ -6,12 +6,14 @@ A ``transformers`` sequence-classification model (or a path or hub id to load on
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import PurePath
 from typing import Any
 
 import torch
 
 from agentgrpo.models.sharded import whole_copy, zero3_partitioned
+from rollout.template import ChatRenderer
 
 
 def is_reward_model(func: Any) -> bool:
@@ -51,7 +53,8 @@ class SequenceClassifierReward:
     """A sequence-classification model as a reward function: ``logits[:, 0]`` of prompt+completion.
 
     Text prompts and completions are concatenated; conversational ones (message lists) are
-    rendered with the tokenizer's chat template as one conversation. The batch is right-padded;
+    rendered with the tokenizer's chat template as one conversation, bounded in time and size
+    like every render of a template (`rollout.ChatRenderer`). The batch is right-padded;
     sequence-classification heads read the last non-pad token, so the model's config needs
     ``pad_token_id``: a tokenizer without a pad token gets its eos token as pad, and a model
     without ``pad_token_id`` gets the tokenizer's. The model is put in eval mode. A model that
@@ -114,7 +117,18 @@ class SequenceClassifierReward:
         if isinstance(prompt, str) and isinstance(completion, str):
             return prompt + completion
         messages = _as_messages(prompt, "user") + _as_messages(completion, "assistant")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return self._renderer.render(messages, generation_prompt=False)
+
+    @cached_property
+    def _renderer(self) -> ChatRenderer:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(template, str) or not template:
+            raise ValueError(
+                f"the tokenizer of reward model {self.name!r} has no chat template, so it cannot "
+                "score conversations; pass text prompts and completions, or a tokenizer with a "
+                "chat template in processing_classes"
+            )
+        return ChatRenderer(self.tokenizer, template)
 
 
 def _as_messages(value: Any, role: str) -> list[dict[str, Any]]:

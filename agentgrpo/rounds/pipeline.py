@@ -12,6 +12,7 @@ CPU without a Trainer, and each stage has explicit inputs and outputs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ import torch
 
 from agentgrpo.learner.advantages import combine_rewards, group_advantages
 from agentgrpo.learner.batch import TrainingBatch
+from agentgrpo.rounds.dynamic_sampling import DynamicSampling, Resampled, resample
 from rollout import Episode
 
 if TYPE_CHECKING:
@@ -259,6 +261,8 @@ class RoundParts:
         ref_logprobs: The reference model's logprobs of a batch, or None when beta is 0.
         gather: See `Gather`; the identity on one process.
         process_index: This process's index in the gather's order.
+        dynamic: Replaces a training round's uninformative groups (`dynamic_sampling`), or
+            None to train on every group.
     """
 
     play: Play
@@ -268,6 +272,7 @@ class RoundParts:
     ref_logprobs: Logprobs | None = None
     gather: Gather = lambda tensor: tensor
     process_index: int = 0
+    dynamic: DynamicSampling | None = None
 
 
 @dataclass(frozen=True)
@@ -280,6 +285,7 @@ class Round:
         rewards_N: The combined rewards.
         advantages_N: The advantages the loss uses.
         micro_batches: The batches to train on, in order (one in evaluation).
+        resampled: What dynamic sampling replaced, or None when it did not run.
     """
 
     episodes: list[Episode]
@@ -287,6 +293,7 @@ class Round:
     rewards_N: torch.Tensor
     advantages_N: torch.Tensor
     micro_batches: list[TrainingBatch]
+    resampled: Resampled | None = None
 
 
 def play_and_batch(parts: RoundParts, plan: RoundPlan, rows: Rows, seed: int) -> Round:
@@ -296,12 +303,20 @@ def play_and_batch(parts: RoundParts, plan: RoundPlan, rows: Rows, seed: int) ->
     normaliser gather over all processes.
     """
     episodes, rewards_N_F = parts.play(rows, plan.num_generations, seed)  # play, score
+    resampled = None
+    if parts.dynamic is not None and plan.train:  # uninformative groups replaced
+        combine = functools.partial(parts.shaping.combine, num_generations=plan.num_generations)
+        played = episodes, rewards_N_F
+        resampled = resample(
+            parts.dynamic, combine, parts.gather, played, plan.num_generations, seed
+        )
+        episodes, rewards_N_F = resampled.episodes, resampled.rewards_N_F
     rewards_N = parts.shaping.combine(rewards_N_F, plan.num_generations)
     advantages_N = local_advantages(parts, rewards_N, plan.num_generations)
     batch = parts.collate(episodes, advantages_N)
     batch = with_logprobs(parts, plan, batch)
     micro_batches = split_micro_batches(batch, plan, global_tokens(parts.gather, batch))
-    return Round(episodes, rewards_N_F, rewards_N, advantages_N, micro_batches)
+    return Round(episodes, rewards_N_F, rewards_N, advantages_N, micro_batches, resampled)
 
 
 def local_advantages(

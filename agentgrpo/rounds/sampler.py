@@ -13,12 +13,20 @@ accelerate hands batch k to process k % num_processes, so each process sees its 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentgrpo.rounds.data import is_iterable_dataset, rows_collator
+from agentgrpo.rounds.data import (
+    adapt_to_iterable_datasets,
+    is_iterable_dataset,
+    rows_collator,
+    without_unused_columns,
+)
 from agentgrpo.rounds.pipeline import RoundPlan
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
 
 
 class RoundSampler(torch.utils.data.Sampler[int]):
@@ -139,3 +147,28 @@ def eval_loader(
     if is_iterable_dataset(dataset):  # streamed: no len(), read in order by one worker
         return stream_loader(dataset, prompts_per_process)
     return eval_rows_loader(dataset, prompts_per_process, num_workers)
+
+
+def training_loader(dataset: Any, plan: RoundPlan, args: GRPOConfig) -> torch.utils.data.DataLoader:
+    """A run's training rows round by round (`round_rows_loader`), as `args` reads them.
+
+    Shuffled with `seed` when `shuffle_dataset`; with `remove_unused_columns`, only the columns
+    TRL keeps (`without_unused_columns`); `dataloader_num_workers` workers.
+    """
+    shuffle, workers = bool(args.shuffle_dataset), args.dataloader_num_workers
+    rows = without_unused_columns(dataset, args.remove_unused_columns)
+    return round_rows_loader(rows, plan, shuffle, args.seed, workers)
+
+
+def evaluation_loader(
+    dataset: Any, plan: RoundPlan, args: GRPOConfig
+) -> torch.utils.data.DataLoader:
+    """A run's eval rows, every one once (`eval_loader`), `plan.prompts_per_process` a batch.
+
+    A stream first seen here (`evaluate(eval_dataset=...)`) sets `args` up as at init
+    (`adapt_to_iterable_datasets`); with `remove_unused_columns`, only the columns TRL keeps.
+    """
+    if is_iterable_dataset(dataset):
+        adapt_to_iterable_datasets(args, None, dataset)
+    rows = without_unused_columns(dataset, args.remove_unused_columns)
+    return eval_loader(rows, plan.prompts_per_process, args.dataloader_num_workers)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from agentgrpo.rewards.calls import RewardBatch, RewardFunction, score
+from environments import reward_method_name
 from rollout import Episode, RolloutEngine
 
 logger = logging.getLogger(__name__)
@@ -173,11 +174,12 @@ def environment_reward_classes(factory: Any) -> tuple[type, ...]:
 def environment_reward_name(factory: Any) -> str | None:
     """The reward column of an environment class that scores itself (its class name), or None.
 
-    An environment scores itself with a `reward` or `get_reward` method; a factory that is not
-    a class cannot be inspected before it runs, so it is taken not to.
+    An environment scores itself with a `reward` or `get_reward` method (a `reward` attribute
+    is its state); a factory that is not a class cannot be inspected before it runs, so it is
+    taken not to.
     """
     env_class = factory if isinstance(factory, type) else None
-    if env_class is None or not any(hasattr(env_class, m) for m in ("reward", "get_reward")):
+    if env_class is None or reward_method_name(env_class) is None:
         return None
     return env_class.__name__
 
@@ -251,7 +253,7 @@ def environment_reward(env_class: type) -> Callable[..., Any]:
     environment that is exactly `env_class`, None for the others; it is `async` when that
     method is.
     """
-    method = "get_reward" if hasattr(env_class, "get_reward") else "reward"
+    method = reward_method_name(env_class) or "reward"
 
     if inspect.iscoroutinefunction(getattr(env_class, method)):
 

@@ -177,7 +177,10 @@ def reward_weights_of(
     if not names:
         raise ValueError(
             "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
-            "environment defines a `get_reward` method (or `reward`, agentgrpo's name)."
+            "environment defines a `get_reward` method (or `reward`, agentgrpo's name). A "
+            "`reward` attribute that the tools update is the environment's state: read it in a "
+            "reward function, as TRL's OpenEnv examples do (`def reward_func(environments, "
+            "**kwargs): return [env.reward for env in environments]`)."
         )
     own = [float(w) for w in own] or [1.0] * (len(names) - num_funcs)
     if weights is None:

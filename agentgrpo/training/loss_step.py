@@ -161,6 +161,23 @@ class LossStep:
         control.end_step(float(total_2[0]), float(total_2[1]))
         return control.coef
 
+    def end_step(
+        self,
+        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        gather: Callable[[torch.Tensor], torch.Tensor],
+    ) -> dict[str, float]:
+        """At an optimizer step: end its windows, and the metrics they give.
+
+        `entropy_coef`, the adaptive coefficient updated from every process's window
+        (`end_entropy_window`; with an entropy controller only), then the step's
+        sampler-mismatch metrics (`SamplingWindow.close`). Every process calls it at once;
+        `reduce_sum` and `gather` are the run's collectives.
+        """
+        ended: dict[str, float] = {}
+        if self.entropy_control is not None:
+            ended["entropy_coef"] = self.end_entropy_window(reduce_sum)
+        return ended | self.sampling.close(gather)
+
     def save(self, checkpoint: str) -> None:
         """Write the entropy controller's state into `checkpoint` (nothing without one)."""
         if self.entropy_control is not None:

@@ -4,13 +4,12 @@ The trainer is glue between transformers' hooks and the round. Its parts come fr
 `wiring.build_parts`; `_prepare_inputs` plays a round (`rounds.pipeline.play_and_batch`: play and
 score, advantages, batch, logprobs, micro-batches) every `RoundPlan.repeats` micro-batches and
 serves its micro-batches; `compute_loss` is `losses.policy_loss` over mask-1 tokens. transformers'
-Trainer does the rest: optimizer, schedule, accumulation, checkpoints (made atomic by
-`checkpoint_saving`), callbacks, logging, `save_model` and `push_to_hub`.
+Trainer does the rest: optimizer, schedule, accumulation, checkpoints (made atomic by the trainer's
+`checkpoint_saving.Checkpoints`), callbacks, logging, `save_model` and `push_to_hub`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import time
@@ -20,9 +19,7 @@ from typing import Any
 
 import anyio
 import torch
-from accelerate.utils import gather_object
 
-from agentgrpo import run_folder
 from agentgrpo.asynchronous.mode import AsyncRounds, check_async_players
 from agentgrpo.config import GRPOConfig
 from agentgrpo.devices import check_launch
@@ -36,7 +33,7 @@ from agentgrpo.models.loading import (
     reward_model_kwargs,
     router_aux_loss_coef,
 )
-from agentgrpo.models.reference_sync import reference_sync
+from agentgrpo.models.reference_sync import SyncReference, reference_sync
 from agentgrpo.models.sharded import generation_weights
 from agentgrpo.models.warm_start import warm_start_from_environment
 from agentgrpo.placement import Placement
@@ -52,8 +49,8 @@ from agentgrpo.rounds.data import (
     is_iterable_dataset,
     rows_collator,
     training_rows,
-    without_unused_columns,
 )
+from agentgrpo.rounds.dynamic_sampling import dynamic_sampling_of
 from agentgrpo.rounds.pipeline import (
     RewardShaping,
     Round,
@@ -62,11 +59,13 @@ from agentgrpo.rounds.pipeline import (
     play_and_batch,
     round_seed,
 )
-from agentgrpo.rounds.sampler import eval_loader, round_rows_loader
-from agentgrpo.rounds.scoring import play_round, score_played
+from agentgrpo.rounds.sampler import evaluation_loader, training_loader
+from agentgrpo.rounds.scoring import Scorer, play_round, score_played
 from agentgrpo.rounds.wiring import build_parts
-from agentgrpo.training import checkpoints, porting
+from agentgrpo.training import porting
+from agentgrpo.training.checkpoint_saving import Checkpoints
 from agentgrpo.training.loss_step import LossStep
+from agentgrpo.training.processes import Processes
 from agentgrpo.training.trl_attributes import TRLAttributes
 from rollout import Episode
 from rollout.agents import Agent
@@ -124,7 +123,6 @@ class GRPOTrainer(TRLAttributes):
             in `args.report_to` (trackio, wandb, tensorboard) is not installed.
     """
 
-    _tag_names = ("trl", "grpo", "agentgrpo")
     # What this trainer holds, narrower than transformers' declarations: a GRPOConfig, a causal
     # LM (possibly PEFT-wrapped), a tokenizer, and row datasets that are played, not tensorised.
     args: GRPOConfig
@@ -132,6 +130,7 @@ class GRPOTrainer(TRLAttributes):
     processing_class: Any
     train_dataset: Any
     eval_dataset: Any
+    reference_sync: SyncReference | None = None  # with sync_ref_model
 
     def __init__(
         self,
@@ -194,8 +193,9 @@ class GRPOTrainer(TRLAttributes):
         check_launch(os.environ, placement)
         self.model_accepts_loss_kwargs = False  # compute_loss normalises; Trainer divides by GA
         router_coef = router_aux_loss_coef(self.model, args.router_aux_loss_coef)
+        self._processes = processes = Processes(accelerator)
         self._trainer_log = TrainerLog(
-            self._gather, self._gather_objects, accelerator.process_index, args.log_completions
+            processes.gather, processes.gather_objects, processes.index, args.log_completions
         )
         self._metrics = self._trainer_log.metrics  # TRL's name for the queued metric values
         self.ref_model = reference_model(self.model, args, placement, accelerator)
@@ -206,6 +206,9 @@ class GRPOTrainer(TRLAttributes):
         self._environment_factory = factory
         self.agent = agent if agent is None or isinstance(agent, Agent) else Agent(agent)
         self._wire(tools, factory, router_coef)
+        self.checkpoints = Checkpoints.of(
+            self, placement, self.loss_step, self.reference_sync, self.processor
+        )
         if self.rollout_func is None:  # its extra fields are known only once it runs
             check_trainer_arguments(self._reward_functions, self.train_dataset, bool(factory))
         self._round: Round | None = None  # the round being trained on
@@ -234,8 +237,9 @@ class GRPOTrainer(TRLAttributes):
             ).to(args.device),
             old_logprobs=lambda batch: self._logprobs(self.model, batch),
             ref_logprobs=self._reference_logprobs if args.beta != 0.0 else None,
-            gather=self._gather,
+            gather=self._processes.gather,
             process_index=self.accelerator.process_index,
+            dynamic=dynamic_sampling_of(args, self.train_dataset, self._play, self.scorer),
         )
         self._async: AsyncRounds | None = None
         if generators.producer is not None:  # training rounds take groups played meanwhile
@@ -271,14 +275,6 @@ class GRPOTrainer(TRLAttributes):
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
 
-    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every process's rows of `tensor`, in process order, on the CPU."""
-        return self.accelerator.gather(tensor.to(self.accelerator.device)).cpu()
-
-    def _gather_objects(self, values: list[Any]) -> list[Any]:
-        """Every process's `values`, concatenated in process order."""
-        return gather_object(values) if self.accelerator.num_processes > 1 else list(values)
-
     # ------------------------------------------------------------------ train
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -286,23 +282,20 @@ class GRPOTrainer(TRLAttributes):
 
         With `save_warm_start`, the warm-started model is saved to `output_dir/warm_start` first.
         `resume_from_checkpoint` is a checkpoint folder, or True for the latest intact one in
-        `output_dir` (`_resume_point`); a resumed run skips the warm start (its checkpoint holds
-        warm-started weights). Folders a killed checkpoint save left are removed first. The
-        output folder is locked while training: a second run into it fails at once with
-        `run_folder.OutputDirBusy`. A Ctrl-C stops training at once; saved checkpoints stay
+        `output_dir` (`Checkpoints.resume_point`); a resumed run skips the warm start (its
+        checkpoint holds warm-started weights). Folders a killed checkpoint save left are removed
+        first. The output folder is locked while training: a second run into it fails at once
+        with `run_folder.OutputDirBusy`. A Ctrl-C stops training at once; saved checkpoints stay
         intact. With several environments, a row naming none or an unknown one is an error
         here, before any work (TRL's message; TRL raises it at the first batch).
         """
         check_environment_column(self.train_dataset, self.engine)
-        output_dir = str(self.args.output_dir)  # TrainingArguments always sets one
-        checkpoint = self._resume_point(resume_from_checkpoint)
-        with run_folder.hold(output_dir) if self.args.should_save else contextlib.nullcontext():
-            if self.args.should_save:
-                checkpoints.remove_temporary(output_dir)
+        checkpoint = self.checkpoints.resume_point(resume_from_checkpoint, self.model.config)
+        with self.checkpoints.output_dir_held():
             if self.args.warm_start_steps and checkpoint is None:
                 self._warm_start()
                 if self.args.save_warm_start:
-                    self.save_model(os.path.join(output_dir, WARM_START_DIR))
+                    self.save_model(os.path.join(str(self.args.output_dir), WARM_START_DIR))
             try:
                 return super().train(checkpoint, *args, **kwargs)
             finally:
@@ -324,11 +317,7 @@ class GRPOTrainer(TRLAttributes):
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """Rows round by round (see `RoundSampler`); each process gets whole groups."""
-        args = self.args
-        shuffle, workers = bool(args.shuffle_dataset), args.dataloader_num_workers
-        rows = without_unused_columns(self.train_dataset, args.remove_unused_columns)
-        loader = round_rows_loader(rows, self.plan, shuffle, args.seed, workers)
-        return self.accelerator.prepare(loader)
+        return self.accelerator.prepare(training_loader(self.train_dataset, self.plan, self.args))
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
         """Eval rows, `per_device_eval_batch_size / num_generations_eval` prompts a process.
@@ -339,13 +328,9 @@ class GRPOTrainer(TRLAttributes):
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        loader = evaluation_loader(dataset, self._eval_plan, self.args)
         if is_iterable_dataset(dataset):  # each process reads its own rows of the stream
-            # A stream first seen here (`evaluate(eval_dataset=...)`) is set up as at init.
-            adapt_to_iterable_datasets(self.args, None, dataset)
             self.accelerator.dataloader_config.dispatch_batches = False
-        dataset = without_unused_columns(dataset, self.args.remove_unused_columns)
-        rows = self._eval_plan.prompts_per_process
-        loader = eval_loader(dataset, rows, self.args.dataloader_num_workers)
         return self.accelerator.prepare(loader)
 
     @property
@@ -372,9 +357,7 @@ class GRPOTrainer(TRLAttributes):
         """Play, score and batch one round (`rounds.pipeline.play_and_batch`), and record it."""
         step, process = self.state.global_step, self.accelerator.process_index
         seed = round_seed(self.args.seed, plan.train, step, process)
-        parts = self._round_parts
-        if self._async is not None:
-            parts = self._async.parts_for(plan, parts)
+        parts = self._async.parts_for(plan, self._round_parts) if self._async else self._round_parts
         round_ = play_and_batch(parts, plan, rows, seed)
         versions = None if self._async is None else self._async.versions(plan)
         # an agent offers tools with its requests: its calls, turns and forks count too
@@ -387,9 +370,9 @@ class GRPOTrainer(TRLAttributes):
         return round_
 
     def _play(
-        self, rows: Sequence[Mapping[str, Any]], num_generations: int, seed: int
+        self, rows: Sequence[Mapping[str, Any]], G: int, seed: int, scorer: Scorer | None = None
     ) -> tuple[list[Episode], torch.Tensor]:
-        """Play the rows (the engine, or `rollout_func`) and score them: `rounds.pipeline.Play`."""
+        """Play the rows (the engine, or `rollout_func`); score them (None: the run's scorer)."""
         with (
             generation_weights(
                 self.accelerator,
@@ -400,16 +383,16 @@ class GRPOTrainer(TRLAttributes):
             self.generator.generating(model, self.state.global_step),
         ):
             if self.rollout_func is None:
-                return anyio.run(play_round, self.engine, rows, num_generations, seed, self.scorer)
-            prompts = [row.get("prompt") for row in rows for _ in range(num_generations)]
+                return anyio.run(play_round, self.engine, rows, G, seed, scorer or self.scorer)
+            prompts = [row.get("prompt") for row in rows for _ in range(G)]
             episodes = episodes_from_rollout_func(
                 self.rollout_func(prompts, self),
                 rows,
-                num_generations,
+                G,
                 set(self.engine.context.backend.stop_token_ids),
                 lambda ids: self.processing_class.decode(ids, skip_special_tokens=True),
             )
-            return episodes, anyio.run(score_played, self.scorer, episodes, num_generations)
+            return episodes, anyio.run(score_played, scorer or self.scorer, episodes, G)
 
     def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
         """`model`'s logprobs of the batch, no grad, under autocast, a micro-batch at a time."""
@@ -458,7 +441,7 @@ class GRPOTrainer(TRLAttributes):
         """Trainer's step, timed: `step_time` covers generation and the update.
 
         At each optimizer step the adaptive entropy coefficient is updated from every
-        process's window, and the step's sampler-mismatch metrics are queued.
+        process's window, and the step's sampler-mismatch metrics are queued (`LossStep.end_step`).
         """
         started = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -466,20 +449,41 @@ class GRPOTrainer(TRLAttributes):
         if self.accelerator.sync_gradients:
             self._metrics["train"]["step_time"].append(self._step_seconds)
             self._step_seconds = 0.0
-            if self.loss_step.entropy_control is not None:
-                coef = self.loss_step.end_entropy_window(self._reduce_sum)
-                self._metrics["train"]["entropy_coef"].append(coef)
-            self._trainer_log.add("train", self.loss_step.sampling.close(self._gather))
+            ends = self.loss_step.end_step(self._processes.reduce_sum, self._processes.gather)
+            self._trainer_log.add("train", ends)
         return loss
-
-    def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` summed over the processes."""
-        return self.accelerator.reduce(tensor.to(self.accelerator.device), reduction="sum")
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation: generate with `num_generations_eval`, score, and report the loss."""
         with torch.no_grad():
             batch = self._prepare_inputs(inputs)
             loss = self.compute_loss(model, batch)
-        self._trainer_log.add("eval", self.loss_step.sampling.close(self._gather))
+        self._trainer_log.add("eval", self.loss_step.sampling.close(self._processes.gather))
         return loss.detach(), None, None
+
+    # ------------------------------------------------------------------ checkpoints
+    # Hooks the Trainer calls on itself: `Checkpoints` runs each around the Trainer's own.
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        self._write_model_card()  # as TRL does
+        with self.checkpoints.staged(super()._get_output_dir(trial)):
+            super()._save_checkpoint(model, trial)
+
+    def _get_output_dir(self, trial: Any) -> str:
+        return self.checkpoints.get_output_dir(trial, super()._get_output_dir)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        self.checkpoints.push_from_checkpoint(checkpoint_folder, super()._push_from_checkpoint)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`, with a VLM's processor and, under sharded FSDP, whole weights."""
+        self.checkpoints.save_model(output_dir, _internal_call, super().save_model)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        self.checkpoints.save_rng_state(output_dir, super()._save_rng_state)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.checkpoints.save_optimizer(output_dir, super()._save_optimizer_and_scheduler)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        self.checkpoints.load_optimizer(checkpoint, super()._load_optimizer_and_scheduler)

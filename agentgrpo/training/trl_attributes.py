@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, Trainer
 
 from agentgrpo.config import GRPOConfig
 from agentgrpo.learner.entropy_control import AdaptiveEntropy
@@ -38,7 +38,6 @@ from agentgrpo.rewards.calls import RewardFunction
 from agentgrpo.rounds.pipeline import RoundParts
 from agentgrpo.rounds.scoring import Scorer, environment_reward
 from agentgrpo.run_folder import explained_write_errors
-from agentgrpo.training.checkpoint_saving import AtomicCheckpoints
 from agentgrpo.training.loss_step import LossStep
 from rollout import Episode, EpisodeRecord, RolloutEngine, load_template
 from rollout.agents import Agent
@@ -73,13 +72,13 @@ class _ConfigField:
         )
 
 
-class TRLAttributes(AtomicCheckpoints):
+class TRLAttributes(Trainer):
     """TRL's public `GRPOTrainer` attributes and helpers on agentgrpo's trainer.
 
     The trainer sets the parts these read (declared here).
     """
 
-    _tag_names: tuple[str, ...] = ()
+    _tag_names = ("trl", "grpo", "agentgrpo")  # the model card's, added to its tags
     args: GRPOConfig
     processing_class: Any
     scorer: Scorer
@@ -456,8 +455,8 @@ class TRLAttributes(AtomicCheckpoints):
         tags += [tag for tag in self._tag_names if tag not in tags]
         super().create_model_card(model_name=model_name, dataset=dataset_name, tags=tags)
 
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """Save a checkpoint, writing the model card into `output_dir` first, as TRL does.
+    def _write_model_card(self) -> None:
+        """Write the model card into `output_dir`, as TRL does before each checkpoint.
 
         The card is named after `hub_model_id`'s last part, else the output folder's name. A
         folder that refuses the card's write is the same clear error as for the checkpoint.
@@ -466,4 +465,3 @@ class TRLAttributes(AtomicCheckpoints):
         folder = Path(str(self.args.output_dir))
         with explained_write_errors(folder):
             self.create_model_card(model_name=hub_id.split("/")[-1] if hub_id else folder.name)
-        super()._save_checkpoint(model, trial)

@@ -20,7 +20,9 @@ is then continued, from its prompt and what it had sampled, with the new weights
 can hold tokens of two versions, and its `Completion.versions` says which (`request_gate`).
 
 Every failure to reach the server is a `ServerUnavailableError` that names the server and what
-to do, raised after at most the configured timeout: never a hang.
+to do, raised after at most the configured timeout: never a hang. Every request carries the key
+in `AGENTGRPO_VLLM_KEY`, when it is set, which `agentgrpo vllm-serve` then requires
+(`server_guard`).
 """
 
 from __future__ import annotations
@@ -41,10 +43,15 @@ from typing import Any
 import anyio
 
 from rollout.backends.request_gate import RequestGate
+from rollout.backends.server_guard import KEY_VARIABLE, server_key
 from rollout.images import unexpanded_ids
 from rollout.types import Completion, Pictures, SamplingParams, check_sampling_overrides
 
 _TOKEN_ID_PREFIX = "token_id:"
+_REFUSALS = {  # what to do about `server_guard`'s answers
+    401: f". Set {KEY_VARIABLE} here to the key the server was started with",
+    403: ". Reach it as http://127.0.0.1:PORT from its own machine, or start it with a key",
+}
 
 
 class ServerUnavailableError(ConnectionError):
@@ -80,12 +87,16 @@ class ServerConnection:
         base_url: e.g. `http://localhost:8000` (no `/v1`).
         timeout_s: How long `wait_until_up` waits, and each call may take (connecting, or
             waiting for the reply of a request the server is working on).
+        key: Sent as `Authorization: Bearer <key>` with every request; by default the
+            `AGENTGRPO_VLLM_KEY` of this process's environment (none when unset).
 
     """
 
-    def __init__(self, base_url: str, timeout_s: float):
+    def __init__(self, base_url: str, timeout_s: float, key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        key = key or server_key()
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def wait_until_up(self) -> None:
         """Poll `/v1/models` until the server answers, for at most `timeout_s` seconds."""
@@ -106,7 +117,8 @@ class ServerConnection:
 
     def get(self, path: str, timeout_s: float | None = None) -> Any:
         """`GET path` and its JSON reply."""
-        return self._call(urllib.request.Request(self.base_url + path), timeout_s)
+        request = urllib.request.Request(self.base_url + path, headers=self._headers)
+        return self._call(request, timeout_s)
 
     def post(
         self, path: str, body: Mapping[str, Any] | None = None, timeout_s: float | None = None
@@ -115,7 +127,7 @@ class ServerConnection:
         request = urllib.request.Request(
             self.base_url + path,
             data=json.dumps(body or {}).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **self._headers},
         )
         return self._call(request, timeout_s)
 
@@ -126,7 +138,8 @@ class ServerConnection:
         except urllib.error.HTTPError as error:
             detail = error.read().decode(errors="replace")[:2000]
             raise ServerRequestError(
-                f"{request.get_method()} {request.full_url} failed with {error.code}: {detail}",
+                f"{request.get_method()} {request.full_url} failed with {error.code}: {detail}"
+                + _REFUSALS.get(error.code, ""),
                 error.code,
             ) from None
         except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out

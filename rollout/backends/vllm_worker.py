@@ -72,7 +72,8 @@ class WeightReceiver:
     def agentgrpo_join(self, options_json: str) -> None:
         """Join the weight group (blocks until the trainer joins too).
 
-        `options_json` holds `port`, `world_size`, `timeout_s` and the trainer's `backend`:
+        `options_json` holds `port`, `world_size`, `timeout_s`, the join's `secret` and the
+        trainer's `backend`:
         over "nccl" this worker receives on its GPU, over "gloo" on the CPU (vLLM copies the
         tensors to the model's device as it loads them). This worker's rank in the group is its
         rank in vLLM; rank 0 hosts the group's store, which listens on every interface, and the
@@ -88,6 +89,7 @@ class WeightReceiver:
             options["world_size"],
             device,
             options["timeout_s"],
+            options["secret"],
         )
 
     def agentgrpo_receive(self, specs_json: str) -> None:

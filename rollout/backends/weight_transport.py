@@ -6,6 +6,11 @@ the server's first worker hosts on `vllm_group_port`, and one gloo or NCCL backe
 it. Ranks `0 .. W-2` are the server's workers (tensor-parallel ranks), rank `W-1` the trainer,
 which broadcasts. Both sides run this module; it needs only torch.
 
+The store listens on every interface of the server and cannot check who connects, so every key
+of the group lives under a secret the trainer draws for each join and hands the workers over
+the server's guarded HTTP (`WeightGroup`'s `secret`): a process that reaches the port without
+it finds no rendezvous to join.
+
 A push is two messages: the tensors' names, dtypes and shapes go over HTTP
 (`tensor_specs`, JSON), then each tensor is broadcast in that order. A worker receives into
 empty tensors and hands them to vLLM one at a time, so it never holds a second copy of the
@@ -14,6 +19,7 @@ model.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
@@ -24,6 +30,11 @@ import torch.distributed as dist
 def backend_for(device: torch.device) -> str:
     """The collective backend for tensors on `device`: NCCL between GPUs, gloo on CPU."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def new_secret() -> str:
+    """A fresh secret for one join of the weight group (64 hexadecimal characters)."""
+    return secrets.token_hex(32)
 
 
 def tensor_specs(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[list]:
@@ -49,6 +60,8 @@ class WeightGroup:
         world_size: The server's workers plus the trainer.
         device: Where this member's tensors live; picks NCCL (cuda) or gloo (cpu).
         timeout_s: How long joining and each broadcast may take.
+        secret: The join's secret (`new_secret`), the same for every member; the group's
+            keys in the store are prefixed with it.
 
     """
 
@@ -60,12 +73,15 @@ class WeightGroup:
         world_size: int,
         device: torch.device,
         timeout_s: float,
+        secret: str,
     ):
+        if len(secret) < 32:
+            raise ValueError("a weight group's secret is new_secret()'s: 32 characters or more")
         timeout = timedelta(seconds=timeout_s)
         tcp_store = dist.TCPStore(
             host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
         )
-        store = dist.PrefixStore("agentgrpo-weights", tcp_store)
+        store = dist.PrefixStore(f"agentgrpo-weights/{secret}", tcp_store)
         self.device = device
         self.source = world_size - 1
         self._store = store  # the backend does not keep the store alive by itself

@@ -4,6 +4,7 @@ the fresh ones first; a Ctrl-C during a weight push stops the producer cleanly."
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import math
 import os
@@ -17,6 +18,7 @@ import pytest
 
 from agentgrpo import GRPOTrainer
 from agentgrpo.asynchronous.queue import QueueFileError, QueueFolder
+from agentgrpo.run_folder import OutputDirUnwritable
 from rollout import EpisodeRecord
 from tests.agentgrpo.test_async_rounds import PROMPTS, config
 from tests.support.episodes import scripted_episode
@@ -193,6 +195,24 @@ def test_a_written_group_is_synced_before_it_is_renamed_into_place(
     path = queue.write([EpisodeRecord(episode, {"reward": 1.0}, math.nan, math.nan, 0)])
     assert synced == [f"{path}.tmp", str(queue.folder)]  # the group's file, then the rename
     assert [len(g.records) for g in queue.read()] == [1]
+
+
+def test_a_full_disk_under_the_queue_is_an_error_naming_the_folder_and_leaves_no_file(
+    tokenizer, tmp_path, monkeypatch
+):
+    def full_disk(descriptor: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    queue = QueueFolder(tmp_path, ["reward"])
+    episode = scripted_episode(tokenizer, ["Hi.", "Done."])
+    with pytest.raises(OutputDirUnwritable) as error:
+        queue.write([EpisodeRecord(episode, {"reward": 1.0}, math.nan, math.nan, 0)])
+    assert str(error.value) == (
+        f"cannot write to output folder {queue.folder}: No space left on device; free some "
+        "space on its disk (or lower save_total_limit)"
+    )
+    assert list(queue.folder.iterdir()) == []  # no temporary file holds the space
 
 
 def test_resuming_with_another_num_generations_than_the_queued_groups_is_refused(

@@ -128,6 +128,30 @@ def test_a_reward_function_that_raises_stops_an_async_run_naming_it(tokenizer, t
     assert not trainer._async.generation._thread.is_alive()
 
 
+def test_a_producer_that_fails_while_the_learner_trains_stops_the_run(tokenizer, tmp_path):
+    # The learner is busy (SlowLearner) when the reward function raises: the producer stops,
+    # and the next round raises its error rather than starting a new producer past it.
+    calls = []
+
+    def flaky_reward(completions, **kwargs):
+        calls.append(len(completions))
+        if len(calls) == 3:
+            raise KeyError("answer")
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer),
+        flaky_reward,
+        config(tmp_path, max_steps=6),
+        PROMPTS,
+        processing_class=tokenizer,
+        callbacks=[SlowLearner(1.0)],
+    )
+    with pytest.raises(RewardFunctionError, match="flaky_reward"):
+        trainer.train()
+    assert trainer.state.global_step < 6
+
+
 def test_the_async_option_of_agentgrpo_run_sets_async_grpo():
     import argparse
 

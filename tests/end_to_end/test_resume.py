@@ -41,6 +41,11 @@ SCORING = """
         return [float(len(str(completion)) % 5) for completion in completions]
 """
 
+CONSTANT = """
+def constant(completions, **kwargs):
+    return [1.0] * len(completions)
+"""
+
 
 def run_command(model_dir: Path, reward_file: Path, out: Path) -> list[str]:
     """`agentgrpo run` arguments: 5 seeded steps of the tiny model, a checkpoint every step."""
@@ -400,6 +405,38 @@ def test_resume_refuses_a_command_that_differs_from_the_saved_run_naming_each_di
     assert "model num_attention_heads 2 (saved run: 4)" in refusal("env:Counter", other_shape)
     assert main(["run", "env:Counter", "--model", str(tiny_model_dir), *options, "--resume"]) == 0
     assert "nothing to train" in capsys.readouterr().out
+
+
+def test_resume_with_another_reward_warns_naming_the_change_and_trains_with_it(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    scoring = tmp_path / "scoring.py"
+    scoring.write_text(textwrap.dedent(SCORING) + CONSTANT)
+    out = tmp_path / "out"
+
+    def run(steps: int, reward: str, *more: str) -> str:
+        options = [
+            "--output-dir", str(out), "--max-steps", str(steps), "--save-steps", "1",
+            "--per-device-train-batch-size", "2", "--num-generations", "2",
+            "--max-completion-length", "8", "--chat-template", "chatml_tools",
+            "--warm-start-steps", "0", "--reward", f"{scoring}:{reward}", *more,
+        ]  # fmt: skip
+        assert main(["run", "env:Counter", "--model", str(tiny_model_dir), *options]) == 0
+        return capsys.readouterr().err
+
+    run(1, "varied")
+    err = run(2, "constant", "--resume")
+    assert (
+        f"warning: resuming {out / 'checkpoint-1'} with other rewards than the run that saved "
+        f"it: reward ['{scoring}:constant'] (saved run: ['{scoring}:varied']). Training goes on "
+        "with the new ones"
+    ) in err
+    steps = [m for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
+    assert ["rewards/varied/mean" in m for m in steps] == [True, False]
+    assert ["rewards/constant/mean" in m for m in steps] == [False, True]
+    assert json.loads((out / "run.json").read_text())["reward"] == [f"{scoring}:constant"]
+    assert "warning: resuming" not in run(3, "constant", "--resume")  # recorded: quiet
 
 
 def test_resuming_in_python_with_another_architecture_names_the_difference(tokenizer, tmp_path):

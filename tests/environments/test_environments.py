@@ -379,7 +379,6 @@ def test_check_refuses_a_non_class():
         ("def reset(self, target, /): pass", "positional-only parameters ['target']"),
         ("def reset(self): pass\ndef done(self): return True", "done is a method"),
         ("def reset(self): pass\ndef dataset(self): return []", "dataset must be a @classmethod"),
-        ("def reset(self): pass\nreward = 1.0", "reward must be a method"),
         ("def reset(self): pass\nclose = None", "close must be a method"),
         ("async def reset(self): pass", "reset() is async; make it a plain method"),
         ("def reset(self): pass\nasync def close(self): pass", "close() is async; make it a"),

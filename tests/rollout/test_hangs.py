@@ -613,6 +613,47 @@ def test_the_exit_watchdog_keeps_the_status_and_flushes_the_output():
     assert "forever" in done.stderr
 
 
+LAUNCHED = """
+import sys, time
+from agentgrpo.cli.exiting import end_with_launcher
+end_with_launcher({"TORCHELASTIC_RUN_ID": "test"})
+print("ready", flush=True)
+try:
+    time.sleep(600)
+except KeyboardInterrupt:
+    open(sys.argv[1], "w").write("stopped as on Ctrl-C")
+"""
+# Stands in for torchrun's agent: starts the process, says its pid, and waits to be killed.
+LAUNCHER = f"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", {LAUNCHED!r}, sys.argv[1]], stdout=subprocess.PIPE)
+child.stdout.readline()
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.process
+def test_a_launched_process_stops_as_on_ctrl_c_once_its_launcher_is_killed(tmp_path):
+    stopped = tmp_path / "stopped"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(stopped)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    launched = int(launcher.stdout.readline())
+    launcher.kill()  # SIGKILL: no chance to stop what it started
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while not stopped.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stopped.read_text() == "stopped as on Ctrl-C"
+    said = launcher.stderr.read()  # the launched process's, until it exits
+    assert f"the launcher (pid {launcher.pid}) that started this process is gone" in said
+    assert launched != launcher.pid
+
+
 # ---------------------------------------------------------------------- Ctrl-C
 
 

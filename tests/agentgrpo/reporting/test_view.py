@@ -7,13 +7,14 @@ import json
 import shutil
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 from agentgrpo.cli import main
-from agentgrpo.reporting import view_data
+from agentgrpo.reporting import view_data, view_server
 from agentgrpo.reporting.plot import COLOURS, line_chart_svg
 from agentgrpo.reporting.run_log import episode_file
 from agentgrpo.reporting.view import RunView, render_page
@@ -364,6 +365,45 @@ def test_a_step_with_a_line_that_does_not_read_answers_the_rest_and_a_note(serve
     status, body = get(served + "/api/step/2")
     assert status == 200 and len(json.loads(body)["episodes"]) == 1
     assert "line 1: not a JSON object" in json.loads(body)["note"]
+
+
+def test_a_client_that_trickles_its_request_is_cut_at_the_request_deadline(served, monkeypatch):
+    monkeypatch.setattr(view_server, "REQUEST_TIMEOUT_S", 1.0)
+    port = int(served.rsplit(":", 1)[1])
+    slow = socket.create_connection(("127.0.0.1", port), timeout=5)
+    slow.sendall(b"GET /api/index HTTP/1.1\r\nHost: localhost\r\n")
+    started = time.monotonic()
+    with pytest.raises(OSError):  # a byte at a time, each well within any per-read timeout
+        while time.monotonic() - started < 5:
+            slow.sendall(b"X")
+            time.sleep(0.1)
+    assert time.monotonic() - started < 3
+    slow.close()
+    assert get(served + "/api/index")[0] == 200
+
+
+def test_clients_holding_every_connection_leave_the_viewer_up_with_its_threads_bounded(
+    run_dir, monkeypatch
+):
+    monkeypatch.setattr(view_server, "REQUEST_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(view_server, "MAX_CONNECTIONS", 4)
+    server = make_server(RunView(run_dir), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    threads_before = threading.active_count()
+    held = [socket.create_connection(server.server_address, timeout=5) for _ in range(40)]
+    for connection in held:
+        connection.sendall(b"GET /api/index HTTP/1.1\r\nHost: localhost\r\nX-Held: ")
+    time.sleep(0.3)
+    assert threading.active_count() - threads_before <= 4
+    status, _ = get(url + "/api/index")
+    assert status == 503  # every slot is held: answered at once, not queued behind them
+    time.sleep(1.5)  # the held requests pass their deadline
+    assert get(url + "/api/index")[0] == 200
+    for connection in held:
+        connection.close()
+    server.shutdown()
+    server.server_close()
 
 
 # ---------------------------------------------------------------------- the command

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import anyio
 import pytest
@@ -23,6 +25,7 @@ from agentgrpo.generation.vllm_serve import _parser, serve_command, serve_enviro
 from agentgrpo.generation.weight_sync import ServedWeights, ServerPush, policy_weights
 from environments import Counter
 from rollout import EpisodeConfig, Finish, RolloutEngine
+from rollout.backends.server_guard import KEY_VARIABLE
 from rollout.backends.vllm_server import ServerConnection, ServerUnavailableError, VLLMServerBackend
 from rollout.types import SamplingParams
 from tests.support.episodes import (
@@ -59,8 +62,17 @@ pytestmark = [*needs_vllm, pytest.mark.process]
 
 
 @pytest.fixture(scope="module")
-def server(policy_path, tmp_path_factory):
-    """`agentgrpo vllm-serve --model <tiny> ...` as a child process; yields it with its URL."""
+def server_key():
+    """The server's key, set in this process's environment too: every connection sends it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(KEY_VARIABLE, "the-key-of-the-server-tests")
+        yield os.environ[KEY_VARIABLE]
+
+
+@pytest.fixture(scope="module")
+def server(policy_path, tmp_path_factory, server_key):
+    """`agentgrpo vllm-serve --model <tiny> ...` with a key, as a child process; yields it with
+    its URL."""
     port = free_port()
     options, passthrough = _parser().parse_known_args(
         ["--model", str(policy_path), "--port", str(port), "--dtype", "float32"]
@@ -95,6 +107,20 @@ def backend(server, tokenizer):
     except ServerUnavailableError as error:
         log = server.log.read_text()[-3000:]
         raise AssertionError(f"the server did not start:\n{log}") from error
+
+
+def test_without_the_key_no_endpoint_answers_the_weight_endpoints_included(backend, server):
+    """What an anonymous client tried: joining the weight group and pushing its own weights."""
+    join = {"method": "agentgrpo_join", "args": [json.dumps({"port": free_port()})]}
+    for headers in ({}, {"Authorization": "Bearer a-guess"}):
+        for path, body in [("/collective_rpc", join), ("/pause", {}), ("/v1/completions", {})]:
+            request = urllib.request.Request(
+                server.url + path, json.dumps(body).encode(), headers=headers
+            )
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == 401, path
+    assert backend.connection.get("/v1/models")["data"]  # the key opens the door
 
 
 def test_a_tool_episode_through_the_vllm_server_is_token_exact(backend, tokenizer):

@@ -101,7 +101,8 @@ def test_vllm_serve_starts_vllms_server_with_agentgrpos_worker_extension():
     assert "--worker-extension-cls rollout.backends.vllm_worker.WeightReceiver" in joined
     assert "--logprobs-mode processed_logprobs" in joined
     assert "--enable-scale-out" in command  # /inference/v1/generate: requests with pictures
-    assert "--tensor-parallel-size 2 --host 0.0.0.0 --port 9000" in joined
+    assert "--tensor-parallel-size 2 --host 127.0.0.1 --port 9000" in joined
+    assert "--middleware rollout.backends.server_guard.ServerGuard" in joined  # every path
     assert command[-2:] == ["--max-num-seqs", "8"]  # unknown arguments reach vLLM unchanged
     assert ("--enforce-eager" in command) == (not torch.cuda.is_available())
     # a seeded request's prompt split over two steps stops vLLM's CPU engine
