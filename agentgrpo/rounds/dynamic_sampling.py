@@ -7,9 +7,11 @@ of fresh rows, drawn at random from the training rows and played, for at most
 `max_resample_rounds` more plays a round. Groups still uninformative then stay in (advantage
 0), so a round always has its planned size and the loss's normalisers do not change.
 
-Every process loops the same number of times (the count of groups still missing is gathered),
-since a round's later stages gather over all of them. Fresh rows are drawn with a seed fixed by
-the round's seed and the attempt, so a resumed run replays the same draws.
+Every process plays the same number of times (the count of groups still missing is gathered;
+a process already full plays as many fresh rows as the process missing most, and keeps none),
+since generation may be collective and a round's later stages gather over all processes. Fresh
+rows are drawn with a seed fixed by the round's seed and the attempt, so a resumed run replays
+the same draws.
 
 With `async_grpo` the producer plays row after row anyway: it drops an uninformative group as
 it ends and plays the next row in its place (`GroupFilter`), keeping one again after
@@ -186,14 +188,17 @@ def resample(
     replaced = rounds = 0
     for attempt in range(1, sampling.max_rounds + 1):
         missing = [q for q, informs in enumerate(informative_Q.tolist()) if not informs]
-        if int(gather(torch.tensor([len(missing)])).max()) == 0:
+        most = int(gather(torch.tensor([len(missing)])).max())
+        if most == 0:
             break  # every process is full: all stop here together
-        if not missing:
-            continue  # another process still plays: this one goes round with it
+        # A full process plays too, and keeps nothing: generation may be collective (ZeRO-3's
+        # gathered weights, tensor-parallel vLLM), so every process plays as often.
         fresh_seed = hash((seed, attempt)) % 2**31
-        rows = sampling.draw_rows(len(missing), fresh_seed)
+        rows = sampling.draw_rows(len(missing) or most, fresh_seed)
         episodes, rewards_N_F, fresh_logs = sampling.play(rows, num_generations, fresh_seed)
         rounds += 1
+        if not missing:
+            continue
         _add_metrics(sampling.logs, fresh_logs)
         fresh_Q = informative_groups(combine(rewards_N_F), num_generations).tolist()
         fresh = [

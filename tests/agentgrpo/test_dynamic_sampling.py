@@ -108,8 +108,8 @@ def test_past_the_budget_the_uninformative_groups_stay(episode):
     assert (done.replaced, done.rounds, done.informative) == (0, 2, 1)
 
 
-def test_a_full_process_goes_round_with_one_that_still_plays(episode):
-    """Every process gathers once per attempt: a full one plays nothing but does not stop."""
+def test_a_full_process_plays_as_often_as_one_that_still_misses_and_keeps_nothing(episode):
+    """Generation may be collective: a full process plays the fresh rows another still needs."""
     gathered = []
 
     def other_process_misses(tensor):  # this process, and another one short of a group
@@ -117,10 +117,12 @@ def test_a_full_process_goes_round_with_one_that_still_plays(episode):
         return torch.cat([tensor, torch.tensor([1])])
 
     plays = []
-    sampling = DynamicSampling(fresh_rows([]), player(episode, plays), 2, RewardLogs())
+    draw = fresh_rows([row("x0", 0, 1), row("x1", 0, 1)])
+    sampling = DynamicSampling(draw, player(episode, plays), 2, RewardLogs())
     played = player(episode, [])([row("a", 0, 1)], G, 0)[:2]
     done = resample(sampling, lambda r: r[:, 0], other_process_misses, played, G, 0)
-    assert gathered == [0, 0] and plays == [] and done.rounds == 0
+    assert gathered == [0, 0] and plays == [["x0"], ["x1"]]
+    assert (done.rounds, done.replaced) == (2, 0) and done.rewards_N_F[:, 0].tolist() == [0, 1]
 
 
 def test_a_run_with_dynamic_sampling_logs_what_it_replaced(tokenizer, tmp_path):
