@@ -115,6 +115,9 @@ AGENTGRPO_DEFAULTS = [
     ("max_staleness", 4),
     ("queue_maxsize", 1024),
     ("weight_sync_steps", 1),
+    # dynamic sampling: off, as TRL trains on every group
+    ("dynamic_sampling", False),
+    ("max_resample_rounds", 3),
 ]
 
 DECLARED = {f.name: f for f in dataclasses.fields(GRPOConfig)}
