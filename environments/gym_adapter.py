@@ -16,9 +16,17 @@
   gymnasium keeps them (the task ended versus we cut it off);
 - with ``prompt=``, a ``dataset(split)`` classmethod, so the class runs without data files.
 
-Observations must be text: a `~gymnasium.spaces.Text` observation space, or any space plus an
-``observe`` function that renders an observation as text. The class is built once, when
-`gym_environment` is called: it makes one env to read its spaces, then closes it.
+Observations become text: a `~gymnasium.spaces.Text` observation is read as it is, a
+`~gymnasium.spaces.Dict` or `~gymnasium.spaces.Tuple` one through the default rendering
+`environments.observations.observation_text` (keys and indices as labels, small arrays as rows
+of numbers), and any space through an ``observe`` function that renders an observation as text,
+which takes precedence. The class is built once, when `gym_environment` is called: it makes one
+env to read its spaces, then closes it.
+
+With ``max_episode_steps``, the class also gets ``episode_limits``: ``max_turns`` is the step
+limit (one step per turn), and ``max_completion_length`` allows each turn a call
+(`TURN_TOKENS`) and an observation as long as the first one (read from one ``reset(seed=0)``
+of the probed env; a class with ``options`` gets ``max_turns`` alone, as its reset needs a row).
 
 Add ``demonstrations``, a richer ``dataset`` or reward shaping by subclassing the returned class.
 """
@@ -35,15 +43,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import gymnasium
-from gymnasium.spaces import Discrete, Text
+from gymnasium.spaces import Dict, Discrete, Text, Tuple
 
 from environments.contract import RESERVED_NAMES
+from environments.observations import observation_text
 
 if TYPE_CHECKING:
     import datasets
 
 _ROWS = {"train": 256, "eval": 64}
 _FIRST_SEED = {"train": 0, "eval": 1_000_000}  # eval games never share a seed with train ones
+TURN_TOKENS = 56
+"""Tokens a turn takes besides its observation: a tool call, the template around it, a mark."""
 
 
 @dataclass(frozen=True)
@@ -199,9 +210,10 @@ def gym_environment(
         argument_doc: The argument's description; defaults to the action space in words
             ("An integer from 0 to 3.").
         observe: Renders an observation as text; required unless the observation space is
-            `Text`.
-        max_episode_steps: Truncate the episode after this many steps; None: only the env
-            truncates.
+            `Text` (read as it is), `Dict` or `Tuple` (`observation_text` by default).
+        max_episode_steps: Truncate the episode after this many steps, and give the class
+            ``episode_limits`` of that many turns (`step_limits`); None: only the env
+            truncates, and the class has no ``episode_limits`` of its own.
         options: Row columns passed to ``env.reset(options={column: value})``; reset fails
             with a clear error when the row lacks one.
         prompt: If given, the class gets a ``dataset(split)`` classmethod: this prompt as one
@@ -214,7 +226,7 @@ def gym_environment(
 
     Raises:
         TypeError: The action space is neither `Discrete` nor `Text`, or the observation
-            space is not `Text` and no ``observe`` was given.
+            space is not `Text`, `Dict` or `Tuple` and no ``observe`` was given.
         ValueError: ``action_tool`` or ``argument`` is not a usable name, or
             ``max_episode_steps`` is below 1.
 
@@ -237,7 +249,8 @@ def gym_environment(
     _check_arguments(action_tool, argument, max_episode_steps)
     if isinstance(make_env, str):
         make_env = functools.partial(gymnasium.make, make_env)
-    env_name, action_space, observe = _probe(make_env, observe)
+    measure = max_episode_steps is not None and not options
+    env_name, action_space, observe, frame = _probe(make_env, observe, measure)
     spec = GymSpec(make_env, observe, action_space, argument, max_episode_steps, tuple(options))
     class_name = name or f"{env_name}Environment"
     doc = argument_doc or _describe_space(action_space)
@@ -246,6 +259,8 @@ def gym_environment(
         f"The gymnasium env {env_name} as an environment: the model acts with {action_tool}."
     )
     namespace = {"__doc__": description, "__module__": _caller_module(), "_gym": spec}
+    if max_episode_steps is not None:
+        namespace["episode_limits"] = step_limits(max_episode_steps, frame)
     return _environment_class(class_name, {**namespace, action_tool: tool}, prompt)
 
 
@@ -258,20 +273,51 @@ def _environment_class(
     return type(name, (GymEnvironment, PromptRows), {**namespace, "prompt": prompt})
 
 
+def step_limits(steps: int, frame: str | None) -> dict[str, int]:
+    """``episode_limits`` for an episode of `steps` steps, one per turn.
+
+    ``max_turns`` is `steps`; with the first observation's text `frame`,
+    ``max_completion_length`` allows each turn `TURN_TOKENS` and a frame of that length, taken
+    as 3 tokens per 4 characters (SmolLM2's tokenizer: FrozenLake's 21 characters are 17 tokens,
+    CliffWalking's 139 are 95). Without a frame, ``max_turns`` alone.
+
+    Examples:
+        >>> step_limits(5, "You are on square 0.")
+        {'max_turns': 5, 'max_completion_length': 355}
+
+    """
+    if frame is None:
+        return {"max_turns": steps}
+    return {
+        "max_turns": steps,
+        "max_completion_length": steps * (TURN_TOKENS + len(frame) * 3 // 4),
+    }
+
+
 def _probe(
-    make_env: Callable[[], gymnasium.Env], observe: Callable[[Any], str] | None
-) -> tuple[str, Discrete | Text, Callable[[Any], str]]:
+    make_env: Callable[[], gymnasium.Env], observe: Callable[[Any], str] | None, measure: bool
+) -> tuple[str, Discrete | Text, Callable[[Any], str], str | None]:
     """Make one env to read its name and spaces; check them; return the observation renderer.
+
+    With `measure`, the probe is also reset (seed 0) and its first observation's text returned.
 
     Raises:
         TypeError: The action space is neither `Discrete` nor `Text`, or the observation space
-            is not `Text` and `observe` is None.
+            is not `Text`, `Dict` or `Tuple` and `observe` is None.
 
     """
     probe = make_env()
+    if not isinstance(probe, gymnasium.Env):
+        raise TypeError(
+            f"gym_environment: make_env returned a {type(probe).__name__}, not a "
+            "gymnasium.Env (with action_space and observation_space); wrap it in one (a GEM "
+            "env: environments.gem_adapter.GemText, or the spec gem:ENV_ID)"
+        )
     try:
         action_space, observation_space = probe.action_space, probe.observation_space
         env_name = type(probe.unwrapped).__name__
+        render = observe or _default_observe(observation_space)
+        frame = _text(render(probe.reset(seed=0)[0])) if measure and render else None
     finally:
         probe.close()
     label = f"gym_environment({env_name})"
@@ -281,12 +327,21 @@ def _probe(
             "(an int argument) and Text (a str argument): wrap the env to map one of these "
             "to its actions"
         )
-    if observe is None and not isinstance(observation_space, Text):
+    if render is None:
         raise TypeError(
-            f"{label}: the observation space is {observation_space}, not Text; pass "
-            "observe=<a function from an observation to the text the model reads>"
+            f"{label}: the observation space is {observation_space}, not Text, Dict or Tuple; "
+            "pass observe=<a function from an observation to the text the model reads>"
         )
-    return env_name, action_space, observe or str
+    return env_name, action_space, render, frame
+
+
+def _default_observe(space: gymnasium.Space) -> Callable[[Any], str] | None:
+    """How an observation of `space` becomes text without an ``observe``; None: it cannot."""
+    if isinstance(space, Text):
+        return str
+    if isinstance(space, Dict | Tuple):
+        return observation_text
+    return None
 
 
 def _check_arguments(action_tool: str, argument: str, max_episode_steps: int | None) -> None:

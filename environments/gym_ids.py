@@ -3,18 +3,26 @@
 `gym_id_environment(spec)` turns the text after ``gym:`` into an environment class through
 `gym_environment`, so a registered env needs no code of ours:
 
-- the observation must be text: a `~gymnasium.spaces.Text` observation space, or an ``ansi``
-  render mode, whose frame becomes the observation (coloured cells, such as the player's, are
-  shown in ``[brackets]``). Anything else (``Blackjack-v1``: a tuple of numbers, no ``ansi``) is
-  refused with an `EnvironmentSpecError` that says why;
+- the observation becomes text: a `~gymnasium.spaces.Text` observation space is read as it is;
+  an ``ansi`` render mode's frame becomes the observation (coloured cells, such as the
+  player's, are shown in ``[brackets]``); a `~gymnasium.spaces.Dict` or
+  `~gymnasium.spaces.Tuple` observation (``Blackjack-v1``'s tuple of numbers) is rendered by
+  `environments.observations.observation_text`, and MiniGrid's by
+  `environments.observations.minigrid_text` (the mission, the direction, the view as a grid).
+  Anything else (``CartPole-v1``: an array, no ``ansi``) is refused with an
+  `EnvironmentSpecError` that says why;
+- ids of plugin packages (minigrid) exist once their package is imported: ``gym:MODULE:ENV_ID``
+  has gymnasium import it (``gym:minigrid:MiniGrid-Empty-5x5-v0``), and ``gym:ENV_ID`` for an id
+  that an installed package registers is an error that names that spec;
 - the action is the tool ``act``, its argument typed from the action space (`Discrete` or
-  `Text`); the toy-text envs gymnasium ships (FrozenLake, Taxi, CliffWalking) have their
-  actions, goal and map legend described from gymnasium's documentation, others get the env's
-  own docstring and ``get_action_meanings()`` where it has one;
+  `Text`); the toy-text envs gymnasium ships (FrozenLake, Taxi, CliffWalking) and MiniGrid's
+  envs have their actions, goal and map legend described from their documentation, others get
+  the env's own docstring and ``get_action_meanings()`` where it has one;
 - the reward is the episode return, the sum of the step rewards;
 - rows: ``dataset(split)`` gives one prompt per row with a seed (``"train"`` from 0,
   ``"eval"`` from 1,000,000), and each episode resets with its row's seed;
-- ``episode_limits``: ``max_turns`` is the env's ``max_episode_steps``, at most 20, and
+- ``episode_limits``: ``max_turns`` is the env's ``max_episode_steps`` (else its own
+  ``max_steps``, as MiniGrid's envs have), at most 20, and
   ``max_completion_length`` allows each turn a call and the frame it returns.
 
 Keyword arguments for ``gymnasium.make`` follow the id, comma-separated, each value JSON (or a
@@ -25,6 +33,8 @@ class every time.
 from __future__ import annotations
 
 import difflib
+import importlib
+import importlib.metadata
 import json
 import re
 import string
@@ -33,14 +43,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import gymnasium
-from gymnasium.spaces import Text
+from gymnasium.spaces import Dict, Text, Tuple
 
 from environments.errors import EnvironmentSpecError
-from environments.gym_adapter import GymEnvironment, gym_environment
+from environments.gym_adapter import GymEnvironment, gym_environment, step_limits
+from environments.observations import minigrid_text, observation_text
 from tools.threads import describe_error
 
 MAX_TURNS = 20  # a cap on model turns: longer games cost more than they teach a small model
-_TURN_TOKENS = 56  # a tool call, the template around it and the frame's "(Down)" line
 _TOOL = "act"
 _CLASSES: dict[tuple[str, tuple[tuple[str, Any], ...]], type[GymEnvironment]] = {}
 _COLOURED = re.compile(r"\x1b\[[0-9;]*m([^\x1b]*)\x1b\[0m")
@@ -55,6 +65,7 @@ class _Described:
     goal: str
     actions: str
     describe: Callable[[gymnasium.Env, Any], str] | None = None
+    observe: Callable[[Any], str] | None = None  # for an observation that is not text
 
 
 def _taxi_state(env: gymnasium.Env, state: Any) -> str:
@@ -89,6 +100,26 @@ _DESCRIBED = {
         actions="0: move up, 1: move right, 2: move down, 3: move left.",
     ),
 }
+
+
+# Every MiniGrid env (a subclass of minigrid's MiniGridEnv), from MiniGrid's documentation.
+_MINIGRID = _Described(
+    goal="Move through a grid world, seen from where you stand, to do what the mission says "
+    "(each view states it). Success pays 1 less 0.9 times the share of the step limit used, so "
+    "fewer steps pay more.",
+    actions="0: turn left, 1: turn right, 2: move forward, 3: pick up the object in front of "
+    "you, 4: drop what you carry, 5: toggle the object in front of you (open a door or a box), "
+    "6: done (say the task is complete).",
+    observe=minigrid_text,
+)
+
+
+def _described(env: gymnasium.Env) -> _Described | None:
+    """What the documentation says about the unwrapped `env`'s game, where we know it."""
+    classes = [cls.__name__ for cls in type(env).__mro__]
+    if "MiniGridEnv" in classes:
+        return _MINIGRID
+    return _DESCRIBED.get(classes[0])
 
 
 class AnsiText(gymnasium.ObservationWrapper):
@@ -149,19 +180,31 @@ def gym_id_environment(spec: str) -> type[GymEnvironment]:
         >>> env.close()
 
     """
-    env_id, kwargs = _parse(spec)
+    env_id, kwargs = parse_spec(spec)
     key = (env_id, tuple(sorted(kwargs.items())))
     if key not in _CLASSES:
         _CLASSES[key] = _build(env_id, kwargs, f"gym:{spec}")
     return _CLASSES[key]
 
 
-def _parse(spec: str) -> tuple[str, dict[str, Any]]:
+def parse_spec(
+    spec: str, prefix: str = "gym:", example: str = "FrozenLake-v1"
+) -> tuple[str, dict[str, Any]]:
+    """Split ``ENV_ID,key=value,...`` (the text after `prefix`) into the id and its arguments.
+
+    Values are JSON, Python's ``True``, ``False`` or ``None``, else the bare text.
+
+    Raises:
+        EnvironmentSpecError: No id, or an argument that is not ``key=value``; the message
+            shows `prefix` and `example`.
+
+    """
     env_id, *pairs = spec.split(",")
     env_id = env_id.strip()
     if not env_id:
         raise EnvironmentSpecError(
-            f"'gym:{spec}' names no gymnasium id; write gym:ENV_ID, e.g. gym:FrozenLake-v1"
+            f"'{prefix}{spec}' names no environment id; write {prefix}ENV_ID, e.g. "
+            f"{prefix}{example}"
         )
     kwargs: dict[str, Any] = {}
     for pair in pairs:
@@ -169,8 +212,8 @@ def _parse(spec: str) -> tuple[str, dict[str, Any]]:
         name = name.strip()
         if not equals or not name.isidentifier():
             raise EnvironmentSpecError(
-                f"'gym:{spec}': {pair!r} is not key=value; make arguments follow the id as "
-                f"gym:{env_id},key=value,... (e.g. is_slippery=false)"
+                f"'{prefix}{spec}': {pair!r} is not key=value; make arguments follow the id as "
+                f"{prefix}{env_id},key=value,... (e.g. max_turns=5)"
             )
         kwargs[name] = _argument(value.strip())
     return env_id, kwargs
@@ -193,25 +236,20 @@ def _build(env_id: str, kwargs: dict[str, Any], label: str) -> type[GymEnvironme
         observation_space = probe.observation_space
         render_modes = list(probe.metadata.get("render_modes", []))
         unwrapped = probe.unwrapped
-        described = _DESCRIBED.get(type(unwrapped).__name__)
+        described = _described(unwrapped)
         meanings = getattr(unwrapped, "get_action_meanings", None)
         doc = _first_paragraph(type(unwrapped).__doc__)
         max_steps = probe.spec.max_episode_steps if probe.spec is not None else None
+        own_steps = getattr(unwrapped, "max_steps", None)  # MiniGrid truncates by itself
+        max_steps = max_steps or (own_steps if isinstance(own_steps, int) else None)
     finally:
         probe.close()
-    make_env: Callable[[], gymnasium.Env]
-    if isinstance(observation_space, Text):
-        make_env = lambda: gymnasium.make(env_id, **kwargs)  # noqa: E731
-    elif "ansi" in render_modes:
-        describe = described.describe if described else None
-        make_env = lambda: AnsiText(  # noqa: E731
-            gymnasium.make(env_id, render_mode="ansi", **kwargs), describe
-        )
-    else:
+    make_env, observe = _observed(env_id, kwargs, observation_space, render_modes, described)
+    if make_env is None:
         raise EnvironmentSpecError(
             f"{label} has no text observation, which the model needs: its observation space "
-            f"is {observation_space}, not Text, and it has no 'ansi' render mode (its render "
-            f"modes: {', '.join(render_modes) or 'none'}). Write a class with "
+            f"is {observation_space}, not Text, Dict or Tuple, and it has no 'ansi' render mode "
+            f"(its render modes: {', '.join(render_modes) or 'none'}). Write a class with "
             f"gym_environment({env_id!r}, observe=<observation -> text>, ...) in a file and "
             f"run path/to/file.py:Class"
         )
@@ -224,6 +262,7 @@ def _build(env_id: str, kwargs: dict[str, Any], label: str) -> type[GymEnvironme
             action_tool=_TOOL,
             action_doc=f"Take one action in {env_id}; returns what you see next.",
             argument_doc=actions,
+            observe=observe,
             prompt=f"{goal} Play {env_id} with the {_TOOL} tool: each call takes one action "
             "and returns what you see next. Aim for the highest total reward.",
             description=f"The gymnasium env {env_id}, played with {_TOOL}; reward: the episode "
@@ -233,6 +272,33 @@ def _build(env_id: str, kwargs: dict[str, Any], label: str) -> type[GymEnvironme
         raise EnvironmentSpecError(f"{label}: {error}") from None
     cls.episode_limits = _limits(cls, max_steps)  # type: ignore[attr-defined]
     return cls
+
+
+def _observed(
+    env_id: str,
+    kwargs: dict[str, Any],
+    space: gymnasium.Space,
+    render_modes: list[str],
+    described: _Described | None,
+) -> tuple[Callable[[], gymnasium.Env] | None, Callable[[Any], str] | None]:
+    """How to make the env so that its observation becomes text, and the renderer to use.
+
+    A `Text` observation is read as it is; else an ``ansi`` frame (`AnsiText`); else MiniGrid's
+    or a `Dict` or `Tuple` observation through its renderer. ``(None, None)``: none of these.
+    """
+    if isinstance(space, Text):
+        return (lambda: gymnasium.make(env_id, **kwargs)), None
+    if "ansi" in render_modes:
+        describe = described.describe if described else None
+        return (
+            lambda: AnsiText(gymnasium.make(env_id, render_mode="ansi", **kwargs), describe)
+        ), None
+    observe = described.observe if described else None
+    if observe is None and isinstance(space, Dict | Tuple):
+        observe = observation_text
+    if observe is None:
+        return None, None
+    return (lambda: gymnasium.make(env_id, **kwargs)), observe
 
 
 # What an env's constructor raises for arguments it refuses: an unknown name (TypeError), a
@@ -248,6 +314,9 @@ def _make(env_id: str, kwargs: dict[str, Any], label: str) -> gymnasium.Env:
     """
     try:
         return gymnasium.make(env_id, **kwargs)
+    except gymnasium.error.NameNotFound as error:
+        found = _plugin_hint(env_id, label) or _close_matches(env_id)
+        raise EnvironmentSpecError(f"{label}: {str(error).rstrip('.')}{found}") from None
     except gymnasium.error.Error as error:
         raise EnvironmentSpecError(
             f"{label}: {str(error).rstrip('.')}{_close_matches(env_id)}"
@@ -262,6 +331,56 @@ def _make(env_id: str, kwargs: dict[str, Any], label: str) -> gymnasium.Env:
             f"{label}: gymnasium.make({env_id!r}, {kwargs}) refused its arguments: "
             f"{describe_error(error)}"
         ) from error
+
+
+_OURS = {"agentgrpo", "environments", "rollout", "tools"}
+_NEEDS_GYMNASIUM = re.compile(r"gymnasium(?![\w.-])", re.IGNORECASE)
+
+
+def _plugin_hint(env_id: str, label: str) -> str:
+    """For an id an installed plugin package registers on import: the spec that imports it.
+
+    The plugins are the installed distributions that require gymnasium (not in an extra); each
+    of their modules is imported until `env_id` is registered. Empty: none registers it.
+    """
+    if ":" in env_id:  # gym:MODULE:ENV_ID names its module already
+        return ""
+    for module in _plugin_modules():
+        try:
+            importlib.import_module(module)
+        except Exception:  # a plugin that does not import here cannot register the id
+            continue
+        if env_id in gymnasium.registry:
+            spec = label.replace("gym:", f"gym:{module}:", 1)
+            return (
+                f"; the installed package {module!r} registers it when imported, which "
+                f"gym:MODULE:ENV_ID does: use {spec}"
+            )
+    return ""
+
+
+def _plugin_modules() -> list[str]:
+    """Top-level modules of the installed distributions that require gymnasium, ours left out."""
+    plugins = {
+        _normalized(dist.metadata["Name"] or "")
+        for dist in importlib.metadata.distributions()
+        if any(
+            _NEEDS_GYMNASIUM.match(requirement) and "extra ==" not in requirement
+            for requirement in dist.requires or []
+        )
+    }
+    owners = importlib.metadata.packages_distributions()
+    return sorted(
+        module
+        for module, dists in owners.items()
+        if module.isidentifier()
+        and module not in _OURS
+        and any(_normalized(dist) in plugins for dist in dists)
+    )
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _close_matches(env_id: str) -> str:
@@ -287,16 +406,11 @@ def _first_paragraph(doc: str | None) -> str:
 def _limits(cls: type[GymEnvironment], max_steps: int | None) -> dict[str, int]:
     """Turns: the env's step limit, at most `MAX_TURNS`; tokens: each turn a call and a frame.
 
-    The frame's length is read from one reset; a frame of n characters is taken as at most
-    3n/4 tokens (SmolLM2's tokenizer: FrozenLake 21 characters, 17 tokens; CliffWalking 139, 95).
+    The frame's length is read from one reset (`step_limits` says how it counts).
     """
     env = cls()
     try:
         frame = env.reset(seed=0)
     finally:
         env.close()
-    turns = min(max_steps or MAX_TURNS, MAX_TURNS)
-    return {
-        "max_turns": turns,
-        "max_completion_length": turns * (_TURN_TOKENS + len(frame) * 3 // 4),
-    }
+    return step_limits(min(max_steps or MAX_TURNS, MAX_TURNS), frame)

@@ -1,11 +1,14 @@
 """Turning an environment spec string, as typed on the command line, into a class.
 
-Five forms, told apart by the part before the last ``:`` (``gym:`` by the prefix alone):
+Six forms, told apart by the part before the last ``:`` (``gym:`` by the prefix alone):
 
+- ``NAME`` (no ``:``): an environment an installed package declares (`environments.packages`);
 - ``env:Name``: a built-in from `BUILTIN_ENVIRONMENTS`;
 - ``gym:ENV_ID``: a registered gymnasium env with a text observation (a ``Text`` observation
   space or an ``ansi`` render mode), through the gymnasium adapter; ``gym:ENV_ID,key=value``
   passes arguments to ``gymnasium.make`` (see `environments.gym_ids`);
+- ``gem:ENV_ID``: an environment of GEM's registry (`gem_environment`; needs gem-llm), such as
+  ``gem:game:GuessTheNumber-v0-easy``;
 - ``rg:TASK``: a reasoning-gym task (`reasoning_gym_environment`; needs reasoning-gym);
 - ``path/to/file.py:Class``: anything ending in ``.py`` or containing a path separator; a
   relative path starts at the current directory. The file runs once, as a module with a name of
@@ -37,9 +40,13 @@ from environments.chain import Chain
 from environments.colour_square import ColourSquare
 from environments.counter import Counter
 from environments.errors import EnvironmentSpecError
+from environments.gem_adapter import GEM_PREFIX, gem_environment
 from environments.guess_number import GuessNumber
 from environments.gym_ids import gym_id_environment
+from environments.packages import installed_environment
+from environments.questions import Questions
 from environments.reasoning_gym_tasks import reasoning_gym_environment
+from environments.trail import Trail
 
 BUILTIN_ENVIRONMENTS: dict[str, type] = {
     "Counter": Counter,
@@ -47,13 +54,16 @@ BUILTIN_ENVIRONMENTS: dict[str, type] = {
     "GuessNumber": GuessNumber,
     "Chain": Chain,
     "ColourSquare": ColourSquare,
+    "Trail": Trail,
+    "Questions": Questions,
 }
 """The environments reachable as ``env:Name``."""
 
 _NOT_IDENTIFIER = re.compile(r"\W")
 _FORMS = (
-    "'env:Name' (a built-in), 'gym:ENV_ID' (a gymnasium id), 'rg:TASK' (reasoning-gym), "
-    "'package.module:Class' or 'path/to/file.py:Class'"
+    "'NAME' (an installed environment package), 'env:Name' (a built-in), 'gym:ENV_ID' (a "
+    "gymnasium id), 'gem:ENV_ID' (GEM), 'rg:TASK' (reasoning-gym), 'package.module:Class' or "
+    "'path/to/file.py:Class'"
 )
 GYM_PREFIX = "gym:"
 
@@ -65,8 +75,8 @@ def resolve_environment(spec: str) -> type:
     for the full contract.
 
     Args:
-        spec: ``env:Name``, ``gym:ENV_ID``, ``rg:TASK``, ``package.module:Class`` or
-            ``path/to/file.py:Class``.
+        spec: ``NAME`` (an installed package's), ``env:Name``, ``gym:ENV_ID``, ``rg:TASK``,
+            ``package.module:Class`` or ``path/to/file.py:Class``.
 
     Returns:
         The class (not an instance).
@@ -76,10 +86,14 @@ def resolve_environment(spec: str) -> type:
             the message says which part and, where it can, suggests the nearest name.
 
     """
-    if not isinstance(spec, str) or ":" not in spec:
-        raise EnvironmentSpecError(f"environment spec {spec!r} has no ':'; use {_FORMS}")
+    if not isinstance(spec, str) or not spec:
+        raise EnvironmentSpecError(f"environment spec {spec!r} is not a name; use {_FORMS}")
+    if ":" not in spec:
+        return _checked(spec, installed_environment(spec, BUILTIN_ENVIRONMENTS).load())
     if spec.startswith(GYM_PREFIX):  # before splitting: a gym id may hold a ':' of its own
         return gym_id_environment(spec.removeprefix(GYM_PREFIX))
+    if spec.startswith(GEM_PREFIX):  # GEM's ids hold a ':' of their own (game:...)
+        return gem_environment(spec.removeprefix(GEM_PREFIX))
     where, _, attribute = spec.rpartition(":")
     if not where or not attribute:
         raise EnvironmentSpecError(
@@ -92,6 +106,11 @@ def resolve_environment(spec: str) -> type:
             obj = reasoning_gym_environment(attribute)
         case _:
             obj = load_attribute(spec, inspect.isclass)
+    return _checked(spec, obj)
+
+
+def _checked(spec: str, obj: object) -> type:
+    """`obj`, which `spec` names, once it is a class with a ``reset`` method."""
     if not inspect.isclass(obj):
         raise EnvironmentSpecError(
             f"{spec!r} names a {type(obj).__name__}, not a class; an environment is a class "

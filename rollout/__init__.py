@@ -15,8 +15,9 @@ from rollout.backend import GenerationBackend
 from rollout.backends.scripted import ScriptedBackend
 from rollout.backends.transformers import TransformersBackend
 from rollout.engine import EpisodePlayer, PlaySetup, RolloutEngine
-from rollout.episode import EpisodeConfig, PromptTooLongError, prompt_messages
+from rollout.episode import EpisodeConfig, PromptTooLongError
 from rollout.parsers import PARSERS, detect_parser, get_parser
+from rollout.prompts import prompt_messages
 from rollout.record import (
     EpisodeRecord,
     read_records,
@@ -34,6 +35,7 @@ from rollout.template import (
 from rollout.template_sandbox import RenderLimits, TemplateRenderError
 from rollout.tokens import TokenRow
 from rollout.types import (
+    Compaction,
     Completion,
     Episode,
     EpisodeRow,
@@ -44,12 +46,14 @@ from rollout.types import (
     SamplingParams,
     ToolCall,
     ToolCallRecord,
+    TurnRecord,
 )
 
 __all__ = [
     "BUILTIN_TEMPLATES",
     "PARSERS",
     "ChatRenderer",
+    "Compaction",
     "Completion",
     "Episode",
     "EpisodeConfig",
@@ -74,6 +78,7 @@ __all__ = [
     "ToolCallRecord",
     "ToolTemplateError",
     "TransformersBackend",
+    "TurnRecord",
     "detect_parser",
     "get_parser",
     "load_template",

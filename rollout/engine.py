@@ -25,12 +25,15 @@ from environments import (
     run_environment_code_blocking,
 )
 from rollout.backend import GenerationBackend
+from rollout.compaction import POLICY_NAMES, ContextPolicy, ContextPolicyError, context_policy_of
 from rollout.episode import EpisodeConfig, EpisodeContext, run_episode
 from rollout.images import is_vision_processor
+from rollout.infrastructure import infra_episode, placeholder_token, play_retrying
 from rollout.parsers import Parser, detect_parser, get_parser, tokenizer_parser
 from rollout.template import ChatRenderer, load_template
 from rollout.types import Episode, ParsedTurn
-from tools import Tool, as_tool
+from tools import InfrastructureError, Tool, as_tool
+from tools.mcp import McpServer, McpTools
 
 #: The row column that picks the environment when `environment_factory` is a dict (TRL's name).
 ENVIRONMENT_COLUMN = "environment"
@@ -104,14 +107,23 @@ class RolloutEngine:
             agent's `Agent.player` (`rollout.agents`), which serves the agent an
             OpenAI-compatible endpoint on 127.0.0.1 while a round plays; then there is no
             environment and no tool here.
+        mcp_servers: MCP servers whose tools every episode offers beside the plain tools
+            (`tools.mcp`): started here (within `config.environment_timeout_s`), shared by
+            all episodes and rounds, and stopped by `close()`, or when the engine is
+            collected or the interpreter exits.
+        infra_retries: How often an episode that a `tools.InfrastructureError` ended (raised
+            by a tool, the environment or an MCP server) is replayed from scratch: a fresh
+            environment, the same row and seed. After that many it is kept as a failed
+            episode (`Finish.INFRA`, see `rollout.infrastructure`). 0: never replayed.
 
     Raises:
         ToolTemplateError: There are tools but the template cannot show them.
         EnvironmentSpecError: An environment class breaks the contract.
         EnvironmentTimeoutError: A factory that is not a class, called once (and its instance
             closed) to find the class, did not return within `config.environment_timeout_s`.
-        ValueError: `environment_factory` is an empty dict, or an agent comes with an
-            environment or tools.
+        ValueError: `environment_factory` is an empty dict, an agent comes with an
+            environment or tools, two tools share a name, or `infra_retries` is negative.
+        McpServerError: An MCP server did not start or list its tools.
 
     """
 
@@ -128,11 +140,16 @@ class RolloutEngine:
         config: EpisodeConfig | None = None,
         max_concurrent_episodes: int = 256,
         player: PlayerFactory | None = None,
+        mcp_servers: Sequence[McpServer] = (),
+        infra_retries: int = 2,
     ):
-        if player is not None and (environment_factory is not None or tools):
+        if infra_retries < 0:
+            raise ValueError(f"infra_retries={infra_retries} must be 0 (no replay) or more")
+        self.infra_retries = infra_retries
+        if player is not None and (environment_factory is not None or tools or mcp_servers):
             raise ValueError(
                 "a player (an agent) runs its own tools and environment: pass player= without "
-                "environment_factory or tools"
+                "environment_factory or tools (nor mcp_servers)"
             )
         self.multi_environment = isinstance(environment_factory, Mapping)
         factories: dict[str | None, Factory | None]
@@ -145,21 +162,29 @@ class RolloutEngine:
         processor = tokenizer if is_vision_processor(tokenizer) else None
         if processor is not None:
             tokenizer = processor.tokenizer
-        setup = _Setup(
-            backend,
-            tokenizer,
-            load_template(_template_owner(processor, tokenizer), chat_template),
-            _plain_tools(tools),
-            tool_call_parser,
-            chat_template_kwargs,
-            config or EpisodeConfig(),
-            ENVIRONMENT_COLUMN if self.multi_environment else None,
-            processor,
-        )
-        self.contexts = {name: setup.context(factory) for name, factory in factories.items()}
-        self.context = next(iter(self.contexts.values()))
-        self.max_concurrent_episodes = max_concurrent_episodes
-        self.player = player(setup.play_setup()) if player is not None else None
+        template = load_template(_template_owner(processor, tokenizer), chat_template)
+        plain, config = _plain_tools(tools), config or EpisodeConfig()
+        self.mcp = McpTools(mcp_servers, config.environment_timeout_s) if mcp_servers else None
+        try:  # from here on a failure stops the MCP servers just started
+            setup = _Setup(
+                backend,
+                tokenizer,
+                template,
+                _with_mcp_tools(plain, self.mcp),
+                tool_call_parser,
+                chat_template_kwargs,
+                config,
+                ENVIRONMENT_COLUMN if self.multi_environment else None,
+                processor,
+            )
+            self.contexts = {name: setup.context(factory) for name, factory in factories.items()}
+            self.context = next(iter(self.contexts.values()))
+            self.max_concurrent_episodes = max_concurrent_episodes
+            self.player = player(setup.play_setup()) if player is not None else None
+        except BaseException:
+            if self.mcp is not None:
+                self.mcp.close()
+            raise
 
     def context_for(self, row: Mapping[str, Any]) -> EpisodeContext:
         """The context a row's episodes play in: its environment's, with several environments.
@@ -242,14 +267,29 @@ class RolloutEngine:
     async def _play_one(
         self, ctx: EpisodeContext, row: Mapping[str, Any], seed: int, group: int, index: int
     ) -> Episode:
-        if self.player is None:
-            return await run_episode(ctx, row, seed, group, index)
-        return await self.player.play(row, seed, group, index)
+        """Play one episode; replayed from scratch while an infrastructure failure ends it.
+
+        Each play makes a fresh environment, reset with the same row and seed; past
+        `infra_retries` replays the episode is kept as failed (`rollout.infrastructure`).
+        """
+
+        async def play() -> Episode:
+            if self.player is None:
+                return await run_episode(ctx, row, seed, group, index)
+            return await self.player.play(row, seed, group, index)
+
+        def failed(failure: InfrastructureError) -> Episode:
+            token = placeholder_token(ctx.renderer.tokenizer)
+            return infra_episode(row, group, index, failure, self.infra_retries, token)
+
+        return await play_retrying(play, self.infra_retries, failed, f"episode {index}")
 
     def close(self) -> None:
-        """Give back what the player holds (an agent endpoint's port; a no-op without one)."""
+        """Give back what the player holds (an agent endpoint's port) and stop the MCP servers."""
         if self.player is not None:
             self.player.close()
+        if self.mcp is not None:
+            self.mcp.close()
 
 
 @dataclass(frozen=True)
@@ -281,7 +321,8 @@ class _Setup:
 
     def context(self, factory: Factory | None) -> EpisodeContext:
         """The context of episodes against `factory`'s environment (or none)."""
-        env_tools = _environment_tools(factory, self.config.environment_timeout_s)
+        env_class = _environment_class(factory, self.config.environment_timeout_s)
+        env_tools = class_tools(env_class) if env_class is not None else {}
         if clash := sorted(self.plain.keys() & env_tools.keys()):
             raise ValueError(f"tools {clash} are both plain tools and environment methods")
         schemas = [t.schema for t in (*self.plain.values(), *env_tools.values())]
@@ -303,7 +344,32 @@ class _Setup:
             environment_factory=factory,
             environment_tools=env_tools,
             routing_column=self.routing_column,
+            context_policy=_context_policy(self.config, env_class, self.backend.context_limit),
         )
+
+
+def _context_policy(
+    config: EpisodeConfig, env_class: type | None, context_limit: int | None
+) -> ContextPolicy | None:
+    """The config's context policy, else the one the environment class names; checked.
+
+    Raises:
+        ContextPolicyError: The class names no policy, or the summary cannot fit the window.
+    """
+    policy = config.context
+    declared = getattr(env_class, "context_policy", None)
+    if policy is None and declared is not None:
+        if not isinstance(declared, str):
+            raise ContextPolicyError(
+                f"an environment's context_policy names a policy ({list(POLICY_NAMES)}), not "
+                f"{type(declared).__name__}; pass a function as GRPOConfig(context_policy=...)"
+            )
+        policy = context_policy_of(declared)
+    if policy is None or policy.kind == "none":
+        return None
+    limits = (config.max_completion_length, context_limit, config.max_context)
+    policy.check_window(min(limit for limit in limits if limit))
+    return policy
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:
@@ -343,19 +409,34 @@ def _plain_tools(functions: Iterable[Callable[..., Any]]) -> dict[str, Tool]:
     return tools
 
 
-def _environment_tools(
-    factory: Callable[[], Any] | None, timeout_s: float | None
-) -> dict[str, Tool]:
-    """Tool schemas of the environment's class, read once; episodes bind them to instances.
+def _with_mcp_tools(plain: dict[str, Tool], mcp: McpTools | None) -> dict[str, Tool]:
+    """The plain tools and the MCP servers' tools, by name.
+
+    Raises:
+        ValueError: An MCP tool has a plain tool's name (the model could call only one).
+    """
+    if mcp is None:
+        return plain
+    if clash := sorted(plain.keys() & mcp.tools.keys()):
+        raise ValueError(
+            f"tools {clash} are both plain tools and tools of an MCP server (mcp_servers); "
+            "rename the function or drop the server"
+        )
+    return {**plain, **mcp.tools}
+
+
+def _environment_class(factory: Callable[[], Any] | None, timeout_s: float | None) -> type | None:
+    """The environment's class, checked against the contract (None without an environment).
 
     A class is read without building an instance; any other factory is called once and the
     probe instance closed, each in a daemon thread under `timeout_s` (environment_timeout_s).
+    Episodes bind the class's tools (`class_tools`, read once) to their instances.
     """
     if factory is None:
-        return {}
+        return None
     cls = factory if isinstance(factory, type) else _probe_class(factory, timeout_s)
     check_environment(cls, factory)
-    return class_tools(cls)
+    return cls
 
 
 def _probe_class(factory: Callable[[], Any], timeout_s: float | None) -> type:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import Counter as Tally
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,32 +25,33 @@ from environments import (
     close_after_failure,
     close_environment,
     create_environment,
+    gives_turn_rewards,
     init_name,
     read_done,
     read_reward,
     reset_environment,
+    respond_text,
+    responds,
     run_environment_code,
+    state_key_text,
     tool_method,
+    turn_reward_value,
 )
 from rollout.backend import GenerationBackend
-from rollout.images import (
-    images_of,
-    with_observation_parts,
-    with_row_images,
-)
+from rollout.compaction import ContextPolicy, compact
+from rollout.images import images_of
 from rollout.parsers import Parser
-from rollout.template import ChatRenderer, ToolTurn
-from rollout.tokens import TokenRow
+from rollout.prompts import row_messages, show_row, with_observation
+from rollout.template import ChatRenderer
+from rollout.tokens import EpisodeState, TokenRow
 from rollout.tool_calls import assistant_message, call_records, run_calls, tool_message
 from rollout.types import (
     Completion,
     Episode,
-    EpisodeRow,
     EpisodeStats,
     Finish,
     ParsedTurn,
     SamplingParams,
-    ToolCallRecord,
 )
 from tools import Tool, ToolResult
 from tools.threads import shield_unless_interrupted
@@ -78,6 +79,14 @@ class EpisodeConfig:
             ``done`` (a property), ``reward`` and ``close`` may take before the run stops with an
             `EnvironmentTimeoutError` naming the method (None: no timeout).
         temperature, top_p, top_k: Sampling, as in `SamplingParams`.
+        max_context: The most tokens a row may hold, prompt included (None: the model's
+            context limit only).
+        context: What an episode does when its context nears the window (`rollout.compaction`;
+            None: nothing, the episode ends with LENGTH when the budget runs out). An
+            environment class may name a policy (``context_policy = "truncate"``) for its own
+            episodes, used with the default settings when this is None.
+        turn_states: Log the state each turn starts from (`TurnRecord.state`), for
+            ``turn_advantage="same_state"``.
 
     """
 
@@ -90,6 +99,9 @@ class EpisodeConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    max_context: int | None = None
+    context: ContextPolicy | None = None
+    turn_states: bool = False
 
     def sampling(self, max_tokens: int, seed: int | None) -> SamplingParams:
         """Sampling parameters for one turn with `max_tokens` left."""
@@ -109,65 +121,25 @@ class EpisodeContext:
     environment_tools: Mapping[str, Tool] = field(default_factory=dict)
     # The row column that chose this environment (several environments): not passed to reset.
     routing_column: str | None = None
+    context_policy: ContextPolicy | None = None  # the config's, else the environment's
+
+    def window(self, first_prompt_length: int) -> int:
+        """The most tokens a row may hold: the budget, the context and `max_context`."""
+        limits = (
+            first_prompt_length + self.config.max_completion_length,
+            self.backend.context_limit,
+            self.config.max_context,
+        )
+        return min(limit for limit in limits if limit)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, as the tokenizer decodes it."""
+        return self.renderer.tokenizer.decode(ids)
 
     @property
     def has_tools(self) -> bool:
         """Whether episodes offer tools (plain ones or an environment's)."""
         return bool(self.tools) or self.environment_factory is not None
-
-
-@dataclass
-class _State:
-    """An episode in play. `tokens` is the current row; `done_rows` the rows closed by forks."""
-
-    messages: list[dict[str, Any]]
-    tokens: TokenRow
-    prompt_text: str
-    sample_seed: int
-    turns: int = 0
-    tool_calls: int = 0
-    tool_errors: Tally = field(default_factory=Tally)
-    error: str | None = None
-    calls: list[ToolCallRecord] = field(default_factory=list)
-    done_rows: list[EpisodeRow] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.first_prompt_length = len(self.tokens.prompt_ids)
-
-    @property
-    def spent(self) -> int:
-        """Tokens past the task's prompt, as the current row renders the conversation.
-
-        `max_completion_length` bounds this. For a row that never forked it is the row's
-        completion length; after a fork it counts the fresh rendering's part past the prompt.
-        """
-        return len(self.tokens.context_ids) - self.first_prompt_length
-
-    def add_tool_turn(self, turn: ToolTurn) -> None:
-        """Append the tool turn to the current row, or close the row and start a new one."""
-        self.prompt_text = turn.prompt_text
-        if not turn.fork:
-            self.tokens.append_context(turn.ids, turn.images, turn.vision)
-            return
-        self.done_rows.append(_row(self.tokens))
-        self.tokens = TokenRow(turn.ids, turn.images, turn.vision)
-
-    def rows(self) -> tuple[EpisodeRow, ...]:
-        """Every row of the episode, the current one last."""
-        return (*self.done_rows, _row(self.tokens))
-
-
-def _row(tokens: TokenRow) -> EpisodeRow:
-    versions = tokens.versions if tokens.versions and 1 in tokens.loss_mask else None
-    return EpisodeRow(
-        tokens.prompt_ids,
-        tokens.completion_ids,
-        tokens.loss_mask,
-        tokens.logprobs,
-        tuple(tokens.images),
-        tokens.vision_inputs,
-        policy_versions=versions,
-    )
 
 
 async def run_episode(
@@ -187,7 +159,7 @@ async def run_episode(
     one raised: a `close` that fails (or times out) too becomes a note on it; after a method
     that timed out, `close` is not called (see `_close`).
     """
-    messages = _row_messages(row)
+    messages = row_messages(row)
     timeout_s = ctx.config.environment_timeout_s
     env, observation = None, None
     if ctx.environment_factory is not None:
@@ -196,7 +168,7 @@ async def run_episode(
         )
     try:
         if env is not None:
-            messages = _with_observation(messages, observation)
+            messages = with_observation(messages, observation)
         if not messages:
             raise ValueError(f"a task row needs a 'prompt' column; this one has {sorted(row)}")
         tools = {**ctx.tools, **_bind(ctx.environment_tools, env)}
@@ -213,7 +185,13 @@ async def run_episode(
         rows=state.rows(),
         messages=state.messages,
         finish=finish,
-        stats=EpisodeStats(state.turns, state.tool_calls, dict(state.tool_errors)),
+        stats=EpisodeStats(
+            state.turns,
+            state.tool_calls,
+            dict(state.tool_errors),
+            tuple(state.compactions),
+            state.responses,
+        ),
         row=row,
         group=group,
         index=index,
@@ -221,6 +199,7 @@ async def run_episode(
         environment=env,
         error=state.error,
         tool_calls=tuple(state.calls),
+        turns=tuple(state.turn_log),
     )
 
 
@@ -273,42 +252,6 @@ async def _close(env: Any, timeout_s: float | None, failure: BaseException | Non
             add_close_note(failure, timeout)
 
 
-def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The conversation a row starts with: its `prompt`, a string or a list of messages."""
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    messages = [dict(m) for m in prompt]
-    if not messages or messages[-1].get("role") != "user":
-        raise ValueError(f"a conversational prompt must end with a user message: {prompt!r}")
-    return messages
-
-
-def _with_observation(
-    messages: list[dict[str, Any]], observation: str | list[Any] | None
-) -> list[dict[str, Any]]:
-    """Add reset's text: on a new line of the last user message, or as the prompt itself.
-
-    A row without a `prompt` column leaves the environment to state the task (TRL's
-    environment-owned data): its text is the user's message, and when `reset` returns None
-    the message is empty, as in TRL (the environment's tools and the template still frame
-    the task). A list (texts and images, for a vision-language model) is added as content
-    parts, in order (`rollout.images.with_observation_parts`), and so is a text when the last
-    user message's content is already parts (its images kept).
-    """
-    if isinstance(observation, list):
-        return with_observation_parts(messages, observation)
-    if observation and messages and isinstance(messages[-1].get("content"), list):
-        return with_observation_parts(messages, [observation])
-    if not messages:
-        return [{"role": "user", "content": observation or ""}]
-    if not observation:
-        return messages
-    content = messages[-1].get("content") or ""
-    last = {**messages[-1], "content": f"{content}\n{observation}" if content else observation}
-    return [*messages[:-1], last]
-
-
 def _bind(tools: Mapping[str, Tool], env: Any) -> dict[str, Tool]:
     """The class's tools, calling this episode's instance (after its ``reset``).
 
@@ -320,26 +263,26 @@ def _bind(tools: Mapping[str, Tool], env: Any) -> dict[str, Tool]:
 
 def _start(
     ctx: EpisodeContext, messages: list[dict[str, Any]], row: Mapping, sample_seed: int
-) -> _State:
+) -> EpisodeState:
     try:
         images = images_of(messages)
     except ValueError as error:  # an image part without an image, or one it cannot show
-        raise ValueError(f"{error}. Row: {_show(row)}") from None
+        raise ValueError(f"{error}. Row: {show_row(row)}") from None
     vision: dict[str, Any] = {}
     if isinstance(row.get("prompt"), str) and not ctx.has_tools and not images:
         # TRL's standard format: the text itself, tokenized as is, with no chat template.
         prompt_text = row["prompt"]
         prompt_ids = ctx.renderer.tokenizer.encode(prompt_text)
     else:
-        prompt_text = ctx.renderer.render(messages, generation_prompt=True)
-        prompt_ids, vision, _ = ctx.renderer.encode_messages(prompt_text, messages)
+        fresh = ctx.renderer.fresh(messages)
+        prompt_text, prompt_ids, vision = fresh.prompt_text, fresh.ids, dict(fresh.vision)
     limit = ctx.config.max_prompt_length
     context = ctx.backend.context_limit
     if (limit and len(prompt_ids) > limit) or (context and len(prompt_ids) >= context):
         raise PromptTooLongError(
             f"The prompt of this row is {len(prompt_ids)} tokens, over the limit "
             f"(max_prompt_length={limit}, model context={context}). Shorten the prompt or raise "
-            f"the limit. Row: {_show(row)}"
+            f"the limit. Row: {show_row(row)}"
         )
     if images and not ctx.backend.reads_images:
         raise ValueError(
@@ -347,39 +290,51 @@ def _start(
             "cannot read them; generate with transformers (use_vllm=False), or with vLLM "
             "(colocated or a server) given the model's processor"
         )
-    return _State(messages, TokenRow(prompt_ids, images, vision), prompt_text, sample_seed)
+    return EpisodeState(messages, TokenRow(prompt_ids, images, vision), prompt_text, sample_seed)
 
 
-async def _play(ctx: EpisodeContext, state: _State, tools: Mapping[str, Tool], env: Any) -> Finish:
+async def _play(
+    ctx: EpisodeContext, state: EpisodeState, tools: Mapping[str, Tool], env: Any
+) -> Finish:
     """The turn loop; returns why the episode ended."""
+    window = ctx.window(state.first_prompt_length)
     while True:
-        budget = ctx.config.max_completion_length - state.spent
-        if ctx.backend.context_limit:
-            budget = min(budget, ctx.backend.context_limit - len(state.tokens.context_ids))
+        if finish := await _compact_if_full(ctx, state, window):
+            return finish
+        budget = window - len(state.tokens.context_ids)  # within max_completion_length too
         if budget < 1:
             return Finish.LENGTH
-        if finish := await _turn(ctx, state, tools, env, budget):
+        finish = await _turn(ctx, state, tools, env, budget)
+        if env is not None and gives_turn_rewards(type(env)):
+            where = f"{type(env).__qualname__}.turn_reward()"
+            score = functools.partial(turn_reward_value, env)
+            state.score_turn(
+                await run_environment_code(score, where, ctx.config.environment_timeout_s)
+            )
+        if finish:
             return finish
 
 
 async def _turn(
-    ctx: EpisodeContext, state: _State, tools: Mapping[str, Tool], env: Any, budget: int
+    ctx: EpisodeContext, state: EpisodeState, tools: Mapping[str, Tool], env: Any, budget: int
 ) -> Finish | None:
     """One model turn and its tool calls; returns a Finish if the episode ends here."""
     turn_seed = hash((state.sample_seed, state.turns)) % 2**62
     params = ctx.config.sampling(budget, turn_seed)
+    key = await _state_key(ctx, state, env) if ctx.config.turn_states else None
     completion = await _generate(ctx.backend, state.tokens, params)
-    state.tokens.append_sampled(completion.token_ids, completion.logprobs, completion.versions)
+    state.add_sampled(completion, key)
     state.turns += 1
-    decode = ctx.renderer.tokenizer.decode
+    decode = ctx.decode
     if not completion.stopped:
         state.messages.append({"role": "assistant", "content": decode(completion.token_ids)})
         return Finish.LENGTH
     text = decode(completion.token_ids[:-1])
     parsed = ctx.parser(text)
     state.messages.append(assistant_message(text, parsed))
+    stop_text = decode(completion.token_ids[-1:])
     if not parsed.tool_calls and not parsed.errors:
-        return Finish.STOP
+        return await _reply(ctx, state, env, text, stop_text)
     if ctx.config.max_tool_rounds is not None and state.turns > ctx.config.max_tool_rounds:
         return Finish.MAX_TURNS  # every earlier turn ran its calls: no more may run
     results = await run_calls(parsed.tool_calls, tools, ctx.tools.keys(), ctx.config.tool_timeout_s)
@@ -387,11 +342,72 @@ async def _turn(
     tool_messages = [tool_message(r.name, r.content, r.images) for r in results]
     tool_messages += [tool_message("error", e) for e in parsed.errors]
     env_done = env is not None and await read_done(env, ctx.config.environment_timeout_s)
-    stop_text = decode(completion.token_ids[-1:])
-    finish = _add_tool_turn(ctx, state, tool_messages, stop_text, env_done)
+    finish = _add_follow_up(ctx, state, tool_messages, stop_text, env_done)
     shown = state.messages[len(state.messages) - len(tool_messages) :]
     state.calls.extend(call_records(parsed, results, shown))
     return finish
+
+
+async def _reply(
+    ctx: EpisodeContext, state: EpisodeState, env: Any, text: str, stop_text: str
+) -> Finish | None:
+    """After a turn without tool calls: STOP, or the environment's reply as the next user turn.
+
+    An environment with ``respond`` (`environments.replies`) gets the turn's text; the text it
+    returns is added like tool results are (cut to the budget, appended with mask 0), and
+    None ends the episode.
+    """
+    if env is None or not responds(type(env)):
+        return Finish.STOP
+    where = f"{type(env).__qualname__}.respond()"
+    respond = functools.partial(respond_text, env, text)
+    reply = await run_environment_code(respond, where, ctx.config.environment_timeout_s)
+    if reply is None:
+        return Finish.STOP
+    state.responses += 1
+    env_done = await read_done(env, ctx.config.environment_timeout_s)
+    return _add_follow_up(ctx, state, [{"role": "user", "content": reply}], stop_text, env_done)
+
+
+async def _compact_if_full(ctx: EpisodeContext, state: EpisodeState, window: int) -> Finish | None:
+    """Compact the context once it passes the policy's threshold of `window` (`compact`)."""
+    policy = ctx.context_policy
+    if policy is None or len(state.tokens.context_ids) <= policy.threshold * window:
+        return None
+    if state.compactions and state.compactions[-1].turn == state.turns:
+        return None  # once a turn: a context the policy cannot bring under it runs out instead
+
+    async def generate(max_tokens: int, seed: int) -> Completion:
+        params = ctx.config.sampling(max_tokens, seed)
+        return await _generate(ctx.backend, state.tokens, params)
+
+    return await compact(state, policy, window, ctx.renderer, generate)
+
+
+async def _state_key(ctx: EpisodeContext, state: EpisodeState, env: Any) -> str:
+    """The state a turn starts from: the environment's ``state_key``, else its observation.
+
+    The observation is what the model saw since its last turn (the task, tool results, a
+    reply), as JSON.
+
+    Raises:
+        ValueError: The observation holds something JSON cannot write (an image), so turns
+            cannot be compared without a ``state_key`` method.
+    """
+    if env is not None and callable(getattr(type(env), "state_key", None)):
+        where = f"{type(env).__qualname__}.state_key()"
+        key = functools.partial(state_key_text, env)
+        return await run_environment_code(key, where, ctx.config.environment_timeout_s)
+    messages = state.context_messages
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    try:
+        return json.dumps(messages[last + 1 :], sort_keys=True)
+    except TypeError:
+        raise ValueError(
+            'turn_advantage="same_state" compares turns by their observations as JSON, and '
+            "this one holds something else (an image?): give the environment a "
+            "`state_key(self) -> str` method, or use turn_advantage 'return' or 'episode'"
+        ) from None
 
 
 async def _generate(
@@ -404,32 +420,40 @@ async def _generate(
     return await backend.generate(tokens.context_ids, params, pictures)
 
 
-def _add_tool_turn(
-    ctx: EpisodeContext, state: _State, tool_messages: list[dict], stop_text: str, env_done: bool
+def _add_follow_up(
+    ctx: EpisodeContext,
+    state: EpisodeState,
+    tool_messages: list[dict],
+    stop_text: str,
+    env_done: bool,
 ) -> Finish | None:
-    """Record the tool results; append their tokens (mask 0) unless the episode ends here.
+    """Record tool results (or a reply); append their tokens (mask 0) unless the episode ends.
 
-    A result too long to fit the budget left is cut first (`ChatRenderer.fit_tool_messages`),
+    A result too long to fit the budget left is cut first (`ChatRenderer.fitted_tool_turn`),
     so it is never tokenized (nor recorded, nor logged) in full; the episode ends with LENGTH
     all the same, and its messages hold the cut text. When it ends here (ENV_DONE, MAX_TURNS),
     nothing is tokenized, and the messages hold the results cut as the next turn would have
     shown them.
     """
-    history = list(state.messages)
     ends = _ending(ctx, state, env_done)
-    fitted = ctx.renderer.fit_tool_messages(
-        tool_messages, ctx.config.max_completion_length - state.spent
-    )
+    left = ctx.config.max_completion_length - state.spent
+    cut = ctx.renderer.fit_tool_messages(tool_messages, left)  # as an ending shows them
     if ends is not None:
-        state.messages.extend(fitted)
+        state.messages.extend(cut)
         return ends
     try:
-        tool_messages, turn = _tool_turn(ctx, state, history, tool_messages, fitted, stop_text)
+        shown, turn = ctx.renderer.fitted_tool_turn(
+            state.prompt_text,
+            state.context_messages,
+            tool_messages,
+            stop_text,
+            (left, ctx.config.max_completion_length),
+        )
     except jinja2.TemplateError as error:  # the template cannot render what the model wrote
-        state.messages.extend(fitted)
+        state.messages.extend(cut)
         state.error = f"the chat template could not render this turn: {error}"
         return Finish.ERROR
-    state.messages.extend(tool_messages)
+    state.messages.extend(shown)
     context = len(turn.ids) if turn.fork else len(state.tokens.context_ids) + len(turn.ids)
     if context - state.first_prompt_length >= ctx.config.max_completion_length:
         return Finish.LENGTH
@@ -437,27 +461,7 @@ def _add_tool_turn(
     return None
 
 
-def _tool_turn(
-    ctx: EpisodeContext,
-    state: _State,
-    history: list[dict],
-    tool_messages: list[dict],
-    fitted: list[dict],
-    stop: str,
-) -> tuple[list[dict], ToolTurn]:
-    """The tool messages cut to the budget left (`fitted`), and the tool turn they make.
-
-    A fork can drop history (past reasoning), leaving more room than the current row has, so a
-    turn that forks with a cut result is redone with results cut only at the whole budget.
-    """
-    turn = ctx.renderer.tool_turn(state.prompt_text, history, fitted, stop)
-    if turn.fork and fitted != tool_messages:
-        fitted = ctx.renderer.fit_tool_messages(tool_messages, ctx.config.max_completion_length)
-        turn = ctx.renderer.tool_turn(state.prompt_text, history, fitted, stop)
-    return fitted, turn
-
-
-def _ending(ctx: EpisodeContext, state: _State, env_done: bool) -> Finish | None:
+def _ending(ctx: EpisodeContext, state: EpisodeState, env_done: bool) -> Finish | None:
     """ENV_DONE or MAX_TURNS when the episode ends after this turn's tool results, else None."""
     if env_done:
         return Finish.ENV_DONE
@@ -466,28 +470,9 @@ def _ending(ctx: EpisodeContext, state: _State, env_done: bool) -> Finish | None
     return None
 
 
-def _count(state: _State, parsed: ParsedTurn, results: list[ToolResult]) -> None:
+def _count(state: EpisodeState, parsed: ParsedTurn, results: list[ToolResult]) -> None:
     """Count a turn's calls and their errors."""
     state.tool_calls += len(parsed.tool_calls) + len(parsed.errors)
     state.tool_errors.update(str(r.error) for r in results if r.error is not None)
     if parsed.errors:
         state.tool_errors["parse"] += len(parsed.errors)
-
-
-def _row_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The row's prompt messages with its images (`with_row_images`); none without a prompt.
-
-    Raises:
-        ValueError: The row's images do not fit its prompt, or cannot be shown, naming the row.
-    """
-    if "prompt" not in row:
-        return []
-    try:
-        return with_row_images(prompt_messages(row), row)
-    except ValueError as error:
-        raise ValueError(f"{error}. Row: {_show(row)}") from None
-
-
-def _show(row: Mapping[str, Any], width: int = 200) -> str:
-    text = repr(dict(row))
-    return text if len(text) <= width else text[: width - 3] + "..."

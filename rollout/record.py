@@ -33,6 +33,7 @@ Python `int` and `float`, equal to the originals.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -44,7 +45,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout.types import Episode, EpisodeRow, EpisodeStats, Finish, ToolCallRecord
+from rollout.types import (
+    Compaction,
+    Episode,
+    EpisodeRow,
+    EpisodeStats,
+    Finish,
+    ToolCallRecord,
+    TurnRecord,
+)
 from tools import is_image
 
 RECORD_FORMAT = 2  # bump when a field changes meaning; readers refuse formats they do not know
@@ -101,11 +110,15 @@ def record_to_dict(record: EpisodeRecord, images: ImageFolder | None = None) -> 
             "turns": stats.turns,
             "tool_calls": stats.tool_calls,
             "tool_errors": encode_value(dict(stats.tool_errors)),
+            "compactions": [dataclasses.asdict(c) for c in stats.compactions],
+            "responses": stats.responses,
+            "infra_retries": stats.infra_retries,
         },
         "row": encode_value(episode.row, images),
         "messages": encode_value(episode.messages, images),
         "tool_calls": [_call_to_dict(call) for call in episode.tool_calls],
         "rows": [_row_to_dict(row) for row in episode.rows],
+        "turns": [dataclasses.asdict(turn) for turn in episode.turns],
     }
 
 
@@ -128,7 +141,14 @@ def record_from_dict(data: Mapping[str, Any]) -> EpisodeRecord:
         rows=tuple(_row_from_dict(row) for row in rows),
         messages=decode_value(data["messages"]),
         finish=Finish(data["finish"]),
-        stats=EpisodeStats(stats["turns"], stats["tool_calls"], decode_value(stats["tool_errors"])),
+        stats=EpisodeStats(
+            stats["turns"],
+            stats["tool_calls"],
+            decode_value(stats["tool_errors"]),
+            tuple(Compaction(**c) for c in stats.get("compactions", ())),
+            stats.get("responses", 0),
+            stats.get("infra_retries", 0),
+        ),
         row=decode_value(data["row"]),
         group=data["group"],
         index=data["index"],
@@ -136,6 +156,7 @@ def record_from_dict(data: Mapping[str, Any]) -> EpisodeRecord:
         error=data["error"],
         tool_calls=tuple(_call_from_dict(call) for call in data["tool_calls"]),
         agent_rewards=decode_value(data.get("agent_rewards")),
+        turns=tuple(TurnRecord(**turn) for turn in data.get("turns", ())),
     )
     return EpisodeRecord(
         episode=episode,

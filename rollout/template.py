@@ -190,7 +190,8 @@ class ChatRenderer:
         encode_cache_size: Bound on the encode cache, in characters plus token ids.
         processor: A vision-language model's processor (`rollout.images.load_processor`), or
             None. With one, messages may hold image parts: the template gets the processor's
-            `image_placeholder`, and `encode_messages` expands it into image tokens.
+            `image_placeholder`, and `rollout.images.encode_messages` expands it into image
+            tokens.
         limits: The bounds on each render (`RenderLimits`; its defaults when None).
 
     Raises:
@@ -246,19 +247,6 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text; the template, not the tokenizer, adds special tokens."""
         return list(self._encoded(text))
-
-    def encode_messages(
-        self, text: str, messages: Sequence[Mapping[str, Any]]
-    ) -> tuple[list[int], dict[str, Any], list[Any]]:
-        """Token ids of rendered `text` holding `messages`' images, their tensors, the images.
-
-        Without images this is `encode` (no tensors, no images).
-
-        Raises:
-            ValueError: There are images but no processor, or the text holds a different
-                number of placeholders (`rollout.images.encode_messages`).
-        """
-        return encode_messages(self.processor, text, messages, self.encode)
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
@@ -324,11 +312,47 @@ class ChatRenderer:
         try:
             text, after = self._tool_turn_text(prompt_text, messages, new_messages, stop_text)
         except TemplateDriftError:
-            after = self.render([*messages, *new_messages], generation_prompt=True)
-            ids, vision, images = self.encode_messages(after, [*messages, *new_messages])
-            return ToolTurn(ids, after, fork=True, images=tuple(images), vision=vision)
-        ids, vision, images = self.encode_messages(text, new_messages)
+            return self.fresh([*messages, *new_messages])
+        ids, vision, images = encode_messages(self.processor, text, new_messages, self.encode)
         return ToolTurn(ids, after, fork=False, images=tuple(images), vision=vision)
+
+    def fitted_tool_turn(
+        self,
+        prompt_text: str,
+        messages: Sequence[Mapping[str, Any]],
+        new_messages: Sequence[Mapping[str, Any]],
+        stop_text: str,
+        budget: tuple[int, int],
+    ) -> tuple[list[dict[str, Any]], ToolTurn]:
+        """`tool_turn` with `new_messages` cut to the budget (`fit_tool_messages`) first.
+
+        `budget` is the tokens left in the current row and the episode's whole budget. A fork
+        can drop history (past reasoning), leaving more room than the current row has, so a
+        turn that forks with a cut message is redone with messages cut only at the whole
+        budget. Returns the messages as the turn shows them, and the turn.
+        """
+        for limit in budget:
+            fitted = self.fit_tool_messages(new_messages, limit)
+            turn = self.tool_turn(prompt_text, messages, fitted, stop_text)
+            if not turn.fork or fitted == list(new_messages):
+                break
+        return fitted, turn
+
+    def fresh(self, messages: Sequence[Mapping[str, Any]]) -> ToolTurn:
+        """The template's whole rendering of `messages` and the generation prompt: a new row.
+
+        The result is a fork (`ToolTurn.fork`): its ids are the prompt of a new row, holding
+        every image of `messages`.
+
+        Raises:
+            TemplateRenderError, jinja2.TemplateError: As `render`.
+            ValueError: There are images but no processor, or the text holds a different
+                number of placeholders (`rollout.images.encode_messages`).
+
+        """
+        text = self.render(messages, generation_prompt=True)
+        ids, vision, images = encode_messages(self.processor, text, messages, self.encode)
+        return ToolTurn(ids, text, fork=True, images=tuple(images), vision=vision)
 
     def tool_turn_ids(
         self,

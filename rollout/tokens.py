@@ -1,12 +1,16 @@
-"""Append-only token bookkeeping for one episode."""
+"""Append-only token bookkeeping for one episode: its rows, and its state while it plays."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter as Tally
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.images import join_vision_inputs
-from rollout.types import Pictures
+from rollout.template import ToolTurn
+from rollout.types import Compaction, Completion, EpisodeRow, Pictures, ToolCallRecord, TurnRecord
 
 
 class TokenRow:
@@ -90,3 +94,106 @@ class TokenRow:
     def __len__(self) -> int:
         """The number of completion tokens (the budget `max_completion_length` counts)."""
         return len(self.completion_ids)
+
+
+@dataclass
+class EpisodeState:
+    """An episode in play. `tokens` is the current row; `done_rows` the rows closed before it.
+
+    `messages` is the whole conversation as it happened (what reward functions and the record
+    see). After a compaction the model sees `context_messages` instead: the compacted
+    conversation (`base`), then what was added to `messages` since (from `base_at` on).
+    """
+
+    messages: list[dict[str, Any]]
+    tokens: TokenRow
+    prompt_text: str
+    sample_seed: int
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: Tally = field(default_factory=Tally)
+    responses: int = 0
+    error: str | None = None
+    calls: list[ToolCallRecord] = field(default_factory=list)
+    done_rows: list[EpisodeRow] = field(default_factory=list)
+    base: list[dict[str, Any]] | None = None
+    base_at: int = 0
+    compactions: list[Compaction] = field(default_factory=list)
+    turn_log: list[TurnRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.first_prompt_length = len(self.tokens.prompt_ids)
+
+    @property
+    def spent(self) -> int:
+        """Tokens past the task's prompt, as the current row renders the conversation.
+
+        `max_completion_length` bounds this. For a row that never forked it is the row's
+        completion length; after a fork it counts the fresh rendering's part past the prompt.
+        """
+        return len(self.tokens.context_ids) - self.first_prompt_length
+
+    @property
+    def context_messages(self) -> list[dict[str, Any]]:
+        """The conversation the model sees now: `messages`, or since a compaction its result."""
+        if self.base is None:
+            return self.messages
+        return [*self.base, *self.messages[self.base_at :]]
+
+    def add_sampled(self, completion: Completion, state_key: str | None = None) -> None:
+        """Append a sampled turn to the current row, and log where it lies (`TurnRecord`)."""
+        start = len(self.tokens.completion_ids)
+        self.tokens.append_sampled(completion.token_ids, completion.logprobs, completion.versions)
+        end = len(self.tokens.completion_ids)
+        self.turn_log.append(TurnRecord(len(self.done_rows), start, end, state=state_key))
+
+    def score_turn(self, reward: float) -> None:
+        """Set the reward of the turn logged last."""
+        self.turn_log[-1] = dataclasses.replace(self.turn_log[-1], reward=reward)
+
+    def add_tool_turn(self, turn: ToolTurn) -> None:
+        """Append the tool turn to the current row, or close the row and start a new one."""
+        self.prompt_text = turn.prompt_text
+        if not turn.fork:
+            self.tokens.append_context(turn.ids, turn.images, turn.vision)
+            return
+        self.done_rows.append(row_of(self.tokens))
+        self.tokens = TokenRow(turn.ids, turn.images, turn.vision)
+
+    def compact(
+        self,
+        messages: list[dict[str, Any]],
+        fresh: ToolTurn,
+        policy: str,
+        before: int | None = None,
+    ) -> None:
+        """Go on in a new row from `fresh`, the rendering of `messages`, the compacted context.
+
+        `before`: the context's length when the compaction began, when a summary's row was
+        opened since (None: the current row's, and the compaction opens one row).
+        """
+        rows = 1 if before is None else 2
+        if before is None:
+            before = len(self.tokens.context_ids)
+        self.base, self.base_at = messages, len(self.messages)
+        self.add_tool_turn(fresh)
+        after, row = len(fresh.ids), len(self.done_rows)
+        self.compactions.append(Compaction(self.turns, before, after, policy, rows, row))
+
+    def rows(self) -> tuple[EpisodeRow, ...]:
+        """Every row of the episode, the current one last."""
+        return (*self.done_rows, row_of(self.tokens))
+
+
+def row_of(tokens: TokenRow) -> EpisodeRow:
+    """The training row `tokens` make (their versions only where every sampled token had one)."""
+    versions = tokens.versions if tokens.versions and 1 in tokens.loss_mask else None
+    return EpisodeRow(
+        tokens.prompt_ids,
+        tokens.completion_ids,
+        tokens.loss_mask,
+        tokens.logprobs,
+        tuple(tokens.images),
+        tokens.vision_inputs,
+        policy_versions=versions,
+    )

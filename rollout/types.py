@@ -19,6 +19,9 @@ class Finish(StrEnum):
     MAX_TURNS = "max_turns"  # cut off: the model used all `max_turns` turns
     LENGTH = "length"  # cut off: the completion token budget or the context was used up
     ERROR = "error"  # cut off: the model's output could not be rendered into the next turn
+    # cut off: a tool or the environment raised `tools.InfrastructureError` on every play
+    # (`infra_retries` replays): not scored, not trained on
+    INFRA = "infra"
 
     @property
     def truncated(self) -> bool:
@@ -159,16 +162,63 @@ class ToolCallRecord:
 
 
 @dataclass(frozen=True)
+class TurnRecord:
+    """Where one sampled turn of an episode lies in its rows, and what it earned.
+
+    Attributes:
+        row: The index of its row in `Episode.rows`.
+        start, end: Its tokens' span in that row's completion (all mask 1).
+        reward: The environment's reward for the turn (``turn_reward``; 0.0 without one).
+        state: The state it started from, for ``turn_advantage="same_state"`` (the
+            environment's ``state_key``, or its observation); None when not tracked.
+    """
+
+    row: int
+    start: int
+    end: int
+    reward: float = 0.0
+    state: str | None = None
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """One compaction of an episode's context (`rollout.compaction`).
+
+    Attributes:
+        turn: The model turns played before it.
+        tokens_before: The context's tokens when it applied (the row it closed).
+        tokens_after: The new row's prompt tokens: the compacted conversation's rendering.
+        policy: ``"truncate"``, ``"summarize"`` or ``"function"``.
+        rows: The rows it opened: 2 for a summary (the summary's row, then the compacted
+            context's), else 1.
+        row: The index in `Episode.rows` of the row the compacted context starts.
+    """
+
+    turn: int
+    tokens_before: int
+    tokens_after: int
+    policy: str
+    rows: int = 1
+    row: int = 0
+
+
+@dataclass(frozen=True)
 class EpisodeStats:
     """Counts for one episode.
 
     `tool_errors` maps an error kind (`parse`, `unknown_tool`, `bad_arguments`, `exception`,
-    `timeout`, `bad_picture`) to how often it happened.
+    `timeout`, `bad_picture`) to how often it happened. `compactions` are the context's
+    compactions, in order; `responses` counts the environment's replies in words (``respond``).
+    `infra_retries` counts the plays of the episode that an infrastructure failure ended
+    before this one (`tools.InfrastructureError`; `RolloutEngine`'s ``infra_retries``).
     """
 
     turns: int
     tool_calls: int
     tool_errors: Mapping[str, int]
+    compactions: tuple[Compaction, ...] = ()
+    responses: int = 0
+    infra_retries: int = 0
 
     @property
     def tool_failures(self) -> int:
@@ -242,6 +292,9 @@ class Episode:
     turn's parsed calls, then the calls of that turn that could not be parsed. An agent's
     episode (`rollout.agents`) holds its calls that got a result instead, and `agent_rewards`,
     the reward columns of what the agent returned (None for other episodes).
+
+    `turns` places each sampled turn in the rows, with its turn reward (`TurnRecord`); empty
+    for episodes the engine did not play turn by turn (agents, `rollout_func`).
     """
 
     rows: tuple[EpisodeRow, ...]
@@ -256,6 +309,7 @@ class Episode:
     error: str | None = None
     tool_calls: tuple[ToolCallRecord, ...] = ()
     agent_rewards: Mapping[str, float | None] | None = None
+    turns: tuple[TurnRecord, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.rows:

@@ -58,6 +58,7 @@ LEARNER_MAY_IMPORT = (
     "rollout.images",
     "agentgrpo.learner",
     "transformers.cache_utils",
+    "transformers.masking_utils",
 )
 
 

@@ -12,6 +12,10 @@ those do not work it refuses with `SandboxUnavailableError` unless made with `is
 see `tools.sandbox` for exactly what is and is not guaranteed). `python_tool(timeout_s=...,
 memory_mb=..., ...)` makes a `python` tool with other limits.
 
+`InfrastructureError` is what a tool (or an environment) raises when the machinery behind it
+failed, a sandbox that died or a server that is gone: `call_tool` lets it through, and the
+episode is replayed rather than shown the error or scored (`tools.infrastructure`).
+
 `run_in_daemon_thread` runs user code where a call that never returns cannot hold the process.
 This package imports nothing from `environments`, `rollout` or `agentgrpo`.
 """
@@ -26,12 +30,14 @@ from tools.call import (
     is_image,
     picture_problem,
 )
+from tools.infrastructure import InfrastructureError, infrastructure_failure
 from tools.python import python, python_tool
 from tools.sandbox import SandboxUnavailableError
 from tools.schema import Tool, ToolDefinitionError, as_tool
 from tools.threads import StuckCallsError, UserCodeAborted, run_in_daemon_thread
 
 __all__ = [
+    "InfrastructureError",
     "SandboxUnavailableError",
     "StuckCallsError",
     "Tool",
@@ -44,6 +50,7 @@ __all__ = [
     "calculator",
     "call_problems",
     "call_tool",
+    "infrastructure_failure",
     "is_image",
     "picture_problem",
     "python",

@@ -9,8 +9,10 @@ Contract of `call_tool`:
   included: a tool's failure is never a signal to the framework. What does propagate is
   anyio's cancellation from outside, a `KeyboardInterrupt` on the main thread (a real Ctrl-C;
   see `tools.threads.is_signal`), `StuckCallsError` (too many of the user's sync tools
-  ignore their timeout), `SandboxUnavailableError` (the python tool cannot isolate here) and
-  `ToolResultError` (a tool's value cannot become text; see below).
+  ignore their timeout), `SandboxUnavailableError` (the python tool cannot isolate here),
+  `InfrastructureError` (the machinery behind the tool failed, not the model: the episode is
+  replayed, see `tools.infrastructure`) and `ToolResultError` (a tool's value cannot become
+  text; see below).
 - Arguments are checked against the schema's `parameters` before the call: required ones are
   present, no unknown ones, and each value has its JSON type (see `_coerce`). Integral floats
   given for an `integer` become `int`; arrays given for a `tuple[...]` hint become tuples.
@@ -40,6 +42,7 @@ from typing import Any
 
 import anyio
 
+from tools.infrastructure import InfrastructureError
 from tools.sandbox import SandboxUnavailableError
 from tools.schema import Tool
 from tools.threads import StuckCallsError, describe_error, is_signal, run_in_daemon_thread
@@ -54,6 +57,8 @@ _JSON_NOUNS = {
     "null": "null",
 }
 _MAX_SHOWN_CHARS = 80  # how much of a bad value the error message quotes back
+# What a tool may raise that is no failure of the model's, so never a message to it.
+_NOT_THE_MODELS = (StuckCallsError, SandboxUnavailableError, InfrastructureError)
 
 
 class ToolErrorKind(StrEnum):
@@ -114,6 +119,7 @@ async def call_tool(
         ToolResultError: The tool returned a value that cannot become text (its author's bug).
         StuckCallsError: Too many calls of user code are stuck to start another.
         SandboxUnavailableError: The python tool cannot isolate its code here.
+        InfrastructureError: The tool raised it: its sandbox or server failed, not the model.
 
     """
     start_s = time.perf_counter()
@@ -132,7 +138,7 @@ async def call_tool(
         with anyio.fail_after(timeout_s) as scope:
             value = await _invoke(tool, kwargs)
     except BaseException as exc:
-        if isinstance(exc, StuckCallsError | SandboxUnavailableError) or is_signal(exc):
+        if isinstance(exc, _NOT_THE_MODELS) or is_signal(exc):
             raise
         if isinstance(exc, TimeoutError) and scope is not None and scope.cancelled_caught:
             message = f"Error: {name}() timed out after {float(timeout_s or 0)} s"

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from agentgrpo.rounds.curriculum import Curriculum
 from agentgrpo.rounds.scoring import RewardLogs
 from rollout import Episode
 from tools.threads import WAKE_EVERY_S
@@ -160,21 +161,34 @@ class RowStream:
         shuffle: Shuffle each epoch (`shuffle_dataset`); else the dataset's order.
         seed: The run's seed.
         start: How many rows to skip (a resumed run continues after the rows it consumed).
+        curriculum: Draws each row by its pass rate in place of the epoch's order, or None.
     """
 
-    def __init__(self, dataset: Any, shuffle: bool, seed: int, start: int = 0):
+    def __init__(
+        self,
+        dataset: Any,
+        shuffle: bool,
+        seed: int,
+        start: int = 0,
+        curriculum: Curriculum | None = None,
+    ):
         if len(dataset) == 0:
             raise ValueError("the training dataset is empty: there is nothing to play")
         self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
         self.taken = start
+        self.curriculum = curriculum
 
-    def next(self) -> tuple[Mapping[str, Any], int]:
-        """The next row and its group's sampling seed."""
+    def next(self) -> tuple[Mapping[str, Any], int, int]:
+        """The next row, its group's sampling seed, and its index in the dataset."""
+        seed = hash((self.seed, self.taken)) % 2**31
+        if self.curriculum is not None:
+            self.taken += 1
+            [key] = self.curriculum.pool.draw(1, seed)
+            return self.dataset[key], seed, key
         epoch, position = divmod(self.taken, len(self.dataset))
         order = list(range(len(self.dataset)))
         if self.shuffle:
             generator = torch.Generator().manual_seed(hash((self.seed, epoch)) % 2**31)
             order = torch.randperm(len(self.dataset), generator=generator).tolist()
-        seed = hash((self.seed, self.taken)) % 2**31
         self.taken += 1
-        return self.dataset[order[position]], seed
+        return self.dataset[order[position]], seed, order[position]

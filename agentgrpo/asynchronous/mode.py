@@ -77,7 +77,16 @@ class AsyncRounds:
         """
         group_filter = GroupFilter.of(args, parts.shaping.combine, plan.prompts_per_process)
         generation = AsyncGeneration.build(
-            args, plan, policy, producer, make_engine, scorer, dataset, group_filter
+            args,
+            plan,
+            policy,
+            producer,
+            make_engine,
+            scorer,
+            dataset,
+            group_filter,
+            parts.curriculum,
+            parts.shaping.weights_or_ones,
         )
         return cls(
             generation,

@@ -46,6 +46,7 @@ from agentgrpo.asynchronous.buffer import GroupBuffer, PlayedGroup, RowStream
 from agentgrpo.asynchronous.queue import QueueFolder
 from agentgrpo.generation.generator import ConcurrentGenerator
 from agentgrpo.learner.batch import TrainingBatch
+from agentgrpo.rounds.curriculum import Curriculum
 from agentgrpo.rounds.dynamic_sampling import GroupFilter
 from agentgrpo.rounds.pipeline import RoundParts, RoundPlan
 from agentgrpo.rounds.scoring import RewardLogs, Scorer, play_round
@@ -55,6 +56,9 @@ if TYPE_CHECKING:
     from agentgrpo.config import GRPOConfig
 
 logger = logging.getLogger(__name__)
+
+# Column count -> one weight per reward column (`RewardShaping.weights_or_ones`).
+RewardWeights = Callable[[int], Sequence[float] | torch.Tensor]
 
 # How long `AsyncGeneration.stop` waits for the producer thread to end, in seconds.
 STOP_TIMEOUT_S = 60.0
@@ -90,6 +94,8 @@ class AsyncGeneration:
             or None to keep them in memory only.
         group_filter: Drops the groups that teach nothing as they end (`dynamic_sampling`), or
             None to keep every group.
+        reward_weights: Column count -> the run's reward weights: with a curriculum (`rows.
+            curriculum`), what a group's results are added to it with.
     """
 
     def __init__(
@@ -107,8 +113,10 @@ class AsyncGeneration:
         rows_per_step: float,
         queue: QueueFolder | None = None,
         group_filter: GroupFilter | None = None,
+        reward_weights: RewardWeights = lambda columns: [1.0] * columns,
     ):
         self.policy, self.rows_per_step, self.queue = policy, rows_per_step, queue
+        self.reward_weights = reward_weights
         self.group_filter = group_filter
         self._rows_dropped = 0  # rows whose groups `group_filter` dropped since the start
         self._filtered_reported = 0  # groups it dropped, as of the last `take_metrics`
@@ -139,6 +147,8 @@ class AsyncGeneration:
         scorer: Scorer,
         dataset: Any,
         group_filter: GroupFilter | None = None,
+        curriculum: Curriculum | None = None,
+        reward_weights: RewardWeights = lambda columns: [1.0] * columns,
     ) -> AsyncGeneration:
         """The producer of a `GRPOConfig` with `async_grpo`.
 
@@ -151,12 +161,14 @@ class AsyncGeneration:
             scorer: The trainer's scorer (its reward logs are the run's).
             dataset: The training rows.
             group_filter: See the class's arguments.
+            curriculum: Draws the producer's rows (`curriculum`), or None for the epochs' order.
+            reward_weights: See the class's arguments.
         """
         return cls(
             make_engine(weights.backend),
             scorer,
             weights,
-            RowStream(dataset, bool(args.shuffle_dataset), args.seed),
+            RowStream(dataset, bool(args.shuffle_dataset), args.seed, curriculum=curriculum),
             plan.num_generations,
             workers=plan.prompts_per_process,
             max_staleness=args.max_staleness,
@@ -166,6 +178,7 @@ class AsyncGeneration:
             rows_per_step=plan.prompts_per_process * plan.accumulation_steps / plan.repeats,
             queue=QueueFolder(str(args.output_dir), scorer.names),  # TrainingArguments sets it
             group_filter=group_filter,
+            reward_weights=reward_weights,
         )
 
     # ------------------------------------------------------------------ producer
@@ -214,12 +227,15 @@ class AsyncGeneration:
         """Play group after group until the buffer closes."""
         while True:
             await self._hold()
-            row, seed = self.rows.next()
+            row, seed, key = self.rows.next()
             started = self.weights.version
             scorer = dataclasses.replace(self.scorer, logs=RewardLogs())  # this group's logs
             episodes, rewards_G_F = await play_round(
                 self.engine, [row], self.num_generations, seed, scorer
             )
+            if self.rows.curriculum is not None:
+                weights_F = self.reward_weights(rewards_G_F.shape[1])
+                self.rows.curriculum.record_group(key, rewards_G_F, weights_F)
             if self.group_filter is not None and self.group_filter.drops(rewards_G_F):
                 self._rows_dropped += 1  # another row takes its place
                 continue
@@ -407,6 +423,7 @@ class AsyncGeneration:
         generation paused for weight pushes. `perf/generation_held_s`: the producer's workers
         waited for newer weights, summed over workers (`_hold`). With dynamic sampling,
         `dynamic_sampling/groups_replaced`: uninformative groups dropped since the last call.
+        With a curriculum, its pool's `curriculum/*` metrics.
         """
         staleness, self._waits.staleness = self._waits.staleness, []
         dropped = self.buffer.dropped_episodes - self._dropped_reported
@@ -423,6 +440,8 @@ class AsyncGeneration:
             dropped = self.group_filter.dropped
             metrics["dynamic_sampling/groups_replaced"] = float(dropped - self._filtered_reported)
             self._filtered_reported = dropped
+        if self.rows.curriculum is not None:
+            metrics |= self.rows.curriculum.metrics()
         if staleness:
             metrics["sample/staleness_mean"] = sum(staleness) / len(staleness)
             metrics["sample/staleness_max"] = float(max(staleness))
@@ -469,6 +488,7 @@ def asynchronous_round_parts(
         parts,
         play=lambda rows, n, seed: generation.take_round(rows, n, seed, step=step()),
         dynamic=None,  # the producer drops uninformative groups itself (`GroupFilter`)
+        curriculum=None,  # the producer draws its rows itself (`RowStream`)
         collate=lambda episodes, advantages_N: _sampler_as_old(collate(episodes, advantages_N)),
         old_logprobs=lambda batch: batch.sampler_logprobs_B_C,
     )

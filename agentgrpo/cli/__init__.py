@@ -2,16 +2,17 @@
 
     agentgrpo run ENV [options]          train with GRPO on an environment
     agentgrpo eval ENV [--model DIR]     play held-out rows without training
-    agentgrpo envs                       list the built-ins and the environment sources
+    agentgrpo envs                       list the built-in and installed environments
+    agentgrpo init NAME [--dir DIR]      write an installable environment package
     agentgrpo doctor [ENV] [--model M]   check a model, its template and ENV without training
     agentgrpo view RUN_DIR [--html OUT]  a web page of a run's curves and episodes
     agentgrpo vllm-serve --model M ...   start a vLLM server the trainer can push weights to
 
-ENV is `env:Name` (built-in), `gym:ENV_ID` (a gymnasium id), `rg:TASK` (reasoning-gym),
-`vf:ENV_ID` (a verifiers environment), `agent:file.py:function`, `package.module:Class` or
-`path/to/file.py:Class`. Mistakes a user can make (an unknown environment or option, a class
-that breaks the contract, a missing dataset) print one `error:` line and exit with status 2;
-`AGENTGRPO_DEBUG=1` shows the traceback instead.
+ENV is `NAME` (an installed environment package), `env:Name` (built-in), `gym:ENV_ID` (a
+gymnasium id), `rg:TASK` (reasoning-gym), `vf:ENV_ID` (a verifiers environment),
+`agent:file.py:function`, `package.module:Class` or `path/to/file.py:Class`. Mistakes a user
+can make (an unknown environment or option, a class that breaks the contract, a missing dataset)
+print one `error:` line and exit with status 2; `AGENTGRPO_DEBUG=1` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class CommandParser(argparse.ArgumentParser):
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and each subcommand's parser by name."""
     from agentgrpo.cli import commands as run_commands
-    from agentgrpo.cli import doctor, eval_command, view
+    from agentgrpo.cli import doctor, envs_command, eval_command, init_command, view
 
     parser = CommandParser(
         prog="agentgrpo", description="Train LLM agents with GRPO on tool-calling episodes."
@@ -114,8 +115,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "run": _run_parser(sub, run_commands.run),
         "eval": _eval_parser(sub, eval_command.evaluate),
         "envs": _command(
-            sub, "envs", run_commands.envs, "list the built-ins and the environment sources"
+            sub, "envs", envs_command.envs, "list the built-in and installed environments"
         ),
+        "init": init_command.add_parser(sub, init_command.init),
         "doctor": doctor.add_parser(sub, doctor.doctor),
         "view": view.add_parser(sub, view.view),
     }
@@ -243,7 +245,13 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
 
 def _add_eval_episode_options(parser: argparse.ArgumentParser) -> None:
     """`eval`'s sampling and episode options, with training's defaults."""
-    from agentgrpo.cli.options import RUN_DEFAULTS, config_fields, option_name, value_parser
+    from agentgrpo.cli.options import (
+        EVAL_EPISODE_FIELDS,
+        RUN_DEFAULTS,
+        config_fields,
+        option_name,
+        value_parser,
+    )
 
     add = parser.add_argument
     add(
@@ -253,7 +261,7 @@ def _add_eval_episode_options(parser: argparse.ArgumentParser) -> None:
         help="sampling temperature; 1.0, the default, is training's, so the success rate is "
         "that of the policy GRPO trains; 0 is greedy",
     )
-    for name in ("top_p", "top_k", "tool_timeout_s", "environment_timeout_s"):
+    for name in EVAL_EPISODE_FIELDS:
         default = config_fields()[name].default
         help_text = config_fields()[name].metadata["help"].replace("%", "%%")
         add(
@@ -283,8 +291,8 @@ def _add_env(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "env",
         metavar="ENV",
-        help="env:Name, gym:ENV_ID, rg:TASK, vf:ENV_ID, agent:file.py:function, "
-        "package.module:Class or path/to/file.py:Class",
+        help="NAME (an installed environment package), env:Name, gym:ENV_ID, rg:TASK, "
+        "vf:ENV_ID, agent:file.py:function, package.module:Class or path/to/file.py:Class",
     )
 
 

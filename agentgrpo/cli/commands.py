@@ -1,4 +1,4 @@
-"""The subcommands `run` (trains) and `envs` (lists the environments); `eval` is `eval_command`.
+"""The subcommand `run` (trains); `eval` is `eval_command`, `envs` is `envs_command`.
 
 Each takes the parsed namespace and returns an exit code. Set-up (options, environment, model,
 rows, trainer) happens before anything slow, so user mistakes surface in seconds.
@@ -163,42 +163,6 @@ def _print_eval_commands(
     if config.save_warm_start and warm_started:
         warm = output_dir / WARM_START_DIR
         print(f"and the warm start alone: agentgrpo eval {env}{again} --model {warm}")
-
-
-# The forms of spec `run` and `eval` take, for `agentgrpo envs` to list after the built-ins.
-ENVIRONMENT_SOURCES = (
-    ("env:Name", "a built-in above"),
-    ("package.module:Class", "a class in an importable module"),
-    ("path/file.py:Class", "a class in a file (relative to the current directory)"),
-    ("gym:ENV_ID", "a registered gymnasium env with a text observation (ansi or Text), such"),
-    ("", "as the toy-text gym:FrozenLake-v1, gym:Taxi-v4 and gym:CliffWalking-v1;"),
-    ("", "arguments for gymnasium.make follow the id: gym:FrozenLake-v1,is_slippery=false"),
-    ("agent:file.py:function", "an agent function driving an OpenAI client (also"),
-    ("", "agent:package.module:function); rows from --dataset"),
-    ("vf:ENV_ID", "an installed verifiers environment (its taskset's id): its tasks, harness"),
-    ("", "and rewards; its env config as --env-args JSON ('agentgrpo[verifiers]')"),
-    ("rg:TASK", "a reasoning-gym task, generated rows scored by the task (the tasks follow)"),
-)
-
-
-def envs(namespace: argparse.Namespace) -> int:
-    """Print each built-in environment with the first line of its docstring, then every source."""
-    from environments import BUILTIN_ENVIRONMENTS, EnvironmentSpecError
-    from environments.reasoning_gym_tasks import INSTALL, task_listing
-
-    width = max(map(len, BUILTIN_ENVIRONMENTS)) + len("env:")
-    for name, cls in BUILTIN_ENVIRONMENTS.items():
-        summary = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-        print(f"{'env:' + name:<{width}}  {summary}")
-    width = max(len(form) for form, _ in ENVIRONMENT_SOURCES)
-    print("\nenvironment sources (for run and eval):")
-    for form, meaning in ENVIRONMENT_SOURCES:
-        print(f"  {form:<{width}}  {meaning}")
-    try:
-        print(task_listing())
-    except EnvironmentSpecError:
-        print(f"rg:TASK, reasoning-gym's generated tasks: not installed ({INSTALL})")
-    return 0
 
 
 # ---------------------------------------------------------------------- run

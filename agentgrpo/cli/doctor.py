@@ -40,7 +40,12 @@ def add_parser(sub: argparse._SubParsersAction, handler: Any) -> argparse.Argume
         "[--generate N [--device D]] [ENV]"
     )
     add = parser.add_argument
-    add("env", nargs="?", metavar="ENV", help="env:Name, gym:ENV_ID, module:Class or file.py:Class")
+    add(
+        "env",
+        nargs="?",
+        metavar="ENV",
+        help="NAME (an installed package's), env:Name, gym:ENV_ID, module:Class or file.py:Class",
+    )
     add("--model", help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
     add(
         "--chat-template",

@@ -16,12 +16,13 @@ import anyio
 from agentgrpo.cli import sources
 from agentgrpo.cli.options import (
     BUILTIN_TEMPLATE,
+    EVAL_EPISODE_FIELDS,
     RUN_DEFAULTS,
     UsageError,
     grpo_config,
     template_source,
 )
-from environments.contract import EPISODE_LIMITS
+from environments.contract import EPISODE_LIMITS, run_defaults
 
 
 def evaluate(namespace: argparse.Namespace) -> int:
@@ -129,7 +130,8 @@ def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
     """The `GRPOConfig` of a run whose episodes are played as `agentgrpo eval` plays them.
 
     The token and turn limits are the command line's, else the environment's
-    `episode_limits`, else `agentgrpo run`'s defaults: as the run that trained the model.
+    `episode_limits`, else `agentgrpo run`'s defaults: as the run that trained the model; so is
+    `max_context` (the command line's, else the environment's `run_defaults`').
     """
     template: str | None
     if namespace.chat_template:
@@ -145,16 +147,20 @@ def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
             "max_completion_length": limits["max_completion_length"],
             "max_turns": limits["max_turns"],
             "temperature": namespace.temperature,
-            "top_p": namespace.top_p,
-            "top_k": namespace.top_k,
-            "tool_timeout_s": namespace.tool_timeout_s,
-            "environment_timeout_s": namespace.environment_timeout_s,
+            **{name: getattr(namespace, name) for name in EVAL_EPISODE_FIELDS},
+            "max_context": namespace.max_context or _recipe_window(source),
             "chat_template": template,
             "tool_call_parser": namespace.tool_call_parser,
             "seed": namespace.seed,
             "report_to": "none",
         }
     )
+
+
+def _recipe_window(source: Any) -> int | None:
+    """The `max_context` of the environment's `run_defaults`: the window its runs train in."""
+    window = run_defaults(source).get("max_context") if isinstance(source, type) else None
+    return None if window is None else int(window)
 
 
 def _write_episodes(path: Path, episodes: list, rewards: list[float]) -> None:

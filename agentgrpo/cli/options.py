@@ -23,6 +23,19 @@ from typing import Any
 from agentgrpo.cli.values import FieldType, InvalidValue, Limit
 from agentgrpo.config import GRPOConfig
 
+# The GRPOConfig fields `eval` takes as they are: sampling, timeouts, the context's window.
+EVAL_EPISODE_FIELDS = (
+    "top_p",
+    "top_k",
+    "tool_timeout_s",
+    "environment_timeout_s",
+    "max_context",
+    "context_policy",
+    "context_threshold",
+    "context_keep_last",
+    "context_summary_tokens",
+)
+
 
 class UsageError(ValueError):
     """A command-line or config-file mistake; the message says what to fix."""
@@ -159,6 +172,14 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
             const=True if _is_bool(name) else None,
             help=f"{help_text} (default: {default})",
         )
+    groups[True].add_argument(  # one server per use, each added to mcp_servers
+        "--mcp-server",
+        dest="mcp_servers",
+        action="append",
+        default=argparse.SUPPRESS,
+        metavar="'CMD ARGS'|URL",
+        help="an MCP server whose tools every episode offers (see --mcp-servers); repeatable",
+    )
 
 
 # Shorter spellings of some options, beside `--field-name`.

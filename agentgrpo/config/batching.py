@@ -60,6 +60,15 @@ class BatchingFields:
             "Neuron (which compiles once per shape), no padding elsewhere."
         },
     )
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Train on each micro-batch's episodes packed into one sequence, without "
+            "padding: position ids restart at 0 per episode row and attention stays within it; "
+            "rows sharing a prompt still run it once. Same losses and gradients as the padded "
+            "forward. Not with FSDP2/ZeRO-3, images, or non-attention (recurrent) layers."
+        },
+    )
     generation_batch_size: int | None = field(
         default=None,
         metadata={

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 from agentgrpo.config.errors import require
 from rollout.parsers import get_parser
 from rollout.template import load_template
+from tools.mcp import mcp_servers_of
 
 if TYPE_CHECKING:
     from agentgrpo.config.grpo import GRPOConfig
@@ -69,6 +70,27 @@ class EpisodeFields:
             "'gemma4', 'lfm2'). None: detected from the chat template."
         },
     )
+    mcp_servers: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "MCP servers whose tools every episode offers beside the environment's: "
+            "each a command that serves MCP on stdio ('python server.py --flag'), an http(s):// "
+            "URL (streamable HTTP), or a JSON object (or, in Python, a dict) with 'command', "
+            "'args' and 'env', or 'url'. Started before the first episode, shared by all "
+            "episodes, stopped when the run ends. On the command line also --mcp-server, once "
+            "per server."
+        },
+    )
+    infra_retries: int = field(
+        default=2,
+        metadata={
+            "help": "How often an episode that an infrastructure failure ended (a tool, the "
+            "environment or an MCP server raised tools.InfrastructureError: a sandbox that "
+            "died, a server that is gone) is replayed from scratch, same row and seed. After "
+            "that it is kept as failed (finish infra): not scored, left out of its group's "
+            "baseline, not trained on, counted in episodes/infra_failures. 0: never replayed."
+        },
+    )
     log_episodes: bool = field(
         default=True,
         metadata={
@@ -80,7 +102,7 @@ class EpisodeFields:
 
 
 def check_episode_values(config: "GRPOConfig") -> None:
-    """Check the episode limits: turns, timeouts and concurrency."""
+    """Check the episode limits: turns, timeouts, concurrency and replays."""
     require(
         config.max_turns is None or config.max_turns >= 1,
         f"max_turns={config.max_turns} must be at least 1 (or None for no turn limit).",
@@ -98,6 +120,12 @@ def check_episode_values(config: "GRPOConfig") -> None:
         config.max_concurrent_episodes >= 1,
         f"max_concurrent_episodes={config.max_concurrent_episodes} must be at least 1.",
     )
+    require(
+        config.infra_retries >= 0,
+        f"infra_retries={config.infra_retries} must be 0 (an infrastructure failure is not "
+        "replayed) or more.",
+    )
+    mcp_servers_of(config.mcp_servers)  # each spec names a server whose command is here
 
 
 def check_template_and_parser(config: "GRPOConfig") -> None:

@@ -29,6 +29,7 @@ from transformers import TrainingArguments
 from agentgrpo.config.asynchronous import AsyncFields, check_async
 from agentgrpo.config.batching import BatchingFields, check_eval_batch, resolve_batches
 from agentgrpo.config.checks import check_combinations, check_numbers, check_values, normalize
+from agentgrpo.config.context import ContextFields, check_context
 from agentgrpo.config.episodes import EpisodeFields, ToolCallingFields
 from agentgrpo.config.generation import GenerationFields, OtherGeneratorFields
 from agentgrpo.config.logs import LoggingFields
@@ -44,6 +45,7 @@ from agentgrpo.devices import name_deepspeed_accelerator, skip_unused_deepspeed_
 # first, so TrainingArguments' fields come first and agentgrpo's own last, as in TRL.
 @dataclass
 class GRPOConfig(
+    ContextFields,
     SamplingFields,
     AsyncFields,
     WarmStartFields,
@@ -147,6 +149,7 @@ class GRPOConfig(
         check_eval_batch(self)
         check_async(self)
         check_sampling(self)
+        check_context(self)
 
     @property
     def episode_max_turns(self) -> int:

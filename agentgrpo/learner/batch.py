@@ -40,6 +40,8 @@ class TrainingBatch:
         vision_B: A vision-language model's batch: each row's image tensors
             (`rollout.EpisodeRow.vision_inputs`, empty for a row without images), which every
             forward over the rows takes; None for a text batch.
+        advantages_B_C: Per-token advantages, which the loss takes in place of
+            `advantages_B` (credit per turn, `turn_advantage`); None: each row's `advantages_B`.
     """
 
     input_ids_B_L: torch.Tensor
@@ -53,6 +55,12 @@ class TrainingBatch:
     ref_logprobs_B_C: torch.Tensor | None = None
     num_items: float = 0.0
     vision_B: tuple[Mapping[str, torch.Tensor], ...] | None = None
+    advantages_B_C: torch.Tensor | None = None
+
+    @property
+    def token_advantages(self) -> torch.Tensor:
+        """advantages_B_C when set, else advantages_B: what the policy term multiplies."""
+        return self.advantages_B if self.advantages_B_C is None else self.advantages_B_C
 
     @property
     def completion_width(self) -> int:

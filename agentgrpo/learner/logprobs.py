@@ -15,6 +15,7 @@ from agentgrpo.learner.output_head import (
     read_hidden,
     read_logits,
 )
+from agentgrpo.learner.packing import check_packable, packed_states
 from agentgrpo.learner.shared_prompt import can_share_prompts, prompt_groups, shared_prompt_states
 from agentgrpo.learner.token_weights import entropy_from_logits
 from rollout.images import batch_vision, vision_forward_kwargs
@@ -43,6 +44,7 @@ def completion_logprobs(
     entropy: str | None = None,
     with_aux_loss: bool = False,
     sharded: bool = False,
+    padding_free: bool = False,
 ) -> PolicyForward:
     """Logprob (and entropy) of each completion token under `model`.
 
@@ -55,7 +57,9 @@ def completion_logprobs(
     (`output_head.InForwardScores`), in one pass. When rows share a prompt (a GRPO group),
     each distinct prompt runs through the model once (`shared_prompt_states`); otherwise, and
     whenever that could change the results, one pass runs over prompts and completions
-    (`one_pass_states`). Every way gives the same numbers and gradients up to float rounding.
+    (`one_pass_states`). With `padding_free` the rows run packed, without padding (`packing`),
+    sharing prompts the same way where it applies. Every way gives the same numbers and
+    gradients up to float rounding.
 
     Args:
         model: A causal LM, possibly wrapped (DDP, DeepSpeed, PEFT).
@@ -65,7 +69,11 @@ def completion_logprobs(
         with_aux_loss: Ask a mixture-of-experts model for its load-balancing loss, over the
             whole sequences, prompts included (so always one pass).
         sharded: FSDP2 or DeepSpeed ZeRO-3 shards `model`'s weights (`Placement.shards_weights`).
+        padding_free: Pack the rows into one, without padding (`packing.check_packable` says
+            where it cannot, with a ValueError).
     """
+    if padding_free:
+        check_packable(model, batch, sharded)
     temperature = temperature or 1.0
     targets_B_C = batch.completion_ids_B_C
     real_B_C = batch.attention_mask_B_L[:, -batch.completion_width :].bool()
@@ -76,7 +84,9 @@ def completion_logprobs(
         return PolicyForward(*scores.numbers(states_B_C_3S), aux_loss)
     readout: Readout = read_logits if head is None else read_hidden
     prompts = None if with_aux_loss else _shared_prompts(model, batch, sharded)
-    if prompts is not None:
+    if padding_free:
+        states_B_C_D, aux_loss = packed_states(model, batch, prompts, readout, with_aux_loss)
+    elif prompts is not None:
         states_B_C_D, aux_loss = shared_prompt_states(model, batch, prompts, readout), None
     else:
         states_B_C_D, aux_loss = one_pass_states(model, batch, readout, with_aux_loss)

@@ -407,7 +407,8 @@ def _per_token_loss(
         config.importance_sampling_level,
         episode_B,
     )
-    advantages_B_1 = advantages_B.to(logprobs_B_T.dtype).unsqueeze(-1)
+    advantages_B_1 = advantages_B.to(logprobs_B_T.dtype)  # (B,) to (B, 1); per token: (B, T)
+    advantages_B_1 = advantages_B_1.unsqueeze(-1) if advantages_B_1.dim() == 1 else advantages_B_1
     objective = _LOSS_TYPES[config.loss_type].objective
     term = objective(log_ratio_B_T, advantages_B_1, logprobs_B_T, mask_B_T, episode_B, config)
     metrics = _LOSS_TYPES[config.loss_type].metrics(term, mask_B_T, episode_B)
@@ -446,7 +447,8 @@ def policy_loss(
         logprobs_B_T: Current log-probabilities of the completion tokens (with grad), (B, T).
         old_logprobs_B_T: Under the policy that sampled the batch; ``logprobs_B_T.detach()`` on
             the first pass over it.
-        advantages_B: One advantage per row, (B,): the rows of an episode share its advantage.
+        advantages_B: One advantage per row, (B,): the rows of an episode share its advantage;
+            or one per token, (B, T) (credit per turn).
         mask_B_T: 1 where the token counts. Masked positions get exactly zero gradient and no
             say in the loss, whatever any input holds there (inf and NaN included).
         config: The checked loss settings.

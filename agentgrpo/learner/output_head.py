@@ -57,32 +57,39 @@ _LOGIT_REWRITING_TYPES = ("chameleon",)
 
 
 class Readout(Protocol):
-    """What a forward pass hands the learner, for the last `keep` positions of each row.
+    """What a forward pass hands the learner, at the positions `keep` names in each row.
 
-    Called as `readout(model, keep, **model_inputs)`; returns the states (B x keep x D: final
-    hidden states, D = H, or logits, D = V) and the model's output (for `aux_loss`).
+    Called as `readout(model, keep, **model_inputs)`; `keep` is a count K (the last K positions)
+    or a 1-D long tensor of K column indices (transformers' `logits_to_keep` takes both). Returns
+    the states (B x K x D: final hidden states, D = H, or logits, D = V) and the model's output
+    (for `aux_loss`).
     """
 
     def __call__(
-        self, model: torch.nn.Module, keep: int, **inputs: Any
+        self, model: torch.nn.Module, keep: int | torch.Tensor, **inputs: Any
     ) -> tuple[torch.Tensor, Any]:
-        """Run `model` on `inputs`; its states at the last `keep` positions, and its output."""
+        """Run `model` on `inputs`; its states at the `keep` positions, and its output."""
         ...
 
 
-def read_logits(model: torch.nn.Module, keep: int, **inputs: Any) -> tuple[torch.Tensor, Any]:
-    """The logits of the last `keep` positions, as the model computes them: B x keep x V."""
+def read_logits(
+    model: torch.nn.Module, keep: int | torch.Tensor, **inputs: Any
+) -> tuple[torch.Tensor, Any]:
+    """The logits of the `keep` positions, as the model computes them: B x K x V."""
     out = model(**inputs, use_cache=False, logits_to_keep=keep)
     return out.logits, out
 
 
-def read_hidden(model: torch.nn.Module, keep: int, **inputs: Any) -> tuple[torch.Tensor, Any]:
-    """The final (normed) hidden states of the last `keep` positions: B x keep x H.
+def read_hidden(
+    model: torch.nn.Module, keep: int | torch.Tensor, **inputs: Any
+) -> tuple[torch.Tensor, Any]:
+    """The final (normed) hidden states of the `keep` positions: B x K x H.
 
     The model computes the logits of each row's last position only (B x 1 x V).
     """
     out = model(**inputs, use_cache=False, logits_to_keep=1, output_hidden_states=True)
-    return out.hidden_states[-1][:, -keep:], out
+    hidden_B_L_H = out.hidden_states[-1]
+    return hidden_B_L_H[:, -keep:] if isinstance(keep, int) else hidden_B_L_H[:, keep], out
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -141,7 +148,7 @@ class InForwardScores:
         self.temperature, self.entropy = temperature, entropy
 
     def __call__(
-        self, model: torch.nn.Module, keep: int, **inputs: Any
+        self, model: torch.nn.Module, keep: int | torch.Tensor, **inputs: Any
     ) -> tuple[torch.Tensor, Any]:
         """Run `model` on `inputs`: its scores at the last `keep` = C + 1 positions, its output.
 

@@ -85,3 +85,29 @@ class PrefixCache(Cache):
     def __init__(self, prompts: RecordingCache, prompt_B: torch.Tensor):
         recorded = prompts.recorded()
         super().__init__(layers=[_PrefixLayer(k[prompt_B], v[prompt_B]) for k, v in recorded])
+
+
+class PackedPrefixCache(Cache):
+    """A read-only cache over a recorded prompt pass, its U prompts one after another in one row.
+
+    Each layer's keys and values (U x heads x P x size) become one row, 1 x heads x U·P x size:
+    prompt u at columns u·P to (u + 1)·P, left padding included. A packed row of completion
+    tokens reads them all; its attention mask (`packing`) says which prompt each token sees.
+
+    Args:
+        prompts: The prompt pass's cache, U rows.
+
+    Raises:
+        ValueError: The prompt pass recorded nothing (it ran no attention layer).
+    """
+
+    def __init__(self, prompts: RecordingCache):
+        super().__init__(
+            layers=[_PrefixLayer(_one_row(k), _one_row(v)) for k, v in prompts.recorded()]
+        )
+
+
+def _one_row(states_U_h_P_d: torch.Tensor) -> torch.Tensor:
+    """U rows of keys (or values) laid one after another: 1 x heads x U·P x size."""
+    count_U, heads, width_P, size = states_U_h_P_d.shape
+    return states_U_h_P_d.transpose(0, 1).reshape(1, heads, count_U * width_P, size)

@@ -100,7 +100,7 @@ def _non_reentrant(checkpoint: Any) -> bool:
 
 
 @contextmanager
-def _caches_through_checkpoints(model: torch.nn.Module) -> Iterator[None]:
+def caches_through_checkpoints(model: torch.nn.Module) -> Iterator[None]:
     """Let the checkpointing layers keep the (replay-safe) caches until the block ends."""
     layers = _checkpointing_layers(model)
     before = [layer.__dict__.get(_KEEPS_CACHE) for layer in layers]
@@ -139,7 +139,7 @@ def shared_prompt_states(
     width_C = batch.completion_width
     width_P = batch.input_ids_B_L.shape[1] - width_C
     recorded = RecordingCache()
-    with _caches_through_checkpoints(getattr(model, "module", model)):
+    with caches_through_checkpoints(getattr(model, "module", model)):
         prompt_U_1_D, _ = readout(
             model,
             1,

@@ -14,6 +14,9 @@ processes and computes the metrics once from the whole generation batch.
 | `episodes/rows_mean` | training rows per episode (above 1 where the template forks) |
 | `turns/fork_frequency` | share of the turns after an episode's first that forked a new row |
 |  | (only when the run has tools, as the other `turns/` metrics) |
+| `episodes/infra_failures` | episodes of the round kept as infrastructure failures |
+|  | (`Finish.INFRA`: not scored, not trained on) |
+| `episodes/infra_retries` | replays of the round's episodes after infrastructure failures |
 
 The sampler/trainer mismatch metrics (`sampling/*`) come from the loss forward instead:
 `reporting.sampling`.
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from agentgrpo.learner.advantages import group_std, nanstd
-from rollout import Episode
+from rollout import Episode, Finish
 from tools import ToolErrorKind
 
 if TYPE_CHECKING:
@@ -44,6 +47,13 @@ _COLUMNS = (
     "rows",
     "tool_calls",
     *TOOL_ERROR_KINDS,
+    "compactions",
+    "compaction_rows",
+    "context_before",
+    "context_after",
+    "responses",
+    "infra_failures",
+    "infra_retries",
 )
 
 
@@ -94,6 +104,13 @@ def episode_stats(episodes: Sequence[Episode]) -> torch.Tensor:
             len(e.rows),
             e.stats.tool_calls,
             *(e.stats.tool_errors.get(kind, 0) for kind in TOOL_ERROR_KINDS),
+            len(e.stats.compactions),
+            sum(c.rows for c in e.stats.compactions),
+            sum(c.tokens_before for c in e.stats.compactions),
+            sum(c.tokens_after for c in e.stats.compactions),
+            e.stats.responses,
+            float(e.finish is Finish.INFRA),
+            e.stats.infra_retries,
         ]
         for e in episodes
     ]
@@ -108,7 +125,8 @@ def round_metrics(
 ) -> dict[str, float]:
     """The metrics of one generation round, from the stats and rewards of all its episodes.
 
-    Lengths count model tokens only (tool and template tokens excluded), as TRL does with tools.
+    Lengths count model tokens only (tool and template tokens excluded), as TRL does with tools,
+    of the episodes that were played (infrastructure failures left out, unless all were).
 
     Args:
         stats_N_S: `episode_stats` of every episode.
@@ -117,10 +135,17 @@ def round_metrics(
         layout: Names, weights and scaling of the reward columns.
     """
     column = dict(zip(_COLUMNS, stats_N_S.T, strict=True))
-    metrics = _length_metrics(column["model_tokens"], column["truncated"].bool())
+    played_N = column["infra_failures"] == 0  # a failed play has no length of its own
+    if not played_N.any():
+        played_N = torch.ones_like(played_N)
+    metrics = _length_metrics(
+        column["model_tokens"][played_N], column["truncated"][played_N].bool()
+    )
     metrics["num_tokens_round"] = float((column["prompt_tokens"] + column["model_tokens"]).sum())
     metrics |= reward_metrics(rewards_N_F, rewards_N, layout)
     metrics["episodes/rows_mean"] = float(column["rows"].mean())
+    metrics["episodes/infra_failures"] = float(column["infra_failures"].sum())
+    metrics["episodes/infra_retries"] = float(column["infra_retries"].sum())
     if layout.with_tools:
         metrics |= tool_metrics(column)
     return metrics
@@ -183,7 +208,24 @@ def tool_metrics(column: dict[str, torch.Tensor]) -> dict[str, float]:
         metrics[f"tools/failure_frequency/{kind}"] = share
     metrics["turns/mean"] = float(column["turns"].mean())
     metrics["turns/max"] = float(column["turns"].max())
-    metrics["turns/fork_frequency"] = _fork_frequency(column["rows"], column["turns"])
+    template_rows_N = column["rows"] - column["compaction_rows"]
+    metrics["turns/fork_frequency"] = _fork_frequency(template_rows_N, column["turns"])
+    return metrics | context_metrics(column)
+
+
+def context_metrics(column: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Compactions per episode, and the environment's replies in words when it gave any.
+
+    `context/tokens_before_mean` and `context/tokens_after_mean` (the context's tokens when a
+    compaction applied, and the compacted context's) are logged when the round had one.
+    """
+    compactions = float(column["compactions"].sum())
+    metrics = {"context/compactions_mean": compactions / len(column["compactions"])}
+    if compactions:
+        metrics["context/tokens_before_mean"] = float(column["context_before"].sum()) / compactions
+        metrics["context/tokens_after_mean"] = float(column["context_after"].sum()) / compactions
+    if column["responses"].any():
+        metrics["episodes/responses_mean"] = float(column["responses"].mean())
     return metrics
 
 

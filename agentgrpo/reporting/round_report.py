@@ -23,7 +23,8 @@ def gathered_metrics(round_: Round, gather: Gather, layout: RewardLayout) -> dic
     With dynamic sampling, also over every process: `dynamic_sampling/groups_replaced`
     (uninformative groups replaced by fresh ones), `dynamic_sampling/resample_rounds` (plays of
     fresh rows, the most any process made) and `dynamic_sampling/effective_batch` (episodes of
-    groups whose rewards differ).
+    groups whose rewards differ). With a curriculum, its pool's `curriculum/*` metrics (the
+    same on every process).
     """
     metrics = round_metrics(
         gather(episode_stats(round_.episodes)),
@@ -39,7 +40,7 @@ def gathered_metrics(round_: Round, gather: Gather, layout: RewardLayout) -> dic
         metrics["dynamic_sampling/resample_rounds"] = float(max(rounds))
         effective = sum(informative) * layout.num_generations
         metrics["dynamic_sampling/effective_batch"] = float(effective)
-    return metrics
+    return metrics | round_.curriculum
 
 
 def logged_metrics(

@@ -21,7 +21,7 @@ from typing import Any
 
 from agentgrpo.reporting.run_log import EPISODES_DIR, IMAGES_DIR, METRICS_FILE, episode_file
 from rollout.record import TAG, EpisodeRecord, encode_value, record_from_dict
-from rollout.types import EpisodeRow, ToolCallRecord
+from rollout.types import Episode, EpisodeRow, ToolCallRecord
 
 _REWARD_MEAN = re.compile(r"rewards/(.+)/mean")
 _FAILURE_KIND = re.compile(r"tools/failure_frequency/(.+)")
@@ -157,7 +157,8 @@ def episode_view(record: EpisodeRecord) -> dict[str, Any]:
     JSON text, `result`, `error`), `task` (the dataset row's columns other than the prompt, as
     JSON text) and `rows` (each training row's `prompt_ids`, `completion_ids`, `loss_mask`,
     `logprobs`: the sampler logprob to 4 significant digits where the mask is 1, else 0, and
-    `versions`: each token's weights version, -1 where the mask is 0, or None when unrecorded).
+    `versions`: each token's weights version, -1 where the mask is 0, or None when unrecorded),
+    `row_kinds` (what started each row, `row_kinds`) and `responses` (the environment's replies).
     """
     episode = record.episode
     return {
@@ -176,7 +177,26 @@ def episode_view(record: EpisodeRecord) -> dict[str, Any]:
         "calls": [_call_view(call) for call in episode.tool_calls],
         "task": _json_text({k: v for k, v in episode.row.items() if k != "prompt"}),
         "rows": [_row_view(row) for row in episode.rows],
+        "row_kinds": row_kinds(episode),
+        "responses": episode.stats.responses,
     }
+
+
+def row_kinds(episode: Episode) -> list[str]:
+    """What started each row: the task, a template fork, a summary request, a compaction.
+
+    >>> from rollout import Compaction, EpisodeRow, EpisodeStats, Finish
+    >>> rows = tuple(EpisodeRow([1], [2], [1], [0.0]) for _ in range(4))
+    >>> stats = EpisodeStats(3, 0, {}, (Compaction(2, 900, 300, "summarize", 2, 3),))
+    >>> row_kinds(Episode(rows, [], Finish.STOP, stats, {}, 0, 0))
+    ['task', 'fork', 'summary request', 'compacted (summarize): 900 -> 300 tokens']
+    """
+    kinds = ["task"] + ["fork"] * (len(episode.rows) - 1)
+    for c in episode.stats.compactions:
+        kinds[c.row] = f"compacted ({c.policy}): {c.tokens_before} -> {c.tokens_after} tokens"
+        if c.rows == 2:
+            kinds[c.row - 1] = "summary request"
+    return kinds
 
 
 def episode_images(record: EpisodeRecord, folder: Path) -> list[str]:

@@ -2,10 +2,11 @@
 
 A group whose episodes all got the same reward has advantage 0 everywhere: the update learns
 nothing from it, yet it fills the batch. With `dynamic_sampling=True`, a round's uninformative
-groups (equal rewards, or fewer than two scored episodes) are left out and replaced by groups
-of fresh rows, drawn at random from the training rows and played, for at most
-`max_resample_rounds` more plays a round. Groups still uninformative then stay in (advantage
-0), so a round always has its planned size and the loss's normalisers do not change.
+groups (equal rewards, or fewer than two scored episodes: an episode an infrastructure failure
+ended, `Finish.INFRA`, is not scored) are left out and replaced by groups of fresh rows, drawn
+at random from the training rows and played, for at most `max_resample_rounds` more plays a
+round. Groups still uninformative then stay in (advantage 0), so a round always has its planned
+size and the loss's normalisers do not change.
 
 Every process plays the same number of times (the count of groups still missing is gathered;
 a process already full plays as many fresh rows as the process missing most, and keeps none),
@@ -154,6 +155,9 @@ class Resampled:
 
 def informative_groups(rewards_N: torch.Tensor, num_generations: int) -> torch.Tensor:
     """informative_Q: whether each group's scored (non-NaN) rewards hold two different values.
+
+    NaN marks an episode no reward scored, a `Finish.INFRA` one among them: a group of
+    infrastructure failures only, or of one scored episode and such failures, informs nothing.
 
     >>> informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, float("nan"), 2.0]), 2)
     tensor([False,  True, False])

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from agentgrpo.learner.advantages import combine_rewards, group_advantages
 from agentgrpo.learner.batch import TrainingBatch
+from agentgrpo.rounds.curriculum import Curriculum
 from agentgrpo.rounds.dynamic_sampling import DynamicSampling, Resampled, resample
+from agentgrpo.rounds.turn_credit import TurnCredit
 from rollout import Episode
 
 if TYPE_CHECKING:
@@ -217,16 +219,22 @@ class RewardShaping:
         aggregation: `multi_objective_aggregation` ("sum_then_normalize" or
             "normalize_then_sum").
         scale: `scale_rewards` ("group", "batch" or "none").
+        turns: The credit per turn (`turn_advantage`), or None: every token of an episode
+            gets its advantage.
     """
 
     weights_F: Sequence[float] | torch.Tensor | None = None
     aggregation: str = "sum_then_normalize"
     scale: str = "group"
+    turns: TurnCredit | None = None
 
     @classmethod
     def from_config(cls, args: GRPOConfig) -> RewardShaping:
         """The shaping a `GRPOConfig` asks for."""
-        return cls(args.reward_weights, args.multi_objective_aggregation, args.scale_rewards)
+        turns = None
+        if args.turn_advantage != "episode":
+            turns = TurnCredit(args.turn_advantage, args.turn_discount, args.scale_rewards != "none")
+        return cls(args.reward_weights, args.multi_objective_aggregation, args.scale_rewards, turns)
 
     def combine(self, rewards_N_F: torch.Tensor, num_generations: int) -> torch.Tensor:
         """rewards_N: the weighted columns; NaN where every column is None (advantage 0).
@@ -263,6 +271,8 @@ class RoundParts:
         process_index: This process's index in the gather's order.
         dynamic: Replaces a training round's uninformative groups (`dynamic_sampling`), or
             None to train on every group.
+        curriculum: Draws a training round's rows in place of the sampler's (`curriculum`),
+            or None to play the rows given.
     """
 
     play: Play
@@ -273,6 +283,7 @@ class RoundParts:
     gather: Gather = lambda tensor: tensor
     process_index: int = 0
     dynamic: DynamicSampling | None = None
+    curriculum: Curriculum | None = None
 
 
 @dataclass(frozen=True)
@@ -286,6 +297,7 @@ class Round:
         advantages_N: The advantages the loss uses.
         micro_batches: The batches to train on, in order (one in evaluation).
         resampled: What dynamic sampling replaced, or None when it did not run.
+        curriculum: The curriculum's metrics after the round (empty without one).
     """
 
     episodes: list[Episode]
@@ -294,15 +306,24 @@ class Round:
     advantages_N: torch.Tensor
     micro_batches: list[TrainingBatch]
     resampled: Resampled | None = None
+    curriculum: dict[str, float] = field(default_factory=dict)
 
 
 def play_and_batch(parts: RoundParts, plan: RoundPlan, rows: Rows, seed: int) -> Round:
     """Play one round of `rows` and turn it into micro-batches, stage by stage.
 
     Every process calls this with its own rows at the same time: the advantages and the loss
-    normaliser gather over all processes.
+    normaliser gather over all processes. With a curriculum, a training round plays the
+    rows it draws, and every process's results are added to it before dynamic sampling.
     """
+    curriculum = parts.curriculum if plan.train else None  # eval rows are never drawn
+    if curriculum is not None:
+        per_process, processes = plan.prompts_per_process, plan.num_processes
+        rows = curriculum.draw_rows(per_process, processes, parts.process_index)
     episodes, rewards_N_F = parts.play(rows, plan.num_generations, seed)  # play, score
+    if curriculum is not None:
+        weights_F = parts.shaping.weights_or_ones(rewards_N_F.shape[1])
+        curriculum.record(parts.gather(rewards_N_F), weights_F, plan.num_generations)
     resampled = None
     if parts.dynamic is not None and plan.train:  # uninformative groups replaced
         combine = functools.partial(parts.shaping.combine, num_generations=plan.num_generations)
@@ -314,9 +335,31 @@ def play_and_batch(parts: RoundParts, plan: RoundPlan, rows: Rows, seed: int) ->
     rewards_N = parts.shaping.combine(rewards_N_F, plan.num_generations)
     advantages_N = local_advantages(parts, rewards_N, plan.num_generations)
     batch = parts.collate(episodes, advantages_N)
+    if parts.shaping.turns is not None and plan.train:
+        batch = with_turn_credit(parts, plan, batch, episodes, rewards_N, advantages_N)
     batch = with_logprobs(parts, plan, batch)
     micro_batches = split_micro_batches(batch, plan, global_tokens(parts.gather, batch))
-    return Round(episodes, rewards_N_F, rewards_N, advantages_N, micro_batches, resampled)
+    metrics = curriculum.metrics() if curriculum is not None else {}
+    return Round(episodes, rewards_N_F, rewards_N, advantages_N, micro_batches, resampled, metrics)
+
+
+def with_turn_credit(
+    parts: RoundParts,
+    plan: RoundPlan,
+    batch: TrainingBatch,
+    episodes: Sequence[Episode],
+    rewards_N: torch.Tensor,
+    advantages_N: torch.Tensor,
+) -> TrainingBatch:
+    """`batch` with per-token advantages (`advantages_B_C`) from the credit per turn."""
+    assert parts.shaping.turns is not None
+    rows_C = parts.shaping.turns.token_advantages(
+        episodes, rewards_N, advantages_N, parts.gather, parts.process_index, plan.num_generations
+    )
+    advantages_B_C = torch.zeros_like(batch.loss_mask_B_C)
+    for b, row_C in enumerate(rows_C):
+        advantages_B_C[b, : len(row_C)] = row_C
+    return replace(batch, advantages_B_C=advantages_B_C)
 
 
 def local_advantages(

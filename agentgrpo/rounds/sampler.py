@@ -8,6 +8,10 @@ from what it generated.
 
 Order, for a round with processes p0, p1 and two repeats: [p0 rows, p1 rows, p0 rows, p1 rows].
 accelerate hands batch k to process k % num_processes, so each process sees its own rows.
+
+With `curriculum`, a training round plays the rows its `Curriculum` draws when it starts
+(`curriculum_of`; `agentgrpo.rounds.curriculum`) in place of the sampler's, which then only
+count the rounds of an epoch.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agentgrpo.rounds.curriculum import Curriculum, RowPool
 from agentgrpo.rounds.data import (
     adapt_to_iterable_datasets,
     is_iterable_dataset,
@@ -172,3 +177,28 @@ def evaluation_loader(
         adapt_to_iterable_datasets(args, None, dataset)
     rows = without_unused_columns(dataset, args.remove_unused_columns)
     return eval_loader(rows, plan.prompts_per_process, args.dataloader_num_workers)
+
+
+def curriculum_of(args: GRPOConfig, dataset: Any) -> Curriculum | None:
+    """The curriculum a run of `args` draws its training rounds' rows with (None without one).
+
+    Args:
+        args: The run's config (`curriculum`, `curriculum_floor`, `curriculum_pass_reward`,
+            `seed`, `remove_unused_columns`).
+        dataset: The training rows as the trainer holds them (map-style).
+
+    Raises:
+        ValueError: The rows carry no columns (the environment states its own tasks in
+            `reset`): every row is the same, so a row's pass rate says nothing of a task.
+    """
+    if not args.curriculum:
+        return None
+    if len(dataset) and not dataset[0]:
+        raise ValueError(
+            "curriculum=True draws rows by their pass rates, but the training rows have no "
+            "columns (the environment states its own tasks in reset()): give a train_dataset "
+            "(or an environment dataset()) whose rows name their tasks, or set curriculum=False"
+        )
+    rows = without_unused_columns(dataset, args.remove_unused_columns)
+    pool = RowPool(len(rows), args.curriculum_floor)
+    return Curriculum(rows, pool, args.curriculum_pass_reward, args.seed)

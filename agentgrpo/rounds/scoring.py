@@ -2,6 +2,9 @@
 
 Scoring runs inside the engine's `on_group` hook, so slow (for example I/O-bound, async) reward
 functions overlap with the generation of the groups still playing instead of adding to the step.
+An episode an infrastructure failure ended (`Finish.INFRA`, `rollout.infrastructure`) is not
+scored: reward functions never see it, and every one of its rewards is NaN, which leaves it out
+of its group's baseline with advantage 0 (`learner.advantages.group_advantages`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from agentgrpo.rewards.calls import RewardBatch, RewardFunction, score
 from environments import reward_method_name
-from rollout import Episode, RolloutEngine
+from rollout import Episode, Finish, RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +45,35 @@ class RewardLogs:
         """`log_metric(name, value)`: one scalar, averaged with the round's other values."""
         self.metrics.setdefault(name, []).append(float(value))
 
-    def add_extra(self, group: int, size: int, column: str, values: Sequence[Any]) -> None:
+    def add_extra(
+        self,
+        group: int,
+        size: int,
+        column: str,
+        values: Sequence[Any],
+        at: Sequence[int] | None = None,
+    ) -> None:
         """`log_extra(column, values)` for a group of `size` episodes: one value per episode.
+
+        `at` lists the group positions of the completions the call scored, when it scored
+        only some (not those of `Finish.INFRA` episodes): the others get None.
 
         Raises:
             ValueError: `values` does not hold one value per completion of the call.
         """
-        if isinstance(values, str) or len(values) != size:
+        scored = size if at is None else len(at)
+        if isinstance(values, str) or len(values) != scored:
             count = "a string" if isinstance(values, str) else f"{len(values)} values"
             raise ValueError(
-                f"log_extra({column!r}, values) got {count} for {size} completions; pass a "
+                f"log_extra({column!r}, values) got {count} for {scored} completions; pass a "
                 "list with one value per completion"
             )
-        self.extra.setdefault(column, {})[group] = list(values)
+        spread = list(values)
+        if at is not None:
+            spread = [None] * size
+            for position, value in zip(at, values, strict=True):
+                spread[position] = value
+        self.extra.setdefault(column, {})[group] = spread
 
     def take_metrics(self) -> dict[str, tuple[float, int]]:
         """Each metric's (sum, count) since the last call; then forget them."""
@@ -119,7 +138,23 @@ class Scorer:
         return [f.name for f in self.funcs] + own + list(self.agent_columns)
 
     async def score_group(self, episodes: Sequence[Episode]) -> torch.Tensor:
-        """rewards_G_F: one column per name in `names`; NaN where a function returned None."""
+        """rewards_G_F: one column per name in `names`; NaN where a function returned None.
+
+        `Finish.INFRA` episodes are left out of what the reward functions see, and their rows
+        are NaN.
+        """
+        at = [g for g, e in enumerate(episodes) if e.finish is not Finish.INFRA]
+        rewards_G_F = torch.full((len(episodes), len(self.names)), math.nan)
+        if at:
+            scored = [episodes[g] for g in at]
+            whole = len(at) == len(episodes)
+            rewards_G_F[at] = await self._score(scored, None if whole else at, len(episodes))
+        return rewards_G_F
+
+    async def _score(
+        self, episodes: Sequence[Episode], at: Sequence[int] | None, size: int
+    ) -> torch.Tensor:
+        """rewards_S_F of the `episodes` scored, at group positions `at` (None: all `size`)."""
         prompts, completions = zip(*(self.views(e) for e in episodes), strict=True)
         batch = RewardBatch(
             prompts=list(prompts),
@@ -128,7 +163,7 @@ class Scorer:
             rows=[e.row for e in episodes],
             environments=[e.environment for e in episodes] if self.with_environments else None,
             trainer_state=self.trainer_state(),
-            log_extra=functools.partial(self.logs.add_extra, episodes[0].group, len(episodes)),
+            log_extra=functools.partial(self.logs.add_extra, episodes[0].group, size, at=at),
             log_metric=self.logs.add_metric,
         )
         columns = [await score(list(self.funcs), batch)] if self.funcs else []
@@ -228,7 +263,8 @@ def warn_if_unscored(
     1.16 (`learner.advantages.group_advantages`). The warning goes through this
     module's logger, as TRL logs its own, so the same log filters catch it.
     """
-    unscored_N = rewards_N_F.isnan().all(dim=1)
+    infra_N = torch.tensor([e.finish is Finish.INFRA for e in episodes], dtype=torch.bool)
+    unscored_N = rewards_N_F.isnan().all(dim=1) & ~infra_N  # an INFRA episode is not scored
     if not rewards_N_F.shape[1] or not unscored_N.any():
         return
     first = episodes[int(unscored_N.nonzero()[0])]

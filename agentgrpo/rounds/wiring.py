@@ -12,12 +12,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from agentgrpo.config.context import context_of
 from agentgrpo.learner.losses import LossConfig
 from agentgrpo.learner.objectives import VespoShape
 from agentgrpo.rewards.calls import RewardFunction
 from agentgrpo.rounds.scoring import Scorer, environment_reward_classes
 from rollout import EpisodeConfig, GenerationBackend, RolloutEngine
 from rollout.agents import Agent
+from tools.mcp import mcp_servers_of
 
 if TYPE_CHECKING:
     from agentgrpo.config import GRPOConfig
@@ -113,6 +115,8 @@ def build_engine(
         config=episode_config_of(config),
         max_concurrent_episodes=config.max_concurrent_episodes,
         player=agent.player if agent is not None else None,
+        mcp_servers=mcp_servers_of(config.mcp_servers),
+        infra_retries=config.infra_retries,
     )
 
 
@@ -129,6 +133,9 @@ def episode_config_of(config: GRPOConfig) -> EpisodeConfig:
         temperature=config.temperature,
         top_p=config.top_p,
         top_k=config.top_k or 0,
+        max_context=config.max_context,
+        context=context_of(config),
+        turn_states=config.turn_advantage == "same_state",
     )
 
 

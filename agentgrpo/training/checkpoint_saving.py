@@ -15,8 +15,9 @@ whole but is not. A save that fails because the folder is full, read-only or not
 removed at once, so a full disk gets back the room it took.
 
 Besides the Trainer's files, a checkpoint holds this process's torch thread count
-(`thread_count`), the adaptive entropy controller's state (`LossStep.save`) and, with
-`sync_ref_model`, the reference model (`SyncReference.save`).
+(`thread_count`), the adaptive entropy controller's state (`LossStep.save`), with
+`sync_ref_model` the reference model (`SyncReference.save`), and with `curriculum` the pass
+counts of the training rows (`Curriculum.save`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import contextlib
 import functools
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
@@ -37,9 +39,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from agentgrpo import run_folder, thread_count
 from agentgrpo.models.reference_sync import SyncReference
 from agentgrpo.placement import Placement
+from agentgrpo.rounds.curriculum import Curriculum
 from agentgrpo.run_folder import explained_write_errors
 from agentgrpo.training import checkpoints
 from agentgrpo.training.loss_step import LossStep
+
+if TYPE_CHECKING:
+    from agentgrpo.training.trainer import GRPOTrainer
 
 
 class Checkpoints:
@@ -60,6 +66,7 @@ class Checkpoints:
         save_weights: Writes a state dict's weights into a folder (the Trainer's `_save`).
         push_to_hub: The Trainer's `push_to_hub`.
         push_checkpoint: Pushes a checkpoint folder (the Trainer's `_push_from_checkpoint`).
+        curriculum: With `curriculum`, the rows' pass counts, saved and loaded likewise.
     """
 
     def __init__(
@@ -76,18 +83,20 @@ class Checkpoints:
         save_weights: Callable[[str, dict[str, torch.Tensor]], None],
         push_to_hub: Callable[..., object],
         push_checkpoint: Callable[[str], None],
+        curriculum: Curriculum | None = None,
     ) -> None:
         self.args, self.accelerator, self.placement = args, accelerator, placement
         self.loss_step, self.reference_sync, self.processor = loss_step, reference_sync, processor
         self._state, self._model = state, model
         self._save_weights, self._push_to_hub = save_weights, push_to_hub
         self._push_checkpoint = push_checkpoint
+        self.curriculum = curriculum
         self._staging: Path | None = None  # set while a checkpoint is being written
 
     @classmethod
     def of(
         cls,
-        trainer: Trainer,
+        trainer: GRPOTrainer,
         placement: Placement,
         loss_step: LossStep,
         reference_sync: SyncReference | None,
@@ -96,6 +105,7 @@ class Checkpoints:
         """The checkpoints of `trainer`'s run, which reads its state and model when it needs them.
 
         `trainer`'s hooks forward to it; what else it calls of the Trainer is transformers' own.
+        Its round parts' curriculum (if any) is saved with the optimizer.
         """
         return cls(
             trainer.args,
@@ -109,6 +119,7 @@ class Checkpoints:
             save_weights=trainer._save,
             push_to_hub=trainer.push_to_hub,
             push_checkpoint=functools.partial(Trainer._push_from_checkpoint, trainer),
+            curriculum=trainer._round_parts.curriculum,
         )
 
     @contextlib.contextmanager
@@ -239,17 +250,32 @@ class Checkpoints:
         thread_count.save(output_dir, self.args.process_index, self.args.world_size)
 
     def save_optimizer(self, output_dir: str, base: Callable[[str], None]) -> None:
-        """`_save_optimizer_and_scheduler`: the Trainer's, the entropy controller, the reference."""
+        """`_save_optimizer_and_scheduler`: the Trainer's, and agentgrpo's state beside it.
+
+        The entropy controller, the synced reference and the curriculum's pass counts.
+        """
         base(output_dir)
         if self.args.should_save:
             self.loss_step.save(output_dir)
+            if self.curriculum is not None:  # the same on every process: the main one writes it
+                self.curriculum.save(output_dir)
         if self.reference_sync is not None:
             self.reference_sync.save(output_dir, writes=self.args.should_save)
 
     def load_optimizer(self, checkpoint: str | None, base: Callable[[str | None], None]) -> None:
-        """`_load_optimizer_and_scheduler`: the Trainer's, the entropy controller, the reference."""
+        """`_load_optimizer_and_scheduler`: the Trainer's, and agentgrpo's state beside it.
+
+        A checkpoint of a run without `curriculum` has no pass counts: the curriculum then
+        starts from none, with a warning.
+        """
         base(checkpoint)
         if checkpoint is not None:
             self.loss_step.load(checkpoint)
+            if self.curriculum is not None and not self.curriculum.load(checkpoint):
+                warnings.warn(
+                    f"{checkpoint} holds no curriculum pass counts (its run had curriculum off): "
+                    "the curriculum starts from none",
+                    stacklevel=2,
+                )
             if self.reference_sync is not None:
                 self.reference_sync.load(checkpoint)

@@ -47,6 +47,8 @@ class LossStep:
         temperature: The sampling temperature the logits are divided by.
         sharded: FSDP2 or ZeRO-3 shards the model's weights (`Placement.shards_weights`): the
             learner scores completions inside its forward.
+        padding_free: Pack each micro-batch's rows into one, without padding
+            (`learner.packing`).
         sampling: This optimizer step's sampler-mismatch statistics, micro-batch by micro-batch.
     """
 
@@ -57,6 +59,7 @@ class LossStep:
     router_aux_loss_coef: float
     temperature: float
     sharded: bool = False
+    padding_free: bool = False
     sampling: SamplingWindow = field(default_factory=SamplingWindow)
 
     @classmethod
@@ -75,6 +78,7 @@ class LossStep:
             router_aux_loss_coef=router_coef,
             temperature=args.temperature,
             sharded=sharded,
+            padding_free=args.padding_free,
         )
 
     def loss(
@@ -96,6 +100,7 @@ class LossStep:
             entropy="differentiable" if self.entropy_bonus else "detached",
             with_aux_loss=self.router_aux_loss_coef != 0.0,
             sharded=self.sharded,
+            padding_free=self.padding_free,
         )
         assert entropy_B_C is not None  # asked for
         old_B_C = batch.old_logprobs_B_C
@@ -106,7 +111,7 @@ class LossStep:
         output = policy_loss(
             logprobs_B_C,
             old_B_C,
-            batch.advantages_B,
+            batch.token_advantages,
             batch.loss_mask_B_C,
             self.loss_config,
             ref_logprobs_B_T=batch.ref_logprobs_B_C,

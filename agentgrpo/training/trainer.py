@@ -59,7 +59,7 @@ from agentgrpo.rounds.pipeline import (
     play_and_batch,
     round_seed,
 )
-from agentgrpo.rounds.sampler import evaluation_loader, training_loader
+from agentgrpo.rounds.sampler import curriculum_of, evaluation_loader, training_loader
 from agentgrpo.rounds.scoring import Scorer, play_round, score_played
 from agentgrpo.rounds.wiring import build_parts
 from agentgrpo.training import porting
@@ -240,6 +240,7 @@ class GRPOTrainer(TRLAttributes):
             gather=self._processes.gather,
             process_index=self.accelerator.process_index,
             dynamic=dynamic_sampling_of(args, self.train_dataset, self._play, self.scorer),
+            curriculum=curriculum_of(args, self.train_dataset),
         )
         self._async: AsyncRounds | None = None
         if generators.producer is not None:  # training rounds take groups played meanwhile

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible chat endpoint on the loopback interface, one URL per agent session.
+"""An OpenAI- and Anthropic-compatible chat endpoint on the loopback interface, one URL per session.
 
 `ChatEndpoint` binds a port on 127.0.0.1 when it is made and keeps it for its life; while a
 round plays (`serving`), aiohttp answers on it. Each agent episode gets a session and a base
@@ -12,7 +12,15 @@ that episode and nothing else, and no other episode or local process can add row
   `"return_token_ids": true` (pass it in `extra_body`) adds `prompt_token_ids` and each
   choice's `token_ids`. `"stream": true` gets the same reply as server-sent events once it is
   whole (`stream_events`): agent loops that always stream (verifiers' harnesses) work unchanged.
+- `POST .../v1/responses`: the same, asked and answered in OpenAI's Responses API
+  (`rollout.agents.responses_api`: input items, function calls, `previous_response_id`).
+- `POST .../v1/messages`: the same in Anthropic's Messages API (`rollout.agents.messages_api`:
+  content blocks, `tool_use` / `tool_result`); an `anthropic` client reaches it with the session's
+  URL less its `/v1` (`anthropic_client`), and its errors have Anthropic's form.
 - `GET .../v1/models`: the one model served.
+
+All three turn a request into the same chat messages, so a session records them alike: a
+request whose conversation extends an earlier one appends to its row, one that rewrote it forks.
 
 Sampling is the run's (`EpisodeConfig`), whatever the request asks, so the sampler logprobs are
 those the learner recomputes; `max_tokens` / `max_completion_tokens` still cap a reply. `n`
@@ -30,11 +38,23 @@ import json
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import anyio
 
+from rollout.agents.messages_api import (
+    anthropic_error,
+    message_events,
+    message_json,
+    messages_request,
+)
+from rollout.agents.responses_api import (
+    ResponsesRequest,
+    response_events,
+    response_json,
+    responses_request,
+)
 from rollout.agents.session import (
     AgentSession,
     ChatReply,
@@ -42,10 +62,13 @@ from rollout.agents.session import (
     RequestError,
     template_messages,
 )
+from rollout.agents.wire import arguments_json, flag, token_logprobs, whole_number
 
 HOST = "127.0.0.1"
 MAX_JSON_DEPTH = 100  # far deeper than any chat request or tool schema needs
 _BOOLEANS = ("stream", "logprobs", "return_token_ids")
+_GONE = "no such session: the episode it belonged to has ended"
+Wire = TypeVar("Wire")  # a request as its wire format reads it
 
 
 class ChatEndpoint:
@@ -68,6 +91,8 @@ class ChatEndpoint:
         self._socket = socket.create_server((HOST, port))
         self.port: int = self._socket.getsockname()[1]
         self._sessions: dict[str, AgentSession] = {}
+        # Per session, each Responses reply's conversation by response id (previous_response_id).
+        self._earlier: dict[str, dict[str, list[dict[str, Any]]]] = {}
 
     def open(self, session: AgentSession) -> str:
         """Serve `session`; returns its base URL (for `openai.AsyncOpenAI(base_url=...)`).
@@ -76,11 +101,14 @@ class ChatEndpoint:
         """
         session_id = secrets.token_urlsafe(32)
         self._sessions[session_id] = session
+        self._earlier[session_id] = {}
         return f"http://{HOST}:{self.port}/sessions/{session_id}/v1"
 
     def close_session(self, base_url: str) -> None:
         """Stop serving the session at `base_url`: its later requests get 404."""
-        self._sessions.pop(base_url.rstrip("/").split("/")[-2], None)
+        session_id = base_url.rstrip("/").split("/")[-2]
+        self._sessions.pop(session_id, None)
+        self._earlier.pop(session_id, None)
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
@@ -91,6 +119,8 @@ class ChatEndpoint:
         app.add_routes(
             [
                 web.post("/sessions/{session}/v1/chat/completions", self._completions),
+                web.post("/sessions/{session}/v1/responses", self._responses),
+                web.post("/sessions/{session}/v1/messages", self._messages),
                 web.get("/sessions/{session}/v1/models", self._models),
             ]
         )
@@ -111,36 +141,94 @@ class ChatEndpoint:
         from aiohttp import web
 
         if request.match_info["session"] not in self._sessions:
-            return _error(404, "no such session: the episode it belonged to has ended")
+            return _error(404, _GONE)
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentgrpo"}
         return web.json_response({"object": "list", "data": [model]})
 
     async def _completions(self, request: Any) -> Any:
         from aiohttp import web
 
-        session = self._sessions.get(request.match_info["session"])
-        if session is None:
-            return _error(404, "no such session: the episode it belonged to has ended")
-        session.received += 1
-        try:
-            raw = await self._read(request)
-            body, chat = await anyio.to_thread.run_sync(parse_request, raw)
-            reply = await session.complete(chat)
-        except RequestError as error:
-            session.refusals += 1
-            session.last_refusal = str(error)
-            return _error(error.status, str(error))
-        except Exception as error:  # a bug or a setup mistake: the episode raises it afterwards
-            session.failure = session.failure or error
-            return _error(500, f"{type(error).__name__}: {error}")
+        def parse(raw: bytes) -> tuple[dict[str, Any], ChatRequest]:
+            body = read_json(raw)
+            return body, chat_request(body)
+
+        answer = await self._answer(request, parse, _openai_error)
+        if isinstance(answer, web.StreamResponse):
+            return answer
+        body, chat, reply = answer
         completion = self.completion_json(reply, chat)
         if not body.get("stream"):
             return web.json_response(completion)
         options = body.get("stream_options")
         usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        return web.Response(
-            body=b"".join(stream_events(completion, usage)), content_type="text/event-stream"
-        )
+        return _event_stream(stream_events(completion, usage))
+
+    async def _responses(self, request: Any) -> Any:
+        from aiohttp import web
+
+        earlier = self._earlier.get(request.match_info["session"], {})
+
+        def parse(raw: bytes) -> tuple[ResponsesRequest, ChatRequest]:
+            wire = responses_request(read_json(raw), earlier)
+            return wire, wire.chat
+
+        answer = await self._answer(request, parse, _openai_error)
+        if isinstance(answer, web.StreamResponse):
+            return answer
+        wire, _, reply = answer
+        response = response_json(reply, wire, self.model_name)
+        earlier[response["id"]] = wire.conversation(reply)
+        if not wire.body.get("stream"):
+            return web.json_response(response)
+        return _event_stream(response_events(response))
+
+    async def _messages(self, request: Any) -> Any:
+        from aiohttp import web
+
+        def parse(raw: bytes) -> tuple[dict[str, Any], ChatRequest]:
+            body = read_json(raw)
+            return body, messages_request(body)
+
+        answer = await self._answer(request, parse, anthropic_error)
+        if isinstance(answer, web.StreamResponse):
+            return answer
+        body, chat, reply = answer
+        message = message_json(reply, chat, self.model_name)
+        if not body.get("stream"):
+            return web.json_response(message)
+        return _event_stream(message_events(message))
+
+    async def _answer(
+        self,
+        request: Any,
+        parse: Callable[[bytes], tuple[Wire, ChatRequest]],
+        error: Callable[[int, str], dict[str, Any]],
+    ) -> tuple[Wire, ChatRequest, ChatReply] | Any:
+        """The request as its format reads it, its chat request and the session's reply.
+
+        An error response instead (in the format's `error` form) when there is no such session,
+        the request is refused (4xx, counted on the session), or answering it failed (500: the
+        episode raises the error afterwards). `parse` runs in a worker thread.
+        """
+        from aiohttp import web
+
+        session = self._sessions.get(request.match_info["session"])
+        if session is None:
+            return web.json_response(error(404, _GONE), status=404)
+        session.received += 1
+        try:
+            raw = await self._read(request)
+            wire, chat = await anyio.to_thread.run_sync(parse, raw)
+            reply = await session.complete(chat)
+        except RequestError as refusal:
+            session.refusals += 1
+            session.last_refusal = str(refusal)
+            return web.json_response(error(refusal.status, str(refusal)), status=refusal.status)
+        except Exception as failure:  # a bug or a setup mistake: the episode raises it afterwards
+            session.failure = session.failure or failure
+            message = f"{type(failure).__name__}: {failure}"
+            return web.json_response(error(500, message), status=500)
+        return wire, chat, reply
 
     async def _read(self, request: Any) -> bytes:
         """The request's body, refused unread when it is over `max_request_bytes`."""
@@ -169,7 +257,11 @@ class ChatEndpoint:
             "index": 0,
             "message": message,
             "finish_reason": reply.finish_reason,
-            "logprobs": _logprobs(reply) if request.logprobs else None,
+            "logprobs": (
+                {"content": token_logprobs(reply.tokens, reply.logprobs)}
+                if request.logprobs
+                else None
+            ),
         }
         body: dict[str, Any] = {
             "id": f"chatcmpl-{time.time_ns():x}",
@@ -189,12 +281,11 @@ class ChatEndpoint:
         return body
 
 
-def parse_request(raw: bytes) -> tuple[dict[str, Any], ChatRequest]:
-    """The JSON body of a `/v1/chat/completions` request, and the `ChatRequest` it asks for.
+def read_json(raw: bytes) -> Any:
+    """The JSON value of a request body.
 
     Raises:
-        RequestError: The body is not UTF-8, not JSON, nested over `MAX_JSON_DEPTH` deep, or
-            asks for what `chat_request` refuses.
+        RequestError: The body is not UTF-8, not JSON, or nested over `MAX_JSON_DEPTH` deep.
     """
     try:
         text = raw.decode("utf-8")
@@ -209,7 +300,7 @@ def parse_request(raw: bytes) -> tuple[dict[str, Any], ChatRequest]:
         raise too_deep from None
     if _deeper_than(body, MAX_JSON_DEPTH):
         raise too_deep
-    return body, chat_request(body)
+    return body
 
 
 def chat_request(body: Any) -> ChatRequest:
@@ -221,11 +312,10 @@ def chat_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     for name in _BOOLEANS:
-        if not isinstance(body.get(name), bool | None):
-            raise RequestError(f"'{name}' must be true or false, got {body[name]!r}")
+        flag(body, name)
     if not isinstance(body.get("stream_options"), dict | None):
         raise RequestError("'stream_options' must be an object")
-    if _whole_number(body, "n") not in (None, 1):
+    if whole_number(body, "n") not in (None, 1):
         raise RequestError(f"n={body['n']} is not supported: one choice per request")
     if body.get("stop"):
         raise RequestError("stop sequences are not supported: a turn ends on the model's own")
@@ -234,7 +324,7 @@ def chat_request(body: Any) -> ChatRequest:
         raise RequestError("'tools' must be a list of {'type': 'function', 'function': {...}}")
     if body.get("tool_choice") == "none":
         tools = []
-    caps = [_whole_number(body, name) for name in ("max_completion_tokens", "max_tokens")]
+    caps = [whole_number(body, name) for name in ("max_completion_tokens", "max_tokens")]
     max_tokens = next((cap for cap in caps if cap is not None), None)
     return ChatRequest(
         template_messages(body.get("messages")),
@@ -243,14 +333,6 @@ def chat_request(body: Any) -> ChatRequest:
         logprobs=bool(body.get("logprobs")),
         token_ids=bool(body.get("return_token_ids")),
     )
-
-
-def _whole_number(body: dict[str, Any], name: str) -> int | None:
-    """`body[name]`: None (absent or null) or a whole number >= 1; booleans are not numbers."""
-    value = body.get(name)
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return value
-    raise RequestError(f"'{name}' must be a whole number >= 1 or null, got {value!r}")
 
 
 def _deeper_than(value: Any, depth: int) -> bool:
@@ -308,28 +390,21 @@ def _is_tool(tool: Any) -> bool:
 
 
 def _arguments(call: dict[str, Any]) -> str:
-    arguments = call["function"]["arguments"]
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return arguments_json(call["function"]["arguments"])
 
 
-def _logprobs(reply: ChatReply) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": token,
-                "logprob": logprob,
-                "bytes": list(token.encode("utf-8", "replace")),
-                "top_logprobs": [],
-            }
-            for token, logprob in zip(reply.tokens, reply.logprobs, strict=True)
-        ]
-    }
+def _event_stream(events: list[bytes]) -> Any:
+    from aiohttp import web
+
+    return web.Response(body=b"".join(events), content_type="text/event-stream")
+
+
+def _openai_error(status: int, message: str) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
 def _error(status: int, message: str) -> Any:
     from aiohttp import web
 
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status
-    )
+    return web.json_response(_openai_error(status, message), status=status)

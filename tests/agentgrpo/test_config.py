@@ -101,11 +101,14 @@ TRL_DEFAULTS = [
 
 AGENTGRPO_DEFAULTS = [
     ("max_turns", None),
+    ("padding_free", False),
     ("tool_timeout_s", 30.0),
     ("environment_timeout_s", 120.0),
     ("max_concurrent_episodes", 256),
     ("chat_template", None),
     ("tool_call_parser", None),
+    ("mcp_servers", None),
+    ("infra_retries", 2),
     ("log_episodes", True),
     ("warm_start_steps", 0),
     ("warm_start_learning_rate", 5e-5),
@@ -118,6 +121,20 @@ AGENTGRPO_DEFAULTS = [
     # dynamic sampling: off, as TRL trains on every group
     ("dynamic_sampling", False),
     ("max_resample_rounds", 3),
+    # curriculum: off, as TRL plays every row once an epoch in the sampler's order
+    ("curriculum", False),
+    ("curriculum_floor", 0.05),
+    ("curriculum_pass_reward", 1.0),
+    # long episodes: no compaction, the episode ends at the limit as in TRL
+    ("max_context", None),
+    ("context_policy", None),
+    ("context_threshold", 0.75),
+    ("context_keep_last", 2),
+    ("context_summary_prompt", None),
+    ("context_summary_tokens", 256),
+    # credit per turn: the episode's advantage on every token, as TRL
+    ("turn_advantage", "episode"),
+    ("turn_discount", 1.0),
 ]
 
 DECLARED = {f.name: f for f in dataclasses.fields(GRPOConfig)}
@@ -342,6 +359,7 @@ def test_every_trl_loss_type_is_accepted(make):
         (dict(tool_timeout_s=0.0), "tool_timeout_s=0.0 must be positive"),
         (dict(environment_timeout_s=-1.0), "environment_timeout_s=-1.0 must be positive"),
         (dict(max_concurrent_episodes=0), "max_concurrent_episodes=0 must be at least 1"),
+        (dict(infra_retries=-1), r"infra_retries=-1 must be 0 \(an infrastructure failure"),
         (dict(save_warm_start=True), "warm_start_steps=0 runs no warm start"),
         (dict(sync_ref_model=True), "set beta > 0 or sync_ref_model=False"),
         (dict(log_completions_hub_repo="me/completions"), "but log_completions is False"),

@@ -61,9 +61,8 @@ def test_the_sampler_logprobs_equal_a_plain_forward_over_the_same_ids_and_pixels
         processor.tokenizer, processor.tokenizer.chat_template, processor=processor
     )
     messages = with_row_images(QUESTION, {"image": RED})
-    ids, vision, _ = renderer.encode_messages(
-        renderer.render(messages, generation_prompt=True), messages
-    )
+    fresh = renderer.fresh(messages)
+    ids, vision = fresh.ids, fresh.vision
     backend = TransformersBackend.from_tokenizer(model, processor.tokenizer)
     params = SamplingParams(max_tokens=8, seed=3)
     completion = anyio.run(lambda: backend.generate(ids, params, Pictures((RED,), vision)))

@@ -7,7 +7,8 @@ An HTML comment on the line before a block changes how:
   would load a real model or train);
 - `<!-- requires: module -->`: skipped where the optional `module` is not installed;
 - `<!-- given: a, b, ... -->`: the block uses names it does not define; the test supplies them
-  (`GIVEN`), and a block with top-level `await` is awaited.
+  (`GIVEN`), and a block with top-level `await` is awaited;
+- `<!-- process: why -->`: the block starts a process; its test is marked `process`.
 
 Every `agentgrpo` command line of a ```bash block is read by the real command-line parser, so a
 renamed option or subcommand fails here. The site itself is built by `make docs`.
@@ -37,7 +38,7 @@ BLOCK = re.compile(
     r"(?:^<!-- (?P<marker>[\w-]+): (?P<detail>.*?) -->\n)?^```(?P<lang>\w+)\n(?P<code>.*?)^```",
     re.DOTALL | re.MULTILINE,
 )
-MARKERS = {None, "compile-only", "requires", "given"}
+MARKERS = {None, "compile-only", "requires", "given", "process"}
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,13 @@ def imports_only(block: Block) -> str:
     return "\n".join(ast.unparse(node) for node in imports)
 
 
-@pytest.mark.parametrize("block", blocks("python"), ids=lambda b: b.where)
+@pytest.mark.parametrize(
+    "block",
+    [
+        pytest.param(b, id=b.where, marks=[pytest.mark.process] if b.marker == "process" else [])
+        for b in blocks("python")
+    ],
+)
 def test_python_block_runs(block, request):
     assert block.marker in MARKERS, f"{block.where}: unknown marker {block.marker!r}"
     namespace: dict[str, object] = {"__name__": f"docs_{block.page.stem}_{block.line}"}

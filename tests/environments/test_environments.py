@@ -143,6 +143,8 @@ def test_env_prefix_resolves_a_builtin():
         "GuessNumber",
         "Chain",
         "ColourSquare",
+        "Trail",
+        "Questions",
     ]
 
 
@@ -195,7 +197,7 @@ def test_a_file_imports_the_modules_beside_it_as_python_file_py_would(tmp_path, 
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        ("Counter", "has no ':'"),
+        ("Counter", "not an installed environment package (did you mean 'env:Counter'?)"),
         (":Counter", "both sides of ':'"),
         ("env:", "both sides of ':'"),
         ("env:Countr", "no built-in environment 'Countr' (did you mean 'Counter'?); built-ins"),

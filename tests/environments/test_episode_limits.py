@@ -12,9 +12,19 @@ from agentgrpo.cli import build_parser
 from agentgrpo.cli.commands import _run_settings
 from agentgrpo.cli.eval_command import eval_config
 from agentgrpo.cli.options import RUN_DEFAULTS
-from environments import BUILTIN_ENVIRONMENTS, Arithmetic, Chain, Counter, GuessNumber
+from environments import (
+    BUILTIN_ENVIRONMENTS,
+    Arithmetic,
+    Chain,
+    Counter,
+    GuessNumber,
+    Questions,
+    Trail,
+)
 from environments.contract import check_environment, episode_limits, run_defaults
 from environments.errors import EnvironmentSpecError
+from environments.questions import ANIMALS
+from environments.questions import QUESTION_OF as QUESTION
 from rollout import EpisodeConfig, RolloutEngine
 from rollout.backends.scripted import ScriptedBackend
 from tests.support.episodes import tool_call
@@ -28,6 +38,8 @@ def solver(tokenizer, env_class: type, rows) -> ScriptedBackend:
     def respond(context: list[int]) -> list[int]:
         text = tokenizer.decode(context)
         row = next(row for prompt, row in by_prompt.items() if prompt in text)
+        if env_class is Questions:
+            return tokenizer.encode(questions_turn(text), add_special_tokens=False) + [eos]
         results = re.findall(r"<tool_response>(.*?)</tool_response>", text, re.DOTALL)
         turn = solve(env_class, row, results)
         return tokenizer.encode(turn, add_special_tokens=False) + [eos]
@@ -45,6 +57,8 @@ def solve(env_class: type, row: dict, results: list[str]) -> str:
         return tool_call("submit", answer=float(results[0])) if len(results) == 1 else "Done."
     if env_class is Chain:
         return chain_turn(row, results)
+    if env_class is Trail:
+        return trail_turn(row, results)
     if env_class is GuessNumber:
         low, high = 1, 100
         for guess_result in results:
@@ -67,6 +81,29 @@ def chain_turn(row: dict, results: list[str]) -> str:
     return tool_call("submit", answer=value) if len(results) == len(steps) else "Done."
 
 
+def trail_turn(row: dict, results: list[str]) -> str:
+    """Open the box the last note names (the start first), submit the code, then the end."""
+    if results and results[-1].startswith("Submitted"):
+        return "Done."
+    if results and (code := re.search(r"the code is (\d+)", results[-1])):
+        return tool_call("submit", code=code.group(1))
+    box = int(re.findall(r"go to box (\d+)", results[-1])[0]) if results else row["start"]
+    return tool_call("open_box", box=box)
+
+
+def questions_turn(text: str) -> str:
+    """Ask what halves the animals the answers so far leave, or name the one left."""
+    exchanges = re.findall(r"assistant\n(.*?)<\|im_end\|>\n<\|im_start\|>user\n(.*?)<", text)
+    candidates = sorted(ANIMALS)
+    for question, answer in exchanges:
+        feature = next(f for f, q in QUESTION.items() if q == question)
+        candidates = [c for c in candidates if (feature in ANIMALS[c]) == (answer == "Yes.")]
+    if len(candidates) == 1:
+        return f"Is it a {candidates[0]}?"
+    split = lambda f: abs(2 * sum(f in ANIMALS[c] for c in candidates) - len(candidates))  # noqa: E731
+    return QUESTION[min(QUESTION, key=split)]
+
+
 # ColourSquare shows a picture, so it needs a vision-language model
 # (tests/environments/test_vlm_environments.py)
 @pytest.mark.parametrize("name", sorted(set(BUILTIN_ENVIRONMENTS) - {"ColourSquare"}))
@@ -76,6 +113,8 @@ def test_every_row_of_each_builtin_can_reach_its_reward_within_the_limits_it_sta
     env_class = BUILTIN_ENVIRONMENTS[name]
     limits = {**RUN_DEFAULTS, **episode_limits(env_class)}  # what `agentgrpo run` plays with
     rows = [*env_class.dataset("train"), *env_class.dataset("eval")]
+    if env_class is Trail:  # the longest trails only: the others need fewer turns and tokens
+        rows = [row for row in rows if row["hops"] == max(r["hops"] for r in rows)]
     engine = RolloutEngine(
         solver(tokenizer, env_class, rows),
         tokenizer,
@@ -86,6 +125,9 @@ def test_every_row_of_each_builtin_can_reach_its_reward_within_the_limits_it_sta
         ),
     )
     episodes = anyio.run(engine.run, rows)
+    if env_class is Questions:  # its reward falls with each question asked: solved is the aim
+        assert all(episode.environment.solved for episode in episodes)
+        return
     rewards = [episode.env_reward for episode in episodes]
     assert rewards == [1.0] * len(rows), [e.finish for e in episodes if e.env_reward != 1]
 

@@ -26,7 +26,7 @@ from rollout import (
     TemplateDriftError,
     ToolTemplateError,
 )
-from rollout.episode import _with_observation
+from rollout.prompts import with_observation
 from tests.support.episodes import (
     COUNTER_ROW,
     COUNTER_TURNS,
@@ -678,7 +678,7 @@ async def test_reset_text_after_a_prompt_of_content_parts_is_one_more_text_part(
 def test_reset_text_after_a_prompt_with_an_image_keeps_the_image():
     picture = object()  # stands for a PIL image: parts are kept as they are
     parts = [{"type": "image", "image": picture}, {"type": "text", "text": "What colour?"}]
-    [message] = _with_observation([{"role": "user", "content": parts}], "Answer in one word.")
+    [message] = with_observation([{"role": "user", "content": parts}], "Answer in one word.")
     assert message["content"] == [
         *parts,
         {"type": "text", "text": "\n"},

@@ -169,7 +169,9 @@ function detail(pane, data) {
   return el("div", { class: "detail" },
     el("h3", {}, `step ${data.step}, episode ${label(e)}`),
     el("p", {}, `reward ${fmt(e.reward)} (${rewards.join(", ")}) · advantage ${fmt(e.advantage)}` +
-      ` · finish ${e.finish} · ${e.turns} turns · played with the weights of ${steps(e)}`),
+      ` · finish ${e.finish} · ${e.turns} turns` +
+      (e.responses ? ` · ${e.responses} replies from the environment` : "") +
+      ` · played with the weights of ${steps(e)}`),
     el("p", {}, "task: ", el("code", {}, e.task)),
     e.images.length ? el("p", { class: "images" }, "pictures the model saw: ",
       ...e.images.map((src, i) => el("img", { src, alt: `picture ${i + 1}`, title: `picture ${i + 1}` }))) : null,
@@ -179,7 +181,7 @@ function detail(pane, data) {
       el("span", { class: "tok m0" }, "tool, environment, template (mask 0)"),
       el("span", { class: "tok m1" }, "sampled by the policy, trained on (mask 1)"),
       "hover a token for its id and sampler logprob"),
-    ...e.rows.map((row, r) => tokenRow(row, r, e.rows.length)));
+    ...e.rows.map((row, r) => tokenRow(row, r, e.rows.length, e.row_kinds[r])));
 }
 
 function callTable(calls) {
@@ -192,9 +194,9 @@ function callTable(calls) {
     el("tbody", {}, ...rows));
 }
 
-function tokenRow(row, r, count) {
+function tokenRow(row, r, count, kind) {
   const sampled = row.loss_mask.filter((m) => m === 1).length;
-  const which = count > 1 ? `row ${r + 1} of ${count}${r ? " (forked)" : ""}: ` : "";
+  const which = count > 1 ? `row ${r + 1} of ${count}${r ? ` (${kind})` : ""}: ` : "";
   const prompt = row.prompt_ids.map((id) => token(id, "p", `prompt · id ${id}`));
   const completion = row.completion_ids.map((id, i) => row.loss_mask[i] === 1
     ? token(id, "m1", `sampled · logprob ${logprob(row.logprobs[i])}${version(row, i)} · id ${id}`)

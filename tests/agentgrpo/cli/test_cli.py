@@ -21,7 +21,8 @@ from tests.support.cli import agentgrpo, eval_figures, tiny_run
 def test_envs_lists_every_builtin_with_one_line_each_then_the_environment_sources():
     result = agentgrpo("envs")
     assert result.returncode == 0, result.stderr
-    builtins, sources = result.stdout.strip().split("\n\n")
+    builtins, installed, sources = result.stdout.strip().split("\n\n")
+    assert installed.startswith("installed environment packages")  # test_init_command's
     lines = builtins.splitlines()
     assert [line.split()[0] for line in lines] == [
         "env:Counter",
@@ -29,6 +30,8 @@ def test_envs_lists_every_builtin_with_one_line_each_then_the_environment_source
         "env:GuessNumber",
         "env:Chain",
         "env:ColourSquare",
+        "env:Trail",
+        "env:Questions",
     ]
     assert all(len(line.split()) > 2 for line in lines)
     forms = [line.split()[0] for line in sources.splitlines()[1:]]

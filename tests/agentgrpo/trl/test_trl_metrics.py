@@ -33,6 +33,7 @@ from agentgrpo.learner.losses import LossConfig, policy_loss
 from agentgrpo.learner.objectives import PolicyTerm
 from agentgrpo.models.loading import router_aux_loss_coef
 from agentgrpo.reporting.completions import CompletionsTable, plain_table, table_integrations
+from agentgrpo.reporting.metrics import _COLUMNS as STATS_COLUMNS
 from agentgrpo.reporting.metrics import RewardLayout, reward_metrics, round_metrics, tool_metrics
 from agentgrpo.reporting.round_report import logged_metrics
 from agentgrpo.rounds.scoring import RewardLogs
@@ -110,6 +111,10 @@ def test_tool_call_frequency_is_calls_per_episode_and_failure_frequency_failures
         "exception": zero,
         "timeout": torch.tensor([0.0, 0.0, 1.0]),
         "bad_picture": zero,
+        **dict.fromkeys(
+            ("compactions", "compaction_rows", "context_before", "context_after"), zero
+        ),
+        "responses": zero,
     }
     metrics = tool_metrics(column)
     assert metrics["tools/call_frequency"] == 1.0
@@ -121,7 +126,8 @@ def test_tool_call_frequency_is_calls_per_episode_and_failure_frequency_failures
 
 
 def test_tool_metrics_are_logged_only_when_the_run_has_tools():
-    stats_N_S = torch.tensor([[5.0, 3.0, 0.0, 1.0, 1.0, 0.0, 0, 0, 0, 0, 0, 0]] * 2)
+    columns = len(STATS_COLUMNS)  # 5 prompt tokens, 3 model tokens, finished, one turn and row
+    stats_N_S = torch.tensor([[5.0, 3.0, 0.0, 1.0, 1.0] + [0.0] * (columns - 5)] * 2)
     rewards_N_F, rewards_N = torch.tensor([[1.0], [0.0]]), torch.tensor([1.0, 0.0])
     without = round_metrics(stats_N_S, rewards_N_F, rewards_N, RewardLayout(["a"], [1.0], 2))
     with_tools = RewardLayout(["a"], [1.0], 2, with_tools=True)
