@@ -233,7 +233,8 @@ class RewardShaping:
         """The shaping a `GRPOConfig` asks for."""
         turns = None
         if args.turn_advantage != "episode":
-            turns = TurnCredit(args.turn_advantage, args.turn_discount, args.scale_rewards != "none")
+            scaled = args.scale_rewards != "none"
+            turns = TurnCredit(args.turn_advantage, args.turn_discount, scaled)
         return cls(args.reward_weights, args.multi_objective_aggregation, args.scale_rewards, turns)
 
     def combine(self, rewards_N_F: torch.Tensor, num_generations: int) -> torch.Tensor:

@@ -144,9 +144,13 @@ def test_summarize_trains_the_summary_and_restarts_from_the_task_and_it(tokenize
     assert episode.finish is Finish.STOP
     assert {c.policy for c in episode.stats.compactions} == {"summarize"}
     assert_token_exact(episode, backend)
-    asked = [i for i, r in enumerate(episode.rows) if tokenizer.decode(r.prompt_ids).endswith(
-        f"{SUMMARY_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
-    )]
+    asked = [
+        i
+        for i, r in enumerate(episode.rows)
+        if tokenizer.decode(r.prompt_ids).endswith(
+            f"{SUMMARY_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+        )
+    ]
     assert asked
     summary_row = episode.rows[asked[0]]
     summary = tokenizer.decode(summary_row.completion_ids)
@@ -181,7 +185,7 @@ def test_a_policy_function_that_returns_no_conversation_is_a_loud_error(tokenize
 
 
 def test_bad_settings_name_the_option():
-    with pytest.raises(ContextPolicyError, match="context_threshold=1.2"):
+    with pytest.raises(ContextPolicyError, match=r"context_threshold=1\.2"):
         context_policy_of("truncate", threshold=1.2)
     with pytest.raises(ContextPolicyError, match="context_policy='squash'"):
         context_policy_of("squash")
