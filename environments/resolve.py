@@ -1,6 +1,7 @@
 """Turning an environment spec string, as typed on the command line, into a class.
 
-Six forms, told apart by the part before the last ``:`` (``gym:`` by the prefix alone):
+Seven forms, told apart by the part before the last ``:`` (``gym:``, ``gem:`` and ``ta:`` by
+the prefix alone):
 
 - ``NAME`` (no ``:``): an environment an installed package declares (`environments.packages`);
 - ``env:Name``: a built-in from `BUILTIN_ENVIRONMENTS`;
@@ -9,6 +10,8 @@ Six forms, told apart by the part before the last ``:`` (``gym:`` by the prefix 
   passes arguments to ``gymnasium.make`` (see `environments.gym_ids`);
 - ``gem:ENV_ID``: an environment of GEM's registry (`gem_environment`; needs gem-llm), such as
   ``gem:game:GuessTheNumber-v0-easy``;
+- ``ta:GAME_ID``: a TextArena game (`textarena_environment`; needs textarena), such as
+  ``ta:TicTacToe-v0,opponent=random``;
 - ``rg:TASK``: a reasoning-gym task (`reasoning_gym_environment`; needs reasoning-gym);
 - ``path/to/file.py:Class``: anything ending in ``.py`` or containing a path separator; a
   relative path starts at the current directory. The file runs once, as a module with a name of
@@ -46,6 +49,7 @@ from environments.gym_ids import gym_id_environment
 from environments.packages import installed_environment
 from environments.questions import Questions
 from environments.reasoning_gym_tasks import reasoning_gym_environment
+from environments.textarena_adapter import TA_PREFIX, textarena_environment
 from environments.trail import Trail
 
 BUILTIN_ENVIRONMENTS: dict[str, type] = {
@@ -62,8 +66,8 @@ BUILTIN_ENVIRONMENTS: dict[str, type] = {
 _NOT_IDENTIFIER = re.compile(r"\W")
 _FORMS = (
     "'NAME' (an installed environment package), 'env:Name' (a built-in), 'gym:ENV_ID' (a "
-    "gymnasium id), 'gem:ENV_ID' (GEM), 'rg:TASK' (reasoning-gym), 'package.module:Class' or "
-    "'path/to/file.py:Class'"
+    "gymnasium id), 'gem:ENV_ID' (GEM), 'ta:GAME_ID' (TextArena), 'rg:TASK' (reasoning-gym), "
+    "'package.module:Class' or 'path/to/file.py:Class'"
 )
 GYM_PREFIX = "gym:"
 
@@ -94,6 +98,8 @@ def resolve_environment(spec: str) -> type:
         return gym_id_environment(spec.removeprefix(GYM_PREFIX))
     if spec.startswith(GEM_PREFIX):  # GEM's ids hold a ':' of their own (game:...)
         return gem_environment(spec.removeprefix(GEM_PREFIX))
+    if spec.startswith(TA_PREFIX):  # an opponent=module:function holds a ':' of its own
+        return textarena_environment(spec.removeprefix(TA_PREFIX))
     where, _, attribute = spec.rpartition(":")
     if not where or not attribute:
         raise EnvironmentSpecError(

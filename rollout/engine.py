@@ -30,6 +30,7 @@ from rollout.episode import EpisodeConfig, EpisodeContext, run_episode
 from rollout.images import is_vision_processor
 from rollout.infrastructure import infra_episode, placeholder_token, play_retrying
 from rollout.parsers import Parser, detect_parser, get_parser, tokenizer_parser
+from rollout.row_tools import RowContexts
 from rollout.template import ChatRenderer, load_template
 from rollout.types import Episode, ParsedTurn
 from tools import InfrastructureError, Tool, as_tool
@@ -179,6 +180,7 @@ class RolloutEngine:
             )
             self.contexts = {name: setup.context(factory) for name, factory in factories.items()}
             self.context = next(iter(self.contexts.values()))
+            self.row_contexts = RowContexts(setup.play_setup().parser_for)
             self.max_concurrent_episodes = max_concurrent_episodes
             self.player = player(setup.play_setup()) if player is not None else None
         except BaseException:
@@ -189,9 +191,17 @@ class RolloutEngine:
     def context_for(self, row: Mapping[str, Any]) -> EpisodeContext:
         """The context a row's episodes play in: its environment's, with several environments.
 
+        A row with a ``tools`` column (and no player) plays with its own tools beside the
+        run's (`rollout.row_tools`).
+
         Raises:
             ValueError: With several environments, the row names none or an unknown one.
+            RowToolsError: The row's ``tools`` or ``max_turns`` column is malformed.
         """
+        context = self._environment_context(row)
+        return context if self.player is not None else self.row_contexts.context(context, row)
+
+    def _environment_context(self, row: Mapping[str, Any]) -> EpisodeContext:
         if not self.multi_environment:
             return self.context
         name = row.get(ENVIRONMENT_COLUMN)

@@ -24,6 +24,7 @@ ENVIRONMENT_SOURCES = (
     ("", "arguments for gymnasium.make follow the id: gym:FrozenLake-v1,is_slippery=false;"),
     ("", "a plugin package's ids after its module: gym:minigrid:MiniGrid-Empty-5x5-v0"),
     ("gem:ENV_ID", "a GEM game or task, e.g. gem:game:GuessTheNumber-v0-easy ('agentgrpo[gem]')"),
+    ("ta:GAME_ID", "a TextArena game, e.g. ta:TicTacToe-v0,opponent=random (extra: textarena)"),
     ("agent:file.py:function", "an agent function driving an OpenAI client (also"),
     ("", "agent:package.module:function); rows from --dataset"),
     ("vf:ENV_ID", "an installed verifiers environment (its taskset's id): its tasks, harness"),

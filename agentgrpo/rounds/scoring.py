@@ -22,6 +22,7 @@ import torch
 from agentgrpo.rewards.calls import RewardBatch, RewardFunction, score
 from environments import reward_method_name
 from rollout import Episode, Finish, RolloutEngine
+from rollout.row_tools import carries_tools
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,8 @@ class Scorer:
 
     def views(self, episode: Episode) -> tuple[Any, Any]:
         """The (prompt, completion) a reward function sees for an episode (text or messages)."""
-        if self.text_completions and isinstance(episode.row.get("prompt"), str):
+        text = self.text_completions and not carries_tools(episode.row)  # row tools: chat
+        if text and isinstance(episode.row.get("prompt"), str):
             return episode.row["prompt"], self.decode(episode.completion_ids)
         first_reply = next(i for i, m in enumerate(episode.messages) if m["role"] == "assistant")
         return episode.messages[:first_reply], episode.messages[first_reply:]

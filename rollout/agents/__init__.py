@@ -194,6 +194,7 @@ async def run_agent_episode(
             session.requests,
             session.tool_calls,
             {"parse": session.parse_errors} if session.parse_errors else {},
+            compactions=tuple(session.compactions),
         ),
         row=row,
         group=group,

@@ -28,7 +28,7 @@ from rollout.parsers import Parser
 from rollout.template import ChatRenderer, ToolTurn
 from rollout.text_encoding import valid_unicode
 from rollout.tokens import TokenRow
-from rollout.types import EpisodeRow, Finish, ParsedTurn, ToolCallRecord
+from rollout.types import Compaction, EpisodeRow, Finish, ParsedTurn, ToolCallRecord
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -184,6 +184,7 @@ class AgentSession:
         self.refused: Finish | None = None  # the limit a refused request hit
         self.cut_off = False  # a reply ran out of tokens
         self.messages: list[dict[str, Any]] = []  # the latest request's conversation and reply
+        self.compactions: list[Compaction] = []  # rewrites that shortened the context
         self._placing = anyio.Lock()  # one request at a time finds (or starts) its row
 
     async def complete(self, request: ChatRequest) -> ChatReply:
@@ -277,10 +278,18 @@ class AgentSession:
         else:
             prompt_text = self._render(renderer, messages)
             ids = renderer.encode(prompt_text)
+            self._note_compaction(len(ids))
         self._check_prompt(len(ids))
         row = _Row(TokenRow(ids), list(messages), prompt_text, renderer)
         self._rows.append(row)
         return row
+
+    def _note_compaction(self, after: int) -> None:
+        """Record a history the agent rewrote shorter than its last row's context (`"agent"`)."""
+        before = len(self._rows[-1].tokens.context_ids) if self._rows else 0
+        if after < before:
+            compaction = Compaction(self.requests, before, after, "agent", row=len(self._rows))
+            self.compactions.append(compaction)
 
     def _turn(self, row: _Row, messages: list[dict[str, Any]], renderer: ChatRenderer) -> ToolTurn:
         n = len(row.messages)

@@ -145,6 +145,14 @@ def test_an_agent_that_rewrites_history_forks_a_new_row(tokenizer):
     assert "The counter is at 3" in tokenizer.decode(second.prompt_ids)
     assert "Count to 7.<|im_end|>" in tokenizer.decode(first.prompt_ids)
     assert episode.forks == 1
+    before, after = len(first.prompt_ids) + len(first.completion_ids), len(second.prompt_ids)
+    assert after < before  # the summary is shorter than the exchange: a compaction, recorded
+    [compaction] = episode.stats.compactions
+    assert (compaction.policy, compaction.tokens_before, compaction.tokens_after) == (
+        "agent",
+        before,
+        after,
+    )
 
 
 def test_parallel_requests_of_one_agent_are_rows_of_their_own(tokenizer):
@@ -163,6 +171,7 @@ def test_parallel_requests_of_one_agent_are_rows_of_their_own(tokenizer):
     texts = [tokenizer.decode(r.prompt_ids + r.completion_ids) for r in episode.rows]
     assert sum("Part 0." in t for t in texts) == 1 and sum("Part 1." in t for t in texts) == 1
     assert episode.stats.turns == 3
+    assert episode.stats.compactions == ()  # a longer conversation beside it compacts nothing
 
 
 def test_an_agent_that_raises_ends_its_episode_as_an_error_and_the_round_goes_on(tokenizer):
