@@ -455,7 +455,7 @@ def _add_follow_up(
         return Finish.ERROR
     state.messages.extend(shown)
     context = len(turn.ids) if turn.fork else len(state.tokens.context_ids) + len(turn.ids)
-    if context - state.first_prompt_length >= ctx.config.max_completion_length:
+    if context >= ctx.window(state.first_prompt_length):  # no room left for a model turn
         return Finish.LENGTH
     state.add_tool_turn(turn)
     return None

@@ -115,6 +115,10 @@ def test_without_a_policy_a_full_window_ends_the_episode(tokenizer):
     episode = play(engine(tokenizer, script(tokenizer, reader(8)), max_context=WINDOW))
     assert episode.finish is Finish.LENGTH
     assert episode.stats.compactions == ()
+    # A tool result that leaves no room for the next turn is not added: no row passes the window.
+    narrow = play(engine(tokenizer, script(tokenizer, reader(8)), max_context=600))
+    [row] = narrow.rows
+    assert narrow.finish is Finish.LENGTH and len(row.prompt_ids) + len(row.completion_ids) <= 600
 
 
 def test_truncate_replaces_old_results_and_goes_on_in_a_new_exact_row(tokenizer):
