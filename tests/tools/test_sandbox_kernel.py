@@ -85,19 +85,31 @@ def test_the_open_files_limit_is_checked():
 
 
 PROCESSES_TOGETHER = """
-import os
+import json, os
+ready_r, ready_w = os.pipe()  # each child says it holds its memory
+go_r, go_w = os.pipe()  # closed once every child said so: then they let go
 children = []
 for _ in range(4):
     pid = os.fork()
     if pid == 0:
+        os.close(ready_r)
+        os.close(go_w)
         block = bytearray(100 << 20)  # each under the 200 MB a process may map
         for i in range(0, len(block), 4096):
             block[i] = 1
+        os.write(ready_w, b"x")
+        os.close(ready_w)
+        os.read(go_r, 1)  # held until the others hold theirs (or were killed)
         os._exit(0)
     children.append(pid)
+os.close(ready_w)
+os.close(go_r)
+while os.read(ready_r, 1):  # ends when every child wrote and closed, or died
+    pass
+os.close(go_w)
 statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
 print(json.dumps(statuses))
-""".replace("import os", "import json, os")
+"""
 
 
 def memory_cgroup_here() -> bool:
