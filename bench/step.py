@@ -228,7 +228,7 @@ def _multi_turn_rows():
 
 
 def _chatml_tools(tokenizer: Any) -> str:
-    from rollout.template import load_template
+    from rollout.template_source import load_template
 
     return load_template(tokenizer, "chatml_tools")
 

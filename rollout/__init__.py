@@ -1,14 +1,15 @@
 """Token-level episodes: rendering, tool-call parsing, generation backends and the async engine.
 
 The public API is re-exported here. The episode core is one stage per module: `types`
-(contracts), `backend` (the generator protocol), `template` (chat templates, append-only
-deltas), `template_sandbox` (every render bounded in time and size), `images` (a
-vision-language model's pictures: placeholders expanded by its processor, the tensors its
-forward takes), `tokens` (the append-only token row), `episode` (one
-episode's loop), `engine` (concurrency), `record` (episodes as JSON lines), `demonstrations`
-(warm-start rows). Three rooms hang off it and the core imports only the first: `parsers`
-(tool calls), `backends` (transformers, vLLM, the scripted double) and `agents` (an agent's own
-loop through a chat endpoint, handed to the engine as its `EpisodePlayer`).
+(contracts), `backend` (the generator protocol), `template` (rendering to ids: append-only
+deltas, pictures' placeholders expanded by a vision-language model's processor),
+`template_source` (where a template comes from), `template_sandbox` (every render bounded in
+time and size), `images` (processors, and the pixel tensors a forward takes), `tokens` (the
+append-only token row), `episode` (one episode's loop), `engine` (concurrency), `record`
+(episodes as JSON lines), `demonstrations` (warm-start rows). Three rooms hang off it and the
+core imports only the first: `parsers` (tool calls), `backends` (transformers, vLLM, the
+scripted double) and `agents` (an agent's own loop through a chat endpoint, handed to the engine
+as its `EpisodePlayer`).
 """
 
 from rollout.backend import GenerationBackend
@@ -25,14 +26,9 @@ from rollout.record import (
     record_line,
     record_to_dict,
 )
-from rollout.template import (
-    BUILTIN_TEMPLATES,
-    ChatRenderer,
-    TemplateDriftError,
-    ToolTemplateError,
-    load_template,
-)
+from rollout.template import ChatRenderer, TemplateDriftError
 from rollout.template_sandbox import RenderLimits, TemplateRenderError
+from rollout.template_source import BUILTIN_TEMPLATES, ToolTemplateError, load_template
 from rollout.tokens import TokenRow
 from rollout.types import (
     Compaction,

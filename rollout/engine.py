@@ -31,7 +31,8 @@ from rollout.images import is_vision_processor
 from rollout.infrastructure import infra_episode, placeholder_token, play_retrying
 from rollout.parsers import Parser, detect_parser, get_parser, tokenizer_parser
 from rollout.row_tools import RowContexts
-from rollout.template import ChatRenderer, load_template
+from rollout.template import ChatRenderer
+from rollout.template_source import load_template
 from rollout.types import Episode, ParsedTurn
 from tools import InfrastructureError, Tool, as_tool
 from tools.mcp import McpServer, McpTools

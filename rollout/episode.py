@@ -39,10 +39,9 @@ from environments import (
 )
 from rollout.backend import GenerationBackend
 from rollout.compaction import ContextPolicy, compact
-from rollout.images import images_of
 from rollout.parsers import Parser
 from rollout.prompts import row_messages, show_row, with_observation
-from rollout.template import ChatRenderer
+from rollout.template import ChatRenderer, images_of
 from rollout.tokens import EpisodeState, TokenRow
 from rollout.tool_calls import assistant_message, call_records, run_calls, tool_message
 from rollout.types import (
@@ -322,7 +321,7 @@ async def _turn(
     turn_seed = hash((state.sample_seed, state.turns)) % 2**62
     params = ctx.config.sampling(budget, turn_seed)
     key = await _state_key(ctx, state, env) if ctx.config.turn_states else None
-    completion = await _generate(ctx.backend, state.tokens, params)
+    completion = await ctx.backend.generate(state.tokens.context_ids, params, state.tokens.pictures)
     state.add_sampled(completion, key)
     state.turns += 1
     decode = ctx.decode
@@ -379,7 +378,7 @@ async def _compact_if_full(ctx: EpisodeContext, state: EpisodeState, window: int
 
     async def generate(max_tokens: int, seed: int) -> Completion:
         params = ctx.config.sampling(max_tokens, seed)
-        return await _generate(ctx.backend, state.tokens, params)
+        return await ctx.backend.generate(state.tokens.context_ids, params, state.tokens.pictures)
 
     return await compact(state, policy, window, ctx.renderer, generate)
 
@@ -408,16 +407,6 @@ async def _state_key(ctx: EpisodeContext, state: EpisodeState, env: Any) -> str:
             "this one holds something else (an image?): give the environment a "
             "`state_key(self) -> str` method, or use turn_advantage 'return' or 'episode'"
         ) from None
-
-
-async def _generate(
-    backend: GenerationBackend, tokens: TokenRow, params: SamplingParams
-) -> Completion:
-    """The model's next turn, with the row's pictures when it holds any."""
-    pictures = tokens.pictures
-    if pictures is None:
-        return await backend.generate(tokens.context_ids, params)
-    return await backend.generate(tokens.context_ids, params, pictures)
 
 
 def _add_follow_up(

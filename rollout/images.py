@@ -22,26 +22,17 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rollout.template import content_parts, encode_with_images, image_placeholder
 from tools import picture_problem
-from tools.call import MAX_PICTURE_PIXELS
+from tools.call import PICTURES_ARE_PIL
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
-
-# What to give instead of a picture that cannot be shown (`tools.picture_problem`).
-PICTURES_ARE_PIL = (
-    f"give PIL images of at most {MAX_PICTURE_PIXELS:,} pixels (a datasets Image() column "
-    "decodes to them: `dataset.cast_column('image', datasets.Image())` loads a column of local "
-    "paths)"
-)
-
-# What a processor returns besides the pixel tensors; the rest is the model's vision input.
-_TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
 
 
 def has_torchvision() -> bool:
@@ -92,92 +83,6 @@ def is_vision_processor(processing_class: Any) -> bool:
     return getattr(processing_class, "image_processor", None) is not None
 
 
-def image_placeholder(processor: Any) -> str:
-    """The text a chat template writes for one image, which `processor` expands into its tokens.
-
-    Qwen2-VL's family wraps its image token in vision start and end tokens; Gemma3's
-    processor expands its begin-of-image token; the others expand their image token.
-    """
-    tokenizer = processor.tokenizer
-    start = getattr(tokenizer, "vision_start_token", None) or _token(tokenizer, "<|vision_start|>")
-    end = getattr(tokenizer, "vision_end_token", None) or _token(tokenizer, "<|vision_end|>")
-    if start and end:
-        return f"{start}{processor.image_token}{end}"
-    boi = getattr(processor, "boi_token", None)
-    return boi or processor.image_token
-
-
-def _token(tokenizer: Any, token: str) -> str | None:
-    """`token` when the tokenizer has it as one id, else None."""
-    ids = tokenizer.encode(token, add_special_tokens=False)
-    return token if len(ids) == 1 and ids[0] != tokenizer.unk_token_id else None
-
-
-def encode_with_images(
-    processor: Any, text: str, images: Sequence[Any]
-) -> tuple[list[int], dict[str, torch.Tensor]]:
-    """Token ids of rendered `text`, each image placeholder expanded, and the images' tensors.
-
-    Args:
-        processor: A VLM processor (`load_processor`).
-        text: Rendered template text holding one `image_placeholder` per image, in order.
-        images: The images (PIL), one per placeholder.
-
-    Returns:
-        The ids (the template, not the tokenizer, adds special tokens) and the vision inputs
-        the model's forward takes with them (empty when there are no images).
-
-    Raises:
-        ValueError: The text holds a different number of placeholders than there are images.
-    """
-    placeholder = image_placeholder(processor)
-    if text.count(placeholder) != len(images):
-        raise ValueError(
-            f"the text has {text.count(placeholder)} image placeholders ({placeholder!r}) but "
-            f"{len(images)} images were given; each image needs one image part in the messages"
-        )
-    if not images:
-        return processor.tokenizer.encode(text, add_special_tokens=False), {}
-    encoded = processor(
-        text=[text], images=[list(images)], return_tensors="pt", add_special_tokens=False
-    )
-    ids = encoded["input_ids"][0].tolist()
-    return ids, {k: v for k, v in encoded.items() if k not in _TEXT_KEYS}
-
-
-def encode_messages(
-    processor: Any,
-    text: str,
-    messages: Sequence[Mapping[str, Any]],
-    encode: Callable[[str], list[int]],
-) -> tuple[list[int], dict[str, torch.Tensor], list[Any]]:
-    """Token ids of rendered `text` holding `messages`' images, their tensors, and the images.
-
-    Without images (`images_of(messages)` empty) the ids are `encode(text)` (a renderer's
-    cached encoding) and there are no tensors; with images, `encode_with_images`.
-
-    Args:
-        processor: A VLM processor (`load_processor`), or None for a text-only model.
-        text: Rendered template text holding one `image_placeholder` per image of `messages`.
-        messages: The messages `text` renders (their image parts, in order).
-        encode: Encodes text without images.
-
-    Raises:
-        ValueError: There are images but no processor, or the text holds a different number
-            of placeholders (`encode_with_images`).
-    """
-    images = images_of(messages)
-    if not images:
-        return encode(text), {}, []
-    if processor is None:
-        raise ValueError(
-            "the conversation holds images but the model has no image processor: train a "
-            "vision-language model, with its processor as processing_class"
-        )
-    ids, vision = encode_with_images(processor, text, images)
-    return ids, vision, images
-
-
 def join_vision_inputs(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The vision inputs of several encodings of one sequence, as one (images in order).
 
@@ -197,37 +102,6 @@ def join_vision_inputs(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str,
 
 # Keys whose tensors have a batch dimension before the images, where `pixel_values` has 5.
 _PER_SEQUENCE = {"pixel_values", "pixel_attention_mask"}
-
-
-def images_of(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
-    """The images of `messages`' image parts (`{"type": "image", "image": <PIL image>}`), in order.
-
-    Raises:
-        ValueError: An image part holds no image (the row's `image`/`images` column fills
-            them: `with_row_images`), or one that is not a PIL image, or is empty or oversized
-            (`tools.picture_problem`).
-    """
-    images = []
-    for message in messages:
-        for part in _parts(message.get("content")):
-            if part.get("type") != "image":
-                continue
-            if part.get("image") is None:
-                raise ValueError(
-                    "an image part of the prompt has no image: give the row an 'image' or "
-                    "'images' column with one image per image part, or put the image in the "
-                    "part as {'type': 'image', 'image': <PIL image>}"
-                )
-            if problem := picture_problem(part["image"]):
-                raise ValueError(f"an image part holds {problem}; {PICTURES_ARE_PIL}")
-            images.append(part["image"])
-    return images
-
-
-def _parts(content: Any) -> list[Mapping[str, Any]]:
-    return (
-        [part for part in content if isinstance(part, Mapping)] if isinstance(content, list) else []
-    )
 
 
 def with_row_images(messages: list[dict[str, Any]], row: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -253,7 +127,7 @@ def with_row_images(messages: list[dict[str, Any]], row: Mapping[str, Any]) -> l
     empty = [
         (m, p)
         for m, message in enumerate(messages)
-        for p, part in enumerate(_parts(message.get("content")))
+        for p, part in enumerate(content_parts(message.get("content")))
         if part.get("type") == "image" and part.get("image") is None
     ]
     if not empty:
@@ -309,7 +183,8 @@ def text_of(content: Any) -> str:
     """The text of a message's content: itself, or its text parts joined."""
     if isinstance(content, str):
         return content
-    return "".join(part.get("text", "") for part in _parts(content) if part.get("type") == "text")
+    texts = (part.get("text", "") for part in content_parts(content) if part.get("type") == "text")
+    return "".join(texts)
 
 
 def with_observation_parts(
@@ -333,7 +208,7 @@ def with_observation_parts(
     if isinstance(content, str):
         own = [{"type": "text", "text": content + "\n"}] if content else []
     else:
-        own = [*_parts(content), {"type": "text", "text": "\n"}]
+        own = [*content_parts(content), {"type": "text", "text": "\n"}]
     return [*messages[:-1], {**messages[-1], "content": own + added}]
 
 

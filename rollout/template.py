@@ -15,46 +15,39 @@ Tool results are untrusted text: `rollout.text_encoding` makes them encodable, a
 `ChatRenderer.fit_tool_messages` cuts them where they could not fit the token budget anyway, so a
 megabyte result is never tokenized only to be thrown away.
 
-Templates are jinja2, rendered in a sandbox with the conventions Hugging Face templates rely on
-(`trim_blocks`, `lstrip_blocks`, a `tojson` filter that keeps non-ASCII text, `raise_exception`,
-`strftime_now`, and the `{% generation %}` block, which renders its body). A template is code
-from a model folder or a user, so every compile and render is bounded in time, output and the
-size of what it builds (`rollout.template_sandbox`): past a bound it stops with
+Templates come from `rollout.template_source` (`load_template`) and render in a sandbox: a
+template is code from a model folder or a user, so every compile and render is bounded in time,
+output and the size of what it builds (`rollout.template_sandbox`): past a bound it stops with
 `TemplateRenderError`, naming the template (`describe_template`), the bound and the line.
+
+Pictures are part of rendering: the template writes one placeholder per image part
+(`image_placeholder`), and a vision-language model's processor expands each into the image's
+tokens as the text is encoded (`encode_with_images`), so the expansion is part of the ids the
+model sees (prompt and tool-turn tokens, mask 0). `rollout.images` loads processors and batches
+the pixel tensors.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
-from functools import cached_property, lru_cache
-from importlib import resources
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-from jinja2.ext import Extension, loopcontrols
-
-from rollout.images import encode_messages, image_placeholder
-from rollout.template_sandbox import (
-    BoundedSandbox,
-    RenderLimits,
-    TemplateRenderError,
-    bounded,
-    render_bounded,
+from rollout.template_sandbox import RenderLimits, bounded, render_bounded
+from rollout.template_source import (
+    PROBE_MESSAGES,
+    PROBE_TOOL,
+    check_probe,
+    compile_template,
+    describe_template,
 )
 from rollout.text_encoding import EncodeCache, max_token_chars
+from tools import picture_problem
+from tools.call import PICTURES_ARE_PIL
 
-BUILTIN_TEMPLATES = {"chatml_tools": "chatml_tools.jinja", "chatml_vision": "chatml_vision.jinja"}
-
-_PROBE_TOOL = "agentgrpo_probe_tool"
-_PROBE_ARGUMENT = "agentgrpo_probe_argument"
-_PROBE_RESULT = "agentgrpo_probe_result"
-
-
-class ToolTemplateError(ValueError):
-    """The chat template cannot show tools, tool calls or tool results to the model."""
+if TYPE_CHECKING:
+    import torch
 
 
 class TemplateDriftError(RuntimeError):
@@ -90,94 +83,6 @@ class ToolTurn:
     vision: Mapping[str, Any] = field(default_factory=dict)
 
 
-class _GenerationBlock(Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text; render its body."""
-
-    tags = {"generation"}  # noqa: RUF012  (jinja reads this class attribute)
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body).set_lineno(lineno)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-@lru_cache(maxsize=16)
-def _compile(source: str) -> jinja2.Template:
-    """`source` compiled; call it under `bounded` (jinja folds constant filters while compiling)."""
-    env = BoundedSandbox(
-        filters={"tojson": _tojson},
-        globals={
-            "raise_exception": _raise_exception,
-            "strftime_now": lambda fmt: datetime.now().strftime(fmt),
-        },
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[loopcontrols, _GenerationBlock],
-    )
-    return env.from_string(source)
-
-
-@lru_cache(maxsize=len(BUILTIN_TEMPLATES))
-def _builtin_source(name: str) -> str:
-    files = resources.files("rollout") / "templates" / BUILTIN_TEMPLATES[name]
-    return files.read_text(encoding="utf-8")
-
-
-def describe_template(template: str, *owners: Any) -> str:
-    """How errors name `template`, as the start of a sentence.
-
-    A built-in by its name; the template of one of `owners` (a tokenizer or processor whose
-    `chat_template` it is) by that one's model folder or hub id; other source by its start.
-    """
-    builtin = next((name for name in BUILTIN_TEMPLATES if template == _builtin_source(name)), None)
-    if builtin is not None:
-        return f"The built-in chat template {builtin!r}"
-    for owner in owners:
-        if owner is not None and template == getattr(owner, "chat_template", None):
-            where = getattr(owner, "name_or_path", "") or type(owner).__name__
-            return f"The chat template of {where!r} (tokenizer_config.json or chat_template.jinja)"
-    return f"The chat template given as jinja source (starting {template[:40]!r})"
-
-
-def load_template(tokenizer: Any, chat_template: str | None = None) -> str:
-    """Return the jinja source to render with.
-
-    Args:
-        tokenizer: A transformers tokenizer; its own `chat_template` is used when `chat_template`
-            is None.
-        chat_template: None, the name of a built-in template (`"chatml_tools"`: ChatML with
-            Hermes-style tool calls, for ChatML models whose own template ignores tools, such as
-            SmolLM2; `"chatml_vision"`: the same, with image content parts, for vision-language
-            models, see `rollout.images`), or jinja source text.
-
-    """
-    if chat_template is None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ToolTemplateError(
-                "The tokenizer has no chat template. Pass chat_template='chatml_tools' for a "
-                "ChatML model, or the jinja source of a template that renders tools."
-            )
-        return tokenizer.chat_template
-    if chat_template in BUILTIN_TEMPLATES:
-        return _builtin_source(chat_template)
-    if "{{" not in chat_template and "{%" not in chat_template:
-        raise ValueError(
-            f"chat_template={chat_template!r} is neither a built-in template "
-            f"({', '.join(BUILTIN_TEMPLATES)}) nor jinja source."
-        )
-    return chat_template
-
-
 class ChatRenderer:
     """Renders messages through one chat template and turns text into token ids.
 
@@ -190,7 +95,7 @@ class ChatRenderer:
         encode_cache_size: Bound on the encode cache, in characters plus token ids.
         processor: A vision-language model's processor (`rollout.images.load_processor`), or
             None. With one, messages may hold image parts: the template gets the processor's
-            `image_placeholder`, and `rollout.images.encode_messages` expands it into image
+            `image_placeholder`, and `encode_messages` expands it into image
             tokens.
         limits: The bounds on each render (`RenderLimits`; its defaults when None).
 
@@ -220,7 +125,7 @@ class ChatRenderer:
         if processor is not None:
             self.template_kwargs.setdefault("image_placeholder", image_placeholder(processor))
         with bounded(self.limits, self.source):
-            self._compiled = _compile(template)
+            self._compiled = compile_template(template)
         # Group members render the same prompt and tool turns often repeat: encode each text once.
         self._encoded = EncodeCache(self._encode_uncached, encode_cache_size)
         self._special = {
@@ -347,7 +252,7 @@ class ChatRenderer:
         Raises:
             TemplateRenderError, jinja2.TemplateError: As `render`.
             ValueError: There are images but no processor, or the text holds a different
-                number of placeholders (`rollout.images.encode_messages`).
+                number of placeholders (`encode_messages`).
 
         """
         text = self.render(messages, generation_prompt=True)
@@ -427,69 +332,146 @@ class ChatRenderer:
     def check_tool_support(self) -> None:
         """Raise `ToolTemplateError` unless the template shows tools, tool calls and results.
 
-        Renders a probe conversation with a made-up tool and looks for its name, its argument
-        and its result in the text: a template that silently drops any of them cannot teach a
-        model to call tools.
+        Renders `rollout.template_source`'s probe conversation, with its made-up tool beside
+        this renderer's tools (`check_probe`).
         """
-        probe_tool = {
-            "type": "function",
-            "function": {
-                "name": _PROBE_TOOL,
-                "description": "Probe.",
-                "parameters": {"type": "object", "properties": {}},
-            },
-        }
-        # The call names another tool, so the schema marker can only come from `tools=`.
-        call = {"type": "function", "function": {"name": "f", "arguments": {_PROBE_ARGUMENT: 1}}}
-        messages: list[dict[str, Any]] = [
-            {"role": "user", "content": "Probe."},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "f", "content": _PROBE_RESULT},
-        ]
         probe = ChatRenderer(
             self.tokenizer,
             self.template,
-            [*self.tools, probe_tool],
+            [*self.tools, PROBE_TOOL],
             self.template_kwargs,
             limits=self.limits,
         )
-        try:
-            text = probe.render(messages, generation_prompt=True)
-        except TemplateRenderError:  # its own message says what went wrong and what to do
-            raise
-        except Exception as error:  # template code fails any way: `str + dict` is a TypeError
-            raise ToolTemplateError(
-                f"The chat template fails on a conversation with a tool call "
-                f"({type(error).__name__}: {error}). "
-                f"Pass chat_template='chatml_tools' (for ChatML models) or a template with tool "
-                f"support."
-            ) from error
-        missing = [
-            what
-            for what, marker in (
-                ("the tool schemas (tools=)", _PROBE_TOOL),
-                ("the assistant's tool calls", _PROBE_ARGUMENT),
-                ("tool results", _PROBE_RESULT),
-            )
-            if marker not in text
-        ]
-        if missing:
-            raise ToolTemplateError(
-                f"The chat template drops {', '.join(missing)}, so the model would never see its "
-                f"tools or their results. Pass chat_template='chatml_tools' (ChatML with "
-                f"Hermes-style <tool_call> blocks, for ChatML models such as SmolLM2) or a "
-                f"template that renders tools."
-            )
+        check_probe(lambda: probe.render(PROBE_MESSAGES, generation_prompt=True))
 
 
 def _cut_text(content: Any, limit: int) -> Any:
     """`content` with its text (each text part's) cut to at most `limit` characters."""
     if isinstance(content, str):
         return content[:limit]
-    parts = (
-        [part for part in content if isinstance(part, Mapping)] if isinstance(content, list) else []
-    )
     return [
         {**part, "text": part["text"][:limit]} if part.get("type") == "text" else part
-        for part in parts
+        for part in content_parts(content)
     ]
+
+
+# What a processor returns besides the pixel tensors; the rest is the model's vision input.
+_TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
+
+
+def image_placeholder(processor: Any) -> str:
+    """The text a chat template writes for one image, which `processor` expands into its tokens.
+
+    Qwen2-VL's family wraps its image token in vision start and end tokens; Gemma3's
+    processor expands its begin-of-image token; the others expand their image token.
+    """
+    tokenizer = processor.tokenizer
+    start = getattr(tokenizer, "vision_start_token", None) or _token(tokenizer, "<|vision_start|>")
+    end = getattr(tokenizer, "vision_end_token", None) or _token(tokenizer, "<|vision_end|>")
+    if start and end:
+        return f"{start}{processor.image_token}{end}"
+    boi = getattr(processor, "boi_token", None)
+    return boi or processor.image_token
+
+
+def _token(tokenizer: Any, token: str) -> str | None:
+    """`token` when the tokenizer has it as one id, else None."""
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    return token if len(ids) == 1 and ids[0] != tokenizer.unk_token_id else None
+
+
+def encode_with_images(
+    processor: Any, text: str, images: Sequence[Any]
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """Token ids of rendered `text`, each image placeholder expanded, and the images' tensors.
+
+    Args:
+        processor: A VLM processor (`load_processor`).
+        text: Rendered template text holding one `image_placeholder` per image, in order.
+        images: The images (PIL), one per placeholder.
+
+    Returns:
+        The ids (the template, not the tokenizer, adds special tokens) and the vision inputs
+        the model's forward takes with them (empty when there are no images).
+
+    Raises:
+        ValueError: The text holds a different number of placeholders than there are images.
+    """
+    placeholder = image_placeholder(processor)
+    if text.count(placeholder) != len(images):
+        raise ValueError(
+            f"the text has {text.count(placeholder)} image placeholders ({placeholder!r}) but "
+            f"{len(images)} images were given; each image needs one image part in the messages"
+        )
+    if not images:
+        return processor.tokenizer.encode(text, add_special_tokens=False), {}
+    encoded = processor(
+        text=[text], images=[list(images)], return_tensors="pt", add_special_tokens=False
+    )
+    ids = encoded["input_ids"][0].tolist()
+    return ids, {k: v for k, v in encoded.items() if k not in _TEXT_KEYS}
+
+
+def encode_messages(
+    processor: Any,
+    text: str,
+    messages: Sequence[Mapping[str, Any]],
+    encode: Callable[[str], list[int]],
+) -> tuple[list[int], dict[str, torch.Tensor], list[Any]]:
+    """Token ids of rendered `text` holding `messages`' images, their tensors, and the images.
+
+    Without images (`images_of(messages)` empty) the ids are `encode(text)` (a renderer's
+    cached encoding) and there are no tensors; with images, `encode_with_images`.
+
+    Args:
+        processor: A VLM processor (`load_processor`), or None for a text-only model.
+        text: Rendered template text holding one `image_placeholder` per image of `messages`.
+        messages: The messages `text` renders (their image parts, in order).
+        encode: Encodes text without images.
+
+    Raises:
+        ValueError: There are images but no processor, or the text holds a different number
+            of placeholders (`encode_with_images`).
+    """
+    images = images_of(messages)
+    if not images:
+        return encode(text), {}, []
+    if processor is None:
+        raise ValueError(
+            "the conversation holds images but the model has no image processor: train a "
+            "vision-language model, with its processor as processing_class"
+        )
+    ids, vision = encode_with_images(processor, text, images)
+    return ids, vision, images
+
+
+def images_of(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The images of `messages`' image parts (`{"type": "image", "image": <PIL image>}`), in order.
+
+    Raises:
+        ValueError: An image part holds no image (the row's `image`/`images` column fills
+            them: `with_row_images`), or one that is not a PIL image, or is empty or oversized
+            (`tools.picture_problem`).
+    """
+    images = []
+    for message in messages:
+        for part in content_parts(message.get("content")):
+            if part.get("type") != "image":
+                continue
+            if part.get("image") is None:
+                raise ValueError(
+                    "an image part of the prompt has no image: give the row an 'image' or "
+                    "'images' column with one image per image part, or put the image in the "
+                    "part as {'type': 'image', 'image': <PIL image>}"
+                )
+            if problem := picture_problem(part["image"]):
+                raise ValueError(f"an image part holds {problem}; {PICTURES_ARE_PIL}")
+            images.append(part["image"])
+    return images
+
+
+def content_parts(content: Any) -> list[Mapping[str, Any]]:
+    """The parts of a message's content: none for text, else its mappings (`{"type": ...}`)."""
+    return (
+        [part for part in content if isinstance(part, Mapping)] if isinstance(content, list) else []
+    )

@@ -86,7 +86,7 @@ class Pictures:
     Attributes:
         images: The pictures (PIL), in the order their tokens appear in the prompt ids.
         vision: The tensors the model's processor made of them (`pixel_values`, ...): what a
-            model run in this process reads (`rollout.images.encode_with_images`). vLLM reads
+            model run in this process reads (`rollout.template.encode_with_images`). vLLM reads
             `images` and makes its own.
     """
 

@@ -166,6 +166,13 @@ def is_image(value: Any) -> bool:
 # 7.9 s and 2.5 GB for one episode.
 MAX_PICTURE_PIXELS = 4096 * 4096
 
+# What to give instead of a picture that cannot be shown (`tools.picture_problem`).
+PICTURES_ARE_PIL = (
+    f"give PIL images of at most {MAX_PICTURE_PIXELS:,} pixels (a datasets Image() column "
+    "decodes to them: `dataset.cast_column('image', datasets.Image())` loads a column of local "
+    "paths)"
+)
+
 
 def picture_problem(value: Any) -> str | None:
     """Why `value` cannot be shown to a model, or None for a PIL image it can be shown.

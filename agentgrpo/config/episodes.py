@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 from agentgrpo.config.errors import require
 from rollout.parsers import get_parser
-from rollout.template import load_template
+from rollout.template_source import load_template
 from tools.mcp import mcp_servers_of
 
 if TYPE_CHECKING:

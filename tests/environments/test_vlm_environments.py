@@ -12,7 +12,7 @@ from PIL import Image
 from environments import ColourSquare, EnvironmentResetError
 from environments.colour_square import COLOURS, draw_square
 from rollout import RolloutEngine, ScriptedBackend, load_template
-from rollout.images import images_of
+from rollout.template import images_of
 from tests.support.trainer import colour_square_run
 from tests.support.vlm_models import FAMILIES, image_token_of, tiny_vlm
 from tools import as_tool, call_tool

@@ -29,7 +29,8 @@ import pytest
 
 from rollout import EpisodeConfig, Finish, RolloutEngine, ScriptedBackend
 from rollout.parsers import detect_parser, get_parser
-from rollout.template import ChatRenderer, ToolTemplateError
+from rollout.template import ChatRenderer
+from rollout.template_source import ToolTemplateError
 from rollout.types import ToolCall
 from tools import as_tool
 

@@ -21,9 +21,10 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import rollout.template
+import rollout.template_source
 from agentgrpo.doctor import Setup, Status, check_template
 from rollout import ChatRenderer, RenderLimits, TemplateRenderError, load_template
-from rollout.template import describe_template
+from rollout.template_source import describe_template
 from tests.support.parsing import trl_template
 
 HUGE_STRING = "{{ ('x' * 2000000000)|length }}"
@@ -197,10 +198,10 @@ def plain_jinja(source: str):
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
-        extensions=[loopcontrols, rollout.template._GenerationBlock],
+        extensions=[loopcontrols, rollout.template_source._GenerationBlock],
     )
-    env.filters["tojson"] = rollout.template._tojson
-    env.globals["raise_exception"] = rollout.template._raise_exception
+    env.filters["tojson"] = rollout.template_source._tojson
+    env.globals["raise_exception"] = rollout.template_source._raise_exception
     env.globals["strftime_now"] = lambda fmt: "26 Jul 2024"
     return env.from_string(source)
 

@@ -6,12 +6,8 @@ import pytest
 import torch
 from PIL import Image
 
-from rollout.images import (
-    encode_with_images,
-    image_placeholder,
-    join_vision_inputs,
-    load_processor,
-)
+from rollout.images import join_vision_inputs, load_processor
+from rollout.template import encode_with_images, image_placeholder
 from tests.support.vlm_models import FAMILIES, tiny_vlm
 
 RED = Image.new("RGB", (20, 20), (255, 0, 0))

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.images import encode_with_images, unexpanded_ids
+from rollout.images import unexpanded_ids
+from rollout.template import encode_with_images
 from tests.support.trainer import colour_square_run
 from tests.support.vllm_support import colocated_backend, needs_vllm
 from tests.support.vlm_vllm import idefics3_with_heads_of_32, logprob_gap, picture, play

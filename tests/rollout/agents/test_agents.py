@@ -21,7 +21,7 @@ from environments.contract import class_tools
 from rollout import EpisodeConfig, Finish, RolloutEngine, ScriptedBackend
 from rollout.agents import Agent, AgentError
 from rollout.agents.session import SessionContext
-from rollout.template import load_template
+from rollout.template_source import load_template
 from rollout.types import ParsedTurn
 from tests.support.episodes import (
     COUNTER_ROW,

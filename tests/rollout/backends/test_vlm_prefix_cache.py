@@ -9,7 +9,8 @@ from PIL import Image
 
 from rollout.backends.image_prefixes import prefix_key, reusable_length
 from rollout.backends.transformers import TransformersBackend
-from rollout.images import encode_with_images, image_placeholder, vision_forward_kwargs
+from rollout.images import vision_forward_kwargs
+from rollout.template import encode_with_images, image_placeholder
 from rollout.types import Pictures, SamplingParams
 from tests.support.vlm_models import tiny_vlm
 
