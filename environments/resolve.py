@@ -1,7 +1,7 @@
 """Turning an environment spec string, as typed on the command line, into a class.
 
-Seven forms, told apart by the part before the last ``:`` (``gym:``, ``gem:`` and ``ta:`` by
-the prefix alone):
+Eight forms, told apart by the part before the last ``:`` (``gym:``, ``gem:``, ``ta:`` and
+``openenv:`` by the prefix alone):
 
 - ``NAME`` (no ``:``): an environment an installed package declares (`environments.packages`);
 - ``env:Name``: a built-in from `BUILTIN_ENVIRONMENTS`;
@@ -12,6 +12,9 @@ the prefix alone):
   ``gem:game:GuessTheNumber-v0-easy``;
 - ``ta:GAME_ID``: a TextArena game (`textarena_environment`; needs textarena), such as
   ``ta:TicTacToe-v0,opponent=random``;
+- ``openenv:module:Class`` or ``openenv:http://host:port``: an OpenEnv environment, in this
+  process or served (`openenv_environment`; needs openenv-core), such as
+  ``openenv:my_envs:Maze`` or ``openenv:http://127.0.0.1:8000``;
 - ``rg:TASK``: a reasoning-gym task (`reasoning_gym_environment`; needs reasoning-gym);
 - ``path/to/file.py:Class``: anything ending in ``.py`` or containing a path separator; a
   relative path starts at the current directory. The file runs once, as a module with a name of
@@ -26,17 +29,7 @@ user's own ``env.py`` is reached as ``env.py:Class``.
 
 from __future__ import annotations
 
-import difflib
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import os
-import re
-import sys
-from collections.abc import Callable, Iterable
-from pathlib import Path
-from types import ModuleType
 
 from environments.arithmetic import Arithmetic
 from environments.chain import Chain
@@ -46,10 +39,13 @@ from environments.errors import EnvironmentSpecError
 from environments.gem_adapter import GEM_PREFIX, gem_environment
 from environments.guess_number import GuessNumber
 from environments.gym_ids import gym_id_environment
+from environments.loading import load_attribute, suggest
+from environments.openenv_adapter import OPENENV_PREFIX, openenv_environment
 from environments.packages import installed_environment
 from environments.questions import Questions
 from environments.reasoning_gym_tasks import reasoning_gym_environment
 from environments.textarena_adapter import TA_PREFIX, textarena_environment
+from environments.tictactoe import TicTacToe
 from environments.trail import Trail
 
 BUILTIN_ENVIRONMENTS: dict[str, type] = {
@@ -60,13 +56,14 @@ BUILTIN_ENVIRONMENTS: dict[str, type] = {
     "ColourSquare": ColourSquare,
     "Trail": Trail,
     "Questions": Questions,
+    "TicTacToe": TicTacToe,
 }
 """The environments reachable as ``env:Name``."""
 
-_NOT_IDENTIFIER = re.compile(r"\W")
 _FORMS = (
     "'NAME' (an installed environment package), 'env:Name' (a built-in), 'gym:ENV_ID' (a "
-    "gymnasium id), 'gem:ENV_ID' (GEM), 'ta:GAME_ID' (TextArena), 'rg:TASK' (reasoning-gym), "
+    "gymnasium id), 'gem:ENV_ID' (GEM), 'ta:GAME_ID' (TextArena), 'openenv:module:Class' or "
+    "'openenv:http://host:port' (OpenEnv), 'rg:TASK' (reasoning-gym), "
     "'package.module:Class' or 'path/to/file.py:Class'"
 )
 GYM_PREFIX = "gym:"
@@ -79,7 +76,8 @@ def resolve_environment(spec: str) -> type:
     for the full contract.
 
     Args:
-        spec: ``NAME`` (an installed package's), ``env:Name``, ``gym:ENV_ID``, ``rg:TASK``,
+        spec: ``NAME`` (an installed package's), ``env:Name``, ``gym:ENV_ID``, ``gem:ENV_ID``,
+            ``ta:GAME_ID``, ``openenv:module:Class``, ``openenv:http://host:port``, ``rg:TASK``,
             ``package.module:Class`` or ``path/to/file.py:Class``.
 
     Returns:
@@ -100,6 +98,8 @@ def resolve_environment(spec: str) -> type:
         return gem_environment(spec.removeprefix(GEM_PREFIX))
     if spec.startswith(TA_PREFIX):  # an opponent=module:function holds a ':' of its own
         return textarena_environment(spec.removeprefix(TA_PREFIX))
+    if spec.startswith(OPENENV_PREFIX):  # a module:Class or a URL holds ':' of its own
+        return openenv_environment(spec.removeprefix(OPENENV_PREFIX))
     where, _, attribute = spec.rpartition(":")
     if not where or not attribute:
         raise EnvironmentSpecError(
@@ -130,105 +130,11 @@ def _checked(spec: str, obj: object) -> type:
     return obj
 
 
-def load_attribute(spec: str, kind: Callable[[object], bool] = callable) -> object:
-    """Return what ``package.module:name`` or ``path/to/file.py:name`` names (any object).
-
-    The same lookup as for environment classes, for other things a command line names, such as
-    reward functions. ``name`` may be dotted. When it is missing, the error lists (and
-    suggests among) the names there that pass `kind`.
-
-    Raises:
-        EnvironmentSpecError: The spec is malformed, or names something missing; the message
-            suggests the nearest name where it can.
-
-    """
-    where, _, attribute = spec.rpartition(":")
-    if not where or not attribute:
-        raise EnvironmentSpecError(
-            f"{spec!r} needs the form 'package.module:name' or 'path/to/file.py:name'"
-        )
-    module, label = (
-        (_load_file(where), f"file {where!r}")
-        if where.endswith(".py") or "/" in where or os.sep in where
-        else (_import(where), f"module {where!r}")
-    )
-    return _attribute(module, attribute, label, kind)
-
-
 def _builtin(name: str) -> type:
     if name in BUILTIN_ENVIRONMENTS:
         return BUILTIN_ENVIRONMENTS[name]
     raise EnvironmentSpecError(
-        f"no built-in environment {name!r}{_suggest(name, BUILTIN_ENVIRONMENTS)}; built-ins: "
+        f"no built-in environment {name!r}{suggest(name, BUILTIN_ENVIRONMENTS)}; built-ins: "
         f"{', '.join(sorted(BUILTIN_ENVIRONMENTS))} (for a file named env.py, use "
         f"'env.py:{name}')"
     )
-
-
-def _import(name: str) -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name and (name == error.name or name.startswith(error.name + ".")):
-            raise EnvironmentSpecError(
-                f"cannot import module {name!r}: it is not on sys.path (current directory: "
-                f"{Path.cwd()}); to load a file instead, write 'path/to/file.py:Class'"
-            ) from error
-        raise EnvironmentSpecError(f"importing module {name!r} failed: {error}") from error
-    except Exception as error:
-        raise EnvironmentSpecError(
-            f"importing module {name!r} raised {type(error).__name__}: {error}"
-        ) from error
-
-
-def _load_file(where: str) -> ModuleType:
-    path = (Path.cwd() / Path(where).expanduser()).resolve()
-    if not path.is_file():
-        raise EnvironmentSpecError(
-            f"environment file not found: {path} (relative paths start at the current "
-            f"directory, {Path.cwd()})"
-        )
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    module_name = f"_agentgrpo_env_{_NOT_IDENTIFIER.sub('_', path.stem)}_{digest}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise EnvironmentSpecError(f"cannot load {path} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # before running it: dataclasses and pickle look it up
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:
-        del sys.modules[module_name]
-        raise EnvironmentSpecError(
-            f"running environment file {path} raised {type(error).__name__}: {error}"
-        ) from error
-    return module
-
-
-def _attribute(
-    module: ModuleType, dotted: str, where: str, kind: Callable[[object], bool] = inspect.isclass
-) -> object:
-    """`module.dotted`; when missing, the error lists the names there that pass `kind`."""
-    obj: object = module
-    for part in dotted.split("."):
-        if not hasattr(obj, part):
-            names = sorted(
-                name
-                for name, value in getattr(obj, "__dict__", {}).items()
-                if kind(value) and not name.startswith("_")
-            )
-            label = "classes" if kind is inspect.isclass else "names"
-            listing = f"; {label} there: {', '.join(names)}" if names else ""
-            raise EnvironmentSpecError(f"{where} has no {part!r}{_suggest(part, names)}{listing}")
-        obj = getattr(obj, part)
-    return obj
-
-
-def _suggest(name: str, candidates: Iterable[str]) -> str:
-    by_lower = {candidate.lower(): candidate for candidate in candidates}
-    close = difflib.get_close_matches(name.lower(), by_lower, n=1)
-    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""

@@ -56,6 +56,7 @@ from gymnasium.spaces import Text
 from environments.errors import EnvironmentSpecError
 from environments.gym_adapter import GymEnvironment, gym_environment, step_limits
 from environments.gym_ids import MAX_TURNS, parse_spec
+from environments.loading import load_attribute
 from tools.threads import describe_error
 
 TA_PREFIX = "ta:"
@@ -274,7 +275,6 @@ def opponent_from_option(name: object, label: str = TA_PREFIX) -> Opponent:
         raise EnvironmentSpecError(
             f"{label}: opponent={name!r} is not an opponent; use one of: {', '.join(OPPONENTS)}"
         )
-    from environments.resolve import load_attribute  # resolve imports this module
 
     function = load_attribute(name)
     if not callable(function):

@@ -110,9 +110,11 @@ class RolloutEngine:
             OpenAI-compatible endpoint on 127.0.0.1 while a round plays; then there is no
             environment and no tool here.
         mcp_servers: MCP servers whose tools every episode offers beside the plain tools
-            (`tools.mcp`): started here (within `config.environment_timeout_s`), shared by
-            all episodes and rounds, and stopped by `close()`, or when the engine is
-            collected or the interpreter exits.
+            (`tools.mcp`): started here (within `config.environment_timeout_s`) to list
+            their tools. A shared server serves all episodes and rounds; a per-episode one
+            (`McpServer.per_episode`) is started afresh for each play of an episode and
+            stopped when it ends, however it ends. All are stopped by `close()`, or when the
+            engine is collected or the interpreter exits.
         infra_retries: How often an episode that a `tools.InfrastructureError` ended (raised
             by a tool, the environment or an MCP server) is replayed from scratch: a fresh
             environment, the same row and seed. After that many it is kept as a failed
@@ -280,14 +282,16 @@ class RolloutEngine:
     ) -> Episode:
         """Play one episode; replayed from scratch while an infrastructure failure ends it.
 
-        Each play makes a fresh environment, reset with the same row and seed; past
+        Each play makes a fresh environment, reset with the same row and seed, and starts the
+        per-episode MCP servers afresh (stopped when the play ends, however it ends); past
         `infra_retries` replays the episode is kept as failed (`rollout.infrastructure`).
         """
 
         async def play() -> Episode:
-            if self.player is None:
+            if self.player is not None:
+                return await self.player.play(row, seed, group, index)
+            async with self.mcp.episode() if self.mcp else contextlib.nullcontext():
                 return await run_episode(ctx, row, seed, group, index)
-            return await self.player.play(row, seed, group, index)
 
         def failed(failure: InfrastructureError) -> Episode:
             token = placeholder_token(ctx.renderer.tokenizer)

@@ -11,11 +11,15 @@ Contract:
   subset of this process's environment (`PATH`, `HOME`, `USER`, ...) plus the spec's `env`.
   Its stderr goes to a temporary file, whose end is quoted when the server fails to start. An
   HTTP server (an `http://` or `https://` URL, streamable HTTP) is reached, never started.
-- Every server is opened once, when `McpTools` is made, and shared by all episodes and every
-  round until `close()`: the tools' schemas are what the chat template shows, so they are read
-  before any episode plays. Calls from different episodes run concurrently, as the server
-  allows. The sessions live on an event loop of their own, in a daemon thread, so that calls
-  from any event loop (each round's `anyio.run`, the asynchronous producer's thread) reach them.
+- Every server is opened once when `McpTools` is made, and its tools listed: the tools'
+  schemas are what the chat template shows, so they are read before any episode plays. A
+  shared server (the default) then serves all episodes and every round until `close()`; calls
+  from different episodes run concurrently, as the server allows. A per-episode server
+  (`McpServer.per_episode`, `"per_episode": true` in its spec) is stopped once listed; each
+  episode, inside `McpTools.episode()`, starts its own (an HTTP one: opens a session of its
+  own), which its calls reach and which is stopped when the episode ends, however it ends. The
+  sessions live on event loops of their own, in daemon threads, so that calls from any event
+  loop (each round's `anyio.run`, the asynchronous producer's thread) reach them.
 - A tool is `{"type": "function", "function": {"name", "description", "parameters"}}` with the
   server's input schema as `parameters`; `tools.call_tool` checks the model's arguments against
   it before the call reaches the server. The result's text blocks, one a line, are the tool
@@ -24,12 +28,14 @@ Contract:
   message the model reads. A call that times out is cancelled on the server's session too. A
   call whose server is gone (its connection closed) raises `InfrastructureError`: the episode
   is replayed, not shown the error (`tools.infrastructure`).
-- `close()` stops every stdio server (stdin closed, then SIGTERM, then SIGKILL, as the `mcp`
-  package does) and ends HTTP sessions. It is idempotent, and also runs when the `McpTools` is
-  garbage collected and at interpreter exit, so a server never outlives the process that
-  started it, whether the run ended, failed or was interrupted. A server that cannot start,
-  answer or list its tools within `timeout_s` raises `McpServerError` naming it; every server
-  already started is stopped first.
+- `close()` stops every stdio server, shared or per-episode (stdin closed, then SIGTERM, then
+  SIGKILL, as the `mcp` package does) and ends HTTP sessions. It is idempotent, and also runs
+  when the `McpTools` is garbage collected and at interpreter exit, so a server never outlives
+  the process that started it, whether the run ended, failed or was interrupted. A server that
+  cannot start, answer or list its tools within `timeout_s` raises `McpServerError` naming it;
+  every server already started is stopped first. A per-episode server that fails so for one
+  episode raises `InfrastructureError` instead: it started when the run did, so the episode is
+  replayed.
 
 The `mcp` package is imported only when a server is opened: `import tools` stays fast.
 """
@@ -37,16 +43,14 @@ The `mcp` package is imported only when a server is opened: `import tools` stays
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
 import queue
-import shlex
-import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TextIO, cast
 
@@ -54,11 +58,19 @@ import anyio
 from anyio.from_thread import BlockingPortal
 
 from tools.infrastructure import InfrastructureError
+from tools.mcp_spec import OPTION, McpServer, mcp_servers_of, require_mcp
 from tools.schema import Tool
+from tools.threads import shield_unless_interrupted
 
-OPTION = "mcp_servers"
-"""The option that lists MCP servers (`GRPOConfig.mcp_servers`; `--mcp-server` on the CLI)."""
-_SPEC_KEYS = ("command", "args", "env", "url")
+__all__ = [
+    "OPTION",
+    "McpServer",
+    "McpServerError",
+    "McpToolError",
+    "McpTools",
+    "mcp_servers_of",
+]
+
 _STDERR_TAIL_CHARS = 2000  # how much of a server's stderr a start-up failure quotes
 _CONNECTION_CLOSED = -32000  # the MCP error code of a session whose server is gone
 _STOP_WAIT_S = 15.0  # longer than the mcp package's stdin, SIGTERM and SIGKILL waits together
@@ -72,159 +84,18 @@ class McpToolError(Exception):
     """An MCP server answered a tool call with an error; the message is the server's text."""
 
 
-@dataclass(frozen=True)
-class McpServer:
-    """Where an MCP server is: a command that serves MCP on its stdin and stdout, or a URL.
-
-    Attributes:
-        command: The executable and its arguments (stdio); empty for an HTTP server.
-        url: The streamable HTTP endpoint (`http://127.0.0.1:8000/mcp`), or None for stdio.
-        env: Environment variables the stdio server gets beyond the inherited safe ones.
-    """
-
-    command: tuple[str, ...] = ()
-    url: str | None = None
-    env: tuple[tuple[str, str], ...] = ()
-
-    def __str__(self) -> str:
-        """The server as the user wrote it: its command line, or its URL."""
-        return self.url if self.url is not None else shlex.join(self.command)
-
-    @classmethod
-    def parse(cls, spec: str | Mapping[str, Any], where: str = OPTION) -> McpServer:
-        """The server a spec names: `"cmd args"`, a URL, or a dict (or its JSON text).
-
-        A dict has `command` (text) with optional `args` (a list of texts) and `env` (texts by
-        name), or `url` alone.
-
-        Args:
-            spec: The spec.
-            where: The option it came from, for the error message (`mcp_servers[0]`).
-
-        Raises:
-            ValueError: A spec that names no server, or a dict with other keys or types.
-
-        Examples:
-            >>> McpServer.parse("python server.py --verbose").command
-            ('python', 'server.py', '--verbose')
-            >>> McpServer.parse({"url": "http://127.0.0.1:8000/mcp"}).url
-            'http://127.0.0.1:8000/mcp'
-            >>> McpServer.parse({"url": "ftp://example.com"})
-            Traceback (most recent call last):
-            ...
-            ValueError: mcp_servers: 'url' must be an http(s):// URL, alone; got 'ftp://example.com'
-        """
-        if isinstance(spec, str):
-            return cls._parse_text(spec, where)
-        if isinstance(spec, Mapping):
-            return cls._parse_mapping(spec, where)
-        raise ValueError(
-            f"{where}: {spec!r} is a {type(spec).__name__}; give a command (text), an http(s):// "
-            "URL, or a dict with 'command' (and 'args', 'env') or 'url'"
-        )
-
-    @classmethod
-    def _parse_text(cls, text: str, where: str) -> McpServer:
-        if text.strip().startswith("{"):  # a dict, as JSON (a command line or config file)
-            try:
-                spec = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: {text!r} is not a JSON object ({error})") from None
-            return cls._parse_mapping(spec, where)
-        if _is_url(text.strip()):
-            return cls(url=text.strip())
-        try:
-            command = tuple(shlex.split(text))
-        except ValueError as error:
-            raise ValueError(f"{where}: cannot split {text!r} into words ({error})") from None
-        if not command:
-            raise ValueError(
-                f"{where}: {text!r} names no MCP server; give a command that serves MCP on stdio "
-                '("python server.py"), or an http(s):// URL'
-            )
-        return cls(command=command)
-
-    @classmethod
-    def _parse_mapping(cls, spec: Mapping[str, Any], where: str) -> McpServer:
-        if unknown := sorted(set(map(str, spec)) - set(_SPEC_KEYS)):
-            raise ValueError(
-                f"{where}: unknown key {unknown[0]!r}; an MCP server is given by 'command' "
-                "(with 'args' and 'env') or by 'url'"
-            )
-        if ("command" in spec) == ("url" in spec):
-            raise ValueError(f"{where}: give exactly one of 'command' and 'url', in {dict(spec)}")
-        if "url" in spec:
-            url = spec["url"]
-            if set(spec) != {"url"} or not isinstance(url, str) or not _is_url(url):
-                raise ValueError(f"{where}: 'url' must be an http(s):// URL, alone; got {url!r}")
-            return cls(url=url)
-        command, args, env = spec["command"], spec.get("args", []), spec.get("env", {})
-        if not isinstance(command, str) or not command.strip():
-            raise ValueError(f"{where}: 'command' must be the executable's name, got {command!r}")
-        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-            raise ValueError(f"{where}: 'args' must be a list of texts, got {args!r}")
-        texts = isinstance(env, Mapping) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-        )
-        if not texts:
-            raise ValueError(f"{where}: 'env' must map names to texts, got {env!r}")
-        return cls(command=(command, *args), env=tuple(sorted(env.items())))
-
-    def check(self, where: str = OPTION) -> None:
-        """Refuse a stdio server whose executable is not there (before anything starts).
-
-        Raises:
-            ValueError: The command is neither a file nor found on PATH.
-        """
-        if self.command and shutil.which(self.command[0]) is None:
-            raise ValueError(
-                f"{where}: cannot start MCP server {str(self)!r}: {self.command[0]!r} is not "
-                "an executable file or a command on PATH"
-            )
-
-
-def mcp_servers_of(
-    specs: Sequence[str | Mapping[str, Any]] | None, option: str = OPTION
-) -> tuple[McpServer, ...]:
-    """Every spec of `option` parsed (`McpServer.parse`) and checked (`McpServer.check`).
-
-    Raises:
-        ValueError: Naming the option, the spec's index and what to write instead.
-    """
-    if specs is None:
-        return ()
-    if isinstance(specs, str | Mapping):
-        raise ValueError(f"{option} is a list of MCP servers; wrap the one given in [...]")
-    servers: list[McpServer] = []
-    for index, spec in enumerate(specs):
-        server = McpServer.parse(spec, f"{option}[{index}]")
-        server.check(f"{option}[{index}]")
-        servers.append(server)
-    if servers:
-        _require_mcp(option)
-    return tuple(servers)
-
-
-def _require_mcp(option: str) -> None:
-    """Refuse MCP servers where the `mcp` package (the protocol's client) is not installed."""
-    if importlib.util.find_spec("mcp") is None:
-        raise ValueError(
-            f"{option}: MCP servers need the mcp package; install it with "
-            "pip install 'agentgrpo[mcp]'"
-        )
-
-
-def _is_url(text: str) -> bool:
-    return text.startswith(("http://", "https://"))
-
-
 class McpTools:
     """MCP servers held open, their tools offered as `Tool`s, until `close()`.
 
+    A shared server (`McpServer.per_episode` False) is opened here and held until `close()`. A
+    per-episode server is opened here only to list its tools, then stopped; `episode()` opens
+    one of each for every episode, and its tools reach the server of the episode they are
+    called in.
+
     Args:
         servers: The servers, in order; their tool names must all differ.
-        timeout_s: Seconds all of them together may take to start and list their tools;
-            None for no limit.
+        timeout_s: Seconds the shared servers together, and the per-episode ones together, may
+            each take to start and list their tools; None for no limit.
 
     Attributes:
         tools: Every server's tools by name, in the servers' order.
@@ -236,14 +107,108 @@ class McpTools:
     """
 
     def __init__(self, servers: Sequence[McpServer], timeout_s: float | None = 60.0):
-        _require_mcp(OPTION)
-        self._loop = _ServerLoop(tuple(servers), timeout_s)
-        weakref.finalize(self, self._loop.stop)
-        self.tools: dict[str, Tool] = self._loop.tools
+        require_mcp(OPTION)
+        self._own = tuple(server for server in servers if server.per_episode)
+        self._timeout_s = timeout_s
+        self._loops: list[_ServerLoop] = []  # open: the shared servers', then episodes'
+        self._lock = threading.Lock()
+        self._closed = False
+        self._current: ContextVar[_ServerLoop | None] = ContextVar(f"mcp-{id(self)}", default=None)
+        weakref.finalize(self, _stop_all, self._loops, self._lock)
+        self.tools: dict[str, Tool] = {}
+        self._own_names: frozenset[str] = frozenset()  # the per-episode servers' tools
+        try:
+            if shared := tuple(server for server in servers if not server.per_episode):
+                self._loops.append(loop := _ServerLoop(shared, timeout_s))
+                self._offer(loop, shared, lambda tool: tool)
+            if self._own:  # each per-episode server once, for its tools: stopped at once
+                probe = _ServerLoop(self._own, timeout_s)
+                probe.stop()
+                self._offer(probe, self._own, self._episode_tool)
+                self._own_names = frozenset(probe.tools)
+        except BaseException:
+            self.close()
+            raise
+
+    def _offer(
+        self, loop: _ServerLoop, servers: Sequence[McpServer], tool_of: Callable[[Tool], Tool]
+    ) -> None:
+        for server in servers:
+            for name in loop.offered[server]:
+                if name in self.tools:
+                    raise ValueError(_clash(name, server))
+                self.tools[name] = tool_of(loop.tools[name])
+
+    def _episode_tool(self, listed: Tool) -> Tool:
+        """A per-episode server's tool: a call reaches the server of the episode it is in."""
+        name = listed.name
+
+        async def call(**arguments: Any) -> str:
+            loop = self._current.get()
+            if loop is None:
+                raise McpServerError(
+                    f"MCP tool {name}() is a per-episode server's (per_episode): it is called "
+                    "only inside McpTools.episode(), where the episode's own server runs"
+                )
+            result: str = await loop.tools[name].fn(**arguments)
+            return result
+
+        call.__name__ = call.__qualname__ = name
+        return Tool(name=name, schema=listed.schema, fn=call)
+
+    @contextlib.asynccontextmanager
+    async def episode(self) -> AsyncIterator[None]:
+        """Hold the per-episode servers of one episode open while the block runs.
+
+        Each per-episode server is started (or, over HTTP, gets a session) on the way in; the
+        tools called inside the block, in the task that entered it and the tasks it starts,
+        reach them. On the way out, however the block ends (returned, raised, cancelled), they
+        are stopped, and the way out waits for that (a Ctrl-C does not). Without per-episode
+        servers it does nothing.
+
+        Raises:
+            InfrastructureError: A per-episode server did not start or list its tools in time
+                (it did when the run started, so the episode may be replayed).
+            McpServerError: It no longer offers a tool it listed when the run started.
+        """
+        if not self._own:
+            yield
+            return
+        with shield_unless_interrupted():
+            loop = await anyio.to_thread.run_sync(self._open_episode, abandon_on_cancel=True)
+        token = self._current.set(loop)
+        try:
+            yield
+        finally:
+            self._current.reset(token)
+            with shield_unless_interrupted():
+                await anyio.to_thread.run_sync(self._stop, loop, abandon_on_cancel=True)
+
+    def _open_episode(self) -> _ServerLoop:
+        try:
+            loop = _ServerLoop(self._own, self._timeout_s)
+        except McpServerError as error:
+            raise InfrastructureError(f"a per-episode MCP server failed: {error}") from error
+        with self._lock:
+            self._loops.append(loop)
+            closed = self._closed
+        missing = sorted(self._own_names - loop.tools.keys())
+        if closed or missing:
+            self._stop(loop)
+            why = "McpTools was closed" if closed else f"it no longer offers tools {missing}"
+            raise McpServerError(f"a per-episode MCP server ({OPTION}) cannot serve: {why}")
+        return loop
+
+    def _stop(self, loop: _ServerLoop) -> None:
+        loop.stop()
+        with self._lock, contextlib.suppress(ValueError):
+            self._loops.remove(loop)
 
     def close(self) -> None:
-        """Stop the stdio servers and end the HTTP sessions; a second call does nothing."""
-        self._loop.stop()
+        """Stop every server, shared and per-episode; a second call does nothing."""
+        with self._lock:
+            self._closed = True
+        _stop_all(self._loops, self._lock)
 
     def __enter__(self) -> McpTools:
         """Use as `with McpTools(servers) as mcp: ...`: closed on the way out."""
@@ -252,6 +217,21 @@ class McpTools:
     def __exit__(self, *exc_info: object) -> None:
         """Close on the way out, whatever happened."""
         self.close()
+
+
+def _stop_all(loops: list[_ServerLoop], lock: threading.Lock) -> None:
+    """Stop every loop of `loops` (an `McpTools`'s, also at garbage collection and exit)."""
+    with lock:
+        stopping = list(loops)
+    for loop in stopping:
+        loop.stop()
+
+
+def _clash(name: str, server: McpServer) -> str:
+    return (
+        f"two MCP servers ({OPTION}) offer a tool named {name!r}, the second {str(server)!r}; "
+        "the model could call only one: drop one of the servers"
+    )
 
 
 class _ServerLoop:
@@ -264,6 +244,7 @@ class _ServerLoop:
         self._portal: BlockingPortal | None = None
         self._close_sessions: anyio.Event | None = None
         self.tools: dict[str, Tool] = {}
+        self.offered: dict[McpServer, list[str]] = {}  # each server's tool names, in order
         self._opening: McpServer | None = None  # the server being started, for errors
         self._thread = threading.Thread(target=self._run, name="mcp-servers", daemon=True)
         self._thread.start()
@@ -303,11 +284,9 @@ class _ServerLoop:
     def _add_tools(self, server: McpServer, opened: _Opened, portal: BlockingPortal) -> None:
         for listed in opened.tools:
             if listed.name in self.tools:
-                raise ValueError(
-                    f"two MCP servers ({OPTION}) offer a tool named {listed.name!r}, the second "
-                    f"{str(server)!r}; the model could call only one: drop one of the servers"
-                )
+                raise ValueError(_clash(listed.name, server))
             self.tools[listed.name] = _as_tool(listed, opened.client, portal)
+        self.offered[server] = [listed.name for listed in opened.tools]
 
     def stop(self) -> None:
         """Close every session and end the thread; waits for the stdio servers to exit."""

@@ -195,11 +195,13 @@ def _run_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.
 
 
 def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.ArgumentParser:
-    from agentgrpo.cli.options import value_parser
+    from agentgrpo.cli.options import add_mcp_server_option, value_parser
 
     parser = _command(sub, "eval", handler, "play held-out rows without training")
     _add_env(parser)
+    add_mcp_server_option(parser)
     add = parser.add_argument
+    add("--seat-players", type=value_parser("seat_players"), help="as for `agentgrpo run`")
     add("--model", help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
     add("--dataset", help="rows file or datasets name (default: the environment's dataset())")
     add("--split", default="eval", help="split of the rows to play (default: eval)")

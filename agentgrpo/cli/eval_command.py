@@ -41,11 +41,14 @@ def evaluate(namespace: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.monotonic()
-    report, episodes, rewards = anyio.run(
-        lambda: play_and_report(
-            engine, scorer, rows, weights, namespace.success_threshold, namespace.seed
+    try:
+        report, episodes, rewards = anyio.run(
+            lambda: play_and_report(
+                engine, scorer, rows, weights, namespace.success_threshold, namespace.seed
+            )
         )
-    )
+    finally:
+        engine.close()  # its MCP servers stop, an agent endpoint's port is given back
     print(report.table())
     print(f"({time.monotonic() - started:.0f} s)")
     if namespace.episodes_file:
@@ -122,7 +125,11 @@ def _eval_engine(
         rewards,
         agent=played_by.get("agent"),
     )
-    startup_checks(parts.engine)
+    try:
+        startup_checks(parts.engine)
+    except BaseException:
+        parts.engine.close()
+        raise
     return parts.engine, parts.scorer, parts.reward_weights, where
 
 
@@ -131,7 +138,8 @@ def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
 
     The token and turn limits are the command line's, else the environment's
     `episode_limits`, else `agentgrpo run`'s defaults: as the run that trained the model; so is
-    `max_context` (the command line's, else the environment's `run_defaults`').
+    `max_context` (the command line's, else the environment's `run_defaults`'), and the MCP
+    servers (`--mcp-server`, whose tools every episode offers, as `agentgrpo run`'s do).
     """
     template: str | None
     if namespace.chat_template:
@@ -151,6 +159,8 @@ def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
             "max_context": namespace.max_context or _recipe_window(source),
             "chat_template": template,
             "tool_call_parser": namespace.tool_call_parser,
+            "mcp_servers": getattr(namespace, "mcp_servers", None),  # --mcp-server, as in run
+            "seat_players": getattr(namespace, "seat_players", None),  # a game: its other seats
             "seed": namespace.seed,
             "report_to": "none",
         }

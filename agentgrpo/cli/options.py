@@ -172,13 +172,20 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
             const=True if _is_bool(name) else None,
             help=f"{help_text} (default: {default})",
         )
-    groups[True].add_argument(  # one server per use, each added to mcp_servers
+    add_mcp_server_option(groups[True])
+
+
+def add_mcp_server_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--mcp-server`, once per server, each appended to `mcp_servers` (`run` and `eval`)."""
+    parser.add_argument(
         "--mcp-server",
         dest="mcp_servers",
         action="append",
         default=argparse.SUPPRESS,
-        metavar="'CMD ARGS'|URL",
-        help="an MCP server whose tools every episode offers (see --mcp-servers); repeatable",
+        metavar="'CMD ARGS'|URL|JSON",
+        help="an MCP server whose tools every episode offers: a command serving MCP on stdio, "
+        "an http(s):// URL, or a JSON object ('command', 'args', 'env' or 'url'; "
+        '"per_episode": true gives each episode a server of its own); repeatable',
     )
 
 

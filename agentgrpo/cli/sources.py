@@ -15,7 +15,7 @@ from typing import Any
 from agentgrpo.cli.options import UsageError
 from environments import check_environment, resolve_environment
 from environments.contract import episode_limits
-from environments.resolve import load_attribute
+from environments.loading import load_attribute
 from tools.threads import describe_error
 
 _FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}

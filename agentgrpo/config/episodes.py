@@ -76,9 +76,11 @@ class EpisodeFields:
             "help": "MCP servers whose tools every episode offers beside the environment's: "
             "each a command that serves MCP on stdio ('python server.py --flag'), an http(s):// "
             "URL (streamable HTTP), or a JSON object (or, in Python, a dict) with 'command', "
-            "'args' and 'env', or 'url'. Started before the first episode, shared by all "
-            "episodes, stopped when the run ends. On the command line also --mcp-server, once "
-            "per server."
+            "'args' and 'env', or 'url', and optionally 'per_episode'. Started before the "
+            "first episode to list their tools; then shared by all episodes and stopped when "
+            'the run ends, or, with "per_episode": true, started afresh for each episode '
+            "(an HTTP server: a session of its own) and stopped when it ends. On the command "
+            "line also --mcp-server, once per server (run and eval)."
         },
     )
     infra_retries: int = field(
@@ -89,6 +91,16 @@ class EpisodeFields:
             "died, a server that is gone) is replayed from scratch, same row and seed. After "
             "that it is kept as failed (finish infra): not scored, left out of its group's "
             "baseline, not trained on, counted in episodes/infra_failures. 0: never replayed."
+        },
+    )
+    seat_players: dict[str, str] | None = field(
+        default=None,
+        metadata={
+            "help": "Who plays each seat of a game with seats (docs/several-players.md), as a "
+            "JSON object of seat to player: 'policy' (the model; its turns are trained), "
+            "'random' (a random legal move) or 'module:function' (a scripted player). Seats "
+            "left out are the policy's. None: self-play, every seat trained. Frozen snapshots "
+            'of the policy cannot play a seat yet. Example: {"o": "random"}.'
         },
     )
     log_episodes: bool = field(
@@ -126,6 +138,18 @@ def check_episode_values(config: "GRPOConfig") -> None:
         "replayed) or more.",
     )
     mcp_servers_of(config.mcp_servers)  # each spec names a server whose command is here
+    players = config.seat_players
+    require(
+        players is None
+        or (isinstance(players, dict) and all(isinstance(v, str) for v in players.values())),
+        f"seat_players={players!r} must map seat names to players ('policy', 'random' or "
+        "'module:function'), e.g. {'o': 'random'}.",
+    )
+    require(
+        not (players and config.async_grpo),
+        "seat_players (a game with seats) does not work with async_grpo yet; play it "
+        "synchronously (async_grpo=False).",
+    )
 
 
 def check_template_and_parser(config: "GRPOConfig") -> None:

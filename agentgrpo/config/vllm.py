@@ -9,6 +9,9 @@ from rollout.types import check_sampling_overrides
 if TYPE_CHECKING:
     from agentgrpo.config.grpo import GRPOConfig
 
+# `vllm_lora_push`'s values (`agentgrpo.generation.adapters`).
+LORA_PUSHES = ("auto", "adapter", "merged")
+
 
 @dataclass
 class VLLMFields:
@@ -82,6 +85,16 @@ class VLLMFields:
             "help": "Tensor-parallel size of vLLM in colocate mode (a server gets its own flag)."
         },
     )
+    vllm_lora_push: str = field(
+        default="auto",
+        metadata={
+            "help": "How a PEFT LoRA policy reaches vLLM after each step. 'adapter': only the "
+            "adapter (lora_A/lora_B and its config) is loaded, as a vLLM LoRA; 'merged': the "
+            "merged weights are reloaded; 'auto': the adapter where vLLM can serve it, else "
+            "merged with a warning naming why (DoRA, modules_to_save, a rank over the "
+            "server's --max-lora-rank, ...). 'adapter' without PEFT is refused."
+        },
+    )
 
 
 def check_vllm(config: "GRPOConfig") -> None:
@@ -116,6 +129,10 @@ def check_vllm(config: "GRPOConfig") -> None:
     require(
         config.vllm_server_timeout > 0,
         f"vllm_server_timeout={config.vllm_server_timeout} must be positive (seconds).",
+    )
+    require(
+        config.vllm_lora_push in LORA_PUSHES,
+        f"vllm_lora_push={config.vllm_lora_push!r} must be one of {', '.join(LORA_PUSHES)}.",
     )
     generation_kwargs = config.generation_kwargs or {}
     if not isinstance(generation_kwargs, dict):  # TrainingArguments parses only "{...}"

@@ -12,12 +12,14 @@ import anyio
 
 from agentgrpo.doctor.checks import CheckResult, Setup, Status, what_happened
 from environments import (
+    EnvironmentSpecError,
     check_environment,
     class_tools,
     close_environment,
     create_environment,
     reset_environment,
 )
+from environments.seats import is_seated, seat_observation, seat_to_move
 from rollout import ChatRenderer, RolloutEngine, prompt_messages
 from tools import run_in_daemon_thread
 from tools.threads import describe_error
@@ -60,7 +62,7 @@ def check_environment_runs(
                 "return at least one row from dataset(), or pass --dataset to `agentgrpo run`",
             )
         row = dict(first)
-        observation = anyio.run(_reset_and_close, env_class, row)
+        observation, seats = anyio.run(_reset_and_close, env_class, row)
         if setup is not None:
             _check_tools_render(setup, [t.schema for t in tools.values()], row, observation)
     except _DidNotReturn as error:
@@ -74,7 +76,8 @@ def check_environment_runs(
     return CheckResult(
         "environment",
         Status.OK,
-        f"{name} meets the contract, resets on its first row, and its tools ({shown}) {rendered}",
+        f"{name} meets the contract, resets on its first row, and its tools ({shown}) "
+        f"{rendered}{seats}",
     )
 
 
@@ -85,21 +88,29 @@ class _DidNotReturn(TimeoutError):
     """The environment's constructor, `reset` or `close` outlasted `RESET_TIMEOUT_S`."""
 
 
-async def _reset_and_close(env_class: type, row: Mapping[str, Any]) -> str | list[Any] | None:
+async def _reset_and_close(
+    env_class: type, row: Mapping[str, Any]
+) -> tuple[str | list[Any] | None, str]:
     """Build and reset an instance on `row` (seed 0), then close it; return what reset did.
 
+    The second value describes a game's seats (`environments.seats`): which seat moves first
+    and that it is told something; "" for an environment without seats.
+
     Raises:
-        _DidNotReturn: The three calls together took over `RESET_TIMEOUT_S`; the message names
+        _DidNotReturn: The calls together took over `RESET_TIMEOUT_S`; the message names
             the one that had not returned.
+        EnvironmentSpecError: ``to_move`` names no seat, or ``observe`` returns no text.
     """
     running = f"{env_class.__qualname__}()"
 
-    def run() -> str | list[Any] | None:
+    def run() -> tuple[str | list[Any] | None, str]:
         nonlocal running
         env = create_environment(env_class)
         running = "reset()"
         try:
-            return reset_environment(env, row, 0)
+            observation = reset_environment(env, row, 0)
+            running = "to_move() and observe()"
+            return observation, _seats_line(env) if is_seated(env_class) else ""
         finally:
             running = "close()"
             close_environment(env)
@@ -113,6 +124,24 @@ async def _reset_and_close(env_class: type, row: Mapping[str, Any]) -> str | lis
             f"{running} had not returned after {RESET_TIMEOUT_S:g} s (doctor's limit for the "
             f"constructor, reset() and close() together)"
         ) from None
+
+
+def _seats_line(env: Any) -> str:
+    """What a reset game says of its seats, for the check's line.
+
+    Raises:
+        EnvironmentSpecError: ``to_move`` names no seat after ``reset``, or ``observe``
+            returns something other than text or None.
+    """
+    seats = type(env).seats
+    first = seat_to_move(env)
+    if first is None:
+        raise EnvironmentSpecError(
+            f"{type(env).__qualname__}.to_move() is None right after reset(): the game is over "
+            "before any seat moves; return the seat to move first"
+        )
+    told = seat_observation(env, first)
+    return f"; seats {', '.join(seats)}: {first} moves first" + (" and is told" if told else "")
 
 
 def _check_tools_render(

@@ -11,7 +11,8 @@
 |                  |                                | pushes to it through the producer         |
 
 Launches: ZeRO-3 generating from shards over several processes is refused; `async_grpo` runs
-on one process (GRPOConfig) and not over sharded weights. PEFT policies go to vLLM merged
+on one process (GRPOConfig) and not over sharded weights. PEFT LoRA policies go to vLLM as the
+adapter alone where vLLM can serve it (`generation.adapters`, `vllm_lora_push`), else merged
 (`weight_sync.policy_weights`); with transformers the adapter generates as it trains.
 
 The trainer wraps every round it plays in `rounds.generating(policy, global_step)`, which brings
@@ -21,12 +22,21 @@ the generator to that step's weights (after each optimizer step, a warm start or
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from urllib.parse import urlsplit
 
 import torch
 
+from agentgrpo.generation.adapters import (
+    VISION_REASON,
+    AdapterPush,
+    adapter_pushes,
+    colocate_limits,
+    unservable,
+)
 from agentgrpo.generation.evaluation import stop_token_ids_of
 from agentgrpo.generation.local import CopiedWeights, SharedWeights, transformers_backend
 from agentgrpo.generation.sampling import sampling_overrides
@@ -39,6 +49,7 @@ from agentgrpo.generation.weight_sync import (
 )
 from agentgrpo.placement import Placement
 from rollout import GenerationBackend
+from rollout.backends.server_guard import is_loopback
 from rollout.backends.vllm_server import ServerConnection, VLLMServerBackend, server_url
 
 if TYPE_CHECKING:
@@ -176,16 +187,46 @@ def choose_generators(
     stop = stop_token_ids_of(tokenizer, getattr(policy, "generation_config", None))
     if args.vllm_mode == "colocate":
         sleeps = sleeps_between_rounds(args)
-        colocated = colocated_vllm(policy, processor or tokenizer, args, stop, sleeps)
+        why_not = functools.partial(_adapter_refusal, args, policy, processor, None)
+        limits = (
+            colocate_limits(policy) if adapter_pushes(args, policy, why_not, "colocate") else None
+        )
+        colocated = colocated_vllm(policy, processor or tokenizer, args, stop, sleeps, limits)
         if sleeps:  # as TRL: its memory is free until the first round
             colocated.sleep()
-        return Generators(ColocatedPush(colocated, sleeps), None)
+        adapters = AdapterPush(colocated, keep=1) if limits is not None else None
+        return Generators(ColocatedPush(colocated, sleeps, adapters), None)
     url = server_url(args.vllm_server_base_url, args.vllm_server_host, args.vllm_server_port)
     connection = ServerConnection(url, args.vllm_server_timeout)
     backend = _server_backend(connection, args, stop, processor)
     transport = ServerPush(connection, args.vllm_group_port)
-    served = ServedWeights(backend, transport, accelerator)
+    adapters = None
+    why_not = functools.partial(_adapter_refusal, args, policy, processor, transport)
+    if adapter_pushes(args, policy, why_not, "server"):
+        adapters = AdapterPush(backend, keep=args.max_staleness + 1 if args.async_grpo else 1)
+    served = ServedWeights(backend, transport, accelerator, adapters)
     return Generators(served, served if args.async_grpo else None)
+
+
+def _adapter_refusal(
+    args: GRPOConfig, policy: Any, processor: Any, transport: ServerPush | None
+) -> str | None:
+    """Why vLLM (colocated, or the server `transport` reaches) cannot take `policy`'s adapter.
+
+    None: it can. A server loads each adapter from the folder the trainer writes, so `auto`
+    pushes adapters only to a server on this machine; `adapter` trusts that it reads it.
+    """
+    if processor is not None:
+        return VISION_REASON
+    if transport is None:
+        return unservable(policy, colocate_limits(policy))
+    url = transport.connection.base_url
+    if args.vllm_lora_push == "auto" and not is_loopback(urlsplit(url).hostname or ""):
+        return (
+            f"the server at {url} may not read the trainer's adapter folder (another machine; "
+            "set vllm_lora_push='adapter' where it shares the trainer's temporary folder)"
+        )
+    return unservable(policy, transport.lora_limits())
 
 
 def _server_backend(

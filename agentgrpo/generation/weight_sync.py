@@ -14,7 +14,9 @@
 Sharded weights (DeepSpeed ZeRO-3, FSDP2) are gathered for a vLLM push and let go right after
 it: the policy does not generate, so nothing holds them whole while vLLM does. A server push
 gathers one tensor at a time, as it sends them.
-PEFT models are pushed merged (base weights + adapter), under the base model's names.
+PEFT models are pushed merged (base weights + adapter), under the base model's names, or as
+the adapter alone (`generation.adapters`, `vllm_lora_push`): then vLLM holds the base weights
+(`base_weights`) and loads each step's adapter as a LoRA version.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import anyio
 import torch
 
+from agentgrpo.generation.adapters import AdapterPush, LoraLimits
 from agentgrpo.generation.sampling import sampling_overrides
 from agentgrpo.models.sharded import (
     fsdp_sharded,
@@ -69,6 +73,19 @@ def policy_weights(model: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
         model.unmerge_adapter()
 
 
+def base_weights(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """A PEFT model's base weights as vLLM loads them, without merging its adapter.
+
+    What an engine that takes the adapter as a LoRA holds (LoRA training leaves them as
+    they are).
+    """
+    return [
+        (_base_name(name), tensor)
+        for name, tensor in _named_tensors(model)
+        if "lora_" not in name and "original_module" not in name
+    ]
+
+
 def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """`model.state_dict()`'s names and tensors, as the modules hold them now.
 
@@ -96,12 +113,16 @@ class ColocatedPush:
         backend: The colocated engine.
         sleeps: Put the engine to sleep after each round (`vllm_enable_sleep_mode`), freeing
             its accelerator memory for the optimizer step; it wakes before the next round.
+        adapters: Push the adapter alone (the engine holds the base weights); None: merged.
 
     """
 
-    def __init__(self, backend: VLLMColocateBackend, sleeps: bool):
+    def __init__(
+        self, backend: VLLMColocateBackend, sleeps: bool, adapters: AdapterPush | None = None
+    ):
         self.backend = backend
         self.sleeps = sleeps
+        self.adapters = adapters
         self.version = -1  # the start-up's weights: the policy's, of no step yet
 
     @contextlib.contextmanager
@@ -128,8 +149,12 @@ class ColocatedPush:
 
     def load(self, policy: torch.nn.Module, version: int) -> None:
         """Load `policy`'s weights (gathered whole where sharded) into the awake engine."""
-        with whole_parameters(policy), policy_weights(policy) as weights:
-            self.backend.load_weights(weights)
+        if self.adapters is not None:
+            with whole_parameters(policy):
+                self.adapters.push(policy, version)
+        else:
+            with whole_parameters(policy), policy_weights(policy) as weights:
+                self.backend.load_weights(weights)
         self.version = version
 
 
@@ -141,14 +166,27 @@ class ServedWeights:
     generates from stale weights. Beside the learner (`push`, `async_grpo`), new requests are
     held back and the server paused for the push (`VLLMServerBackend.between_steps`).
 
+    With `adapters` the adapter alone is pushed (`generation.adapters`), and nothing pauses:
+    the base weights go once, at the first push, and each push loads a new LoRA version beside
+    the kept ones, so running episodes finish on theirs.
+
     Args:
         backend: The server's backend.
         transport: Sends the tensors (it holds the broadcast group).
         accelerator: The trainer's accelerator (main process, barrier).
+        adapters: Push the adapter alone; None: merged weights.
     """
 
-    def __init__(self, backend: VLLMServerBackend, transport: ServerPush, accelerator: Any):
+    def __init__(
+        self,
+        backend: VLLMServerBackend,
+        transport: ServerPush,
+        accelerator: Any,
+        adapters: AdapterPush | None = None,
+    ):
         self.backend, self.transport, self.accelerator = backend, transport, accelerator
+        self.adapters = adapters
+        self._base_sent = False
         self.version = -1  # the served model's own weights, until the first push
         self.paused_s = 0.0  # new requests held back for pushes since the last `take_paused_s`
 
@@ -163,7 +201,11 @@ class ServedWeights:
         """
         if step != self.version:
             device, sends = next(policy.parameters()).device, self.accelerator.is_main_process
-            if hasattr(policy, "merge_adapter"):
+            if self.adapters is not None:
+                with whole_parameters(policy):
+                    if sends:
+                        self._send(policy, step)
+            elif hasattr(policy, "merge_adapter"):
                 with whole_parameters(policy):
                     if sends:
                         with policy_weights(policy) as weights:
@@ -184,6 +226,9 @@ class ServedWeights:
 
         `take_paused_s` counts the whole time new requests were held back.
         """
+        if self.adapters is not None and self._base_sent:  # nothing to pause for
+            await anyio.to_thread.run_sync(self._send, policy, version)
+            return
         started = time.perf_counter()
         await self.backend.between_steps(lambda: self._send(policy, version), version)
         self.paused_s += time.perf_counter() - started
@@ -194,8 +239,15 @@ class ServedWeights:
         self.backend.set_weights_version(version)
 
     def _send(self, policy: torch.nn.Module, version: int) -> None:
-        with policy_weights(policy) as weights:
-            self.transport.push(weights, next(policy.parameters()).device)
+        device = next(policy.parameters()).device
+        if self.adapters is None:
+            with policy_weights(policy) as weights:
+                self.transport.push(weights, device)
+        else:
+            if not self._base_sent:  # the served model may not be the policy's base
+                self.transport.push(base_weights(policy), device)
+                self._base_sent = True
+            self.adapters.push(policy, version)
         self.version = version
 
     def take_paused_s(self) -> float:
@@ -239,6 +291,11 @@ class ServerPush:
         self._while_server_runs("agentgrpo_receive", json.dumps(specs), lambda: group.send(weights))
         self.connection.post("/reset_prefix_cache")
         self.connection.post("/reset_encoder_cache")
+
+    def lora_limits(self) -> LoraLimits | None:
+        """The server's LoRA limits (None: started without `--enable-lora`)."""
+        [limits, *_] = self._rpc("agentgrpo_lora_limits")
+        return None if limits in (None, "null") else LoraLimits(**json.loads(limits))
 
     def _join(self, device: torch.device) -> WeightGroup:
         """Form the broadcast group with the server's workers (first push only)."""
@@ -318,13 +375,26 @@ class _Call:
 
 
 def colocated_vllm(
-    model: Any, tokenizer: Any, args: GRPOConfig, stop: set[int], sleeps: bool
+    model: Any,
+    tokenizer: Any,
+    args: GRPOConfig,
+    stop: set[int],
+    sleeps: bool,
+    lora: LoraLimits | None = None,
 ) -> VLLMColocateBackend:
     """Start vLLM in this process on the policy's config, with the policy's weights.
 
-    `tokenizer`: the policy's, or a vision-language model's processor.
+    `tokenizer`: the policy's, or a vision-language model's processor. `lora`: the engine
+    takes adapters within these limits, and starts with the base weights (unmerged); None:
+    with the policy's weights, merged.
     """
-    with policy_weights(model) as weights:
+    engine_args = colocate_engine_args(args, model.dtype, model.device, sleeps)
+    if lora is not None:
+        engine_args |= dict(
+            enable_lora=True, max_lora_rank=lora.max_lora_rank, max_loras=1, max_cpu_loras=2
+        )
+    merged = policy_weights(model) if lora is None else contextlib.nullcontext(base_weights(model))
+    with merged as weights:
         return VLLMColocateBackend.start(
             model.config,
             tokenizer,
@@ -332,7 +402,7 @@ def colocated_vllm(
             stop_token_ids=stop,
             sampling_overrides=sampling_overrides(args),
             regex=args.vllm_structured_outputs_regex,
-            **colocate_engine_args(args, model.dtype, model.device, sleeps),
+            **engine_args,
         )
 
 

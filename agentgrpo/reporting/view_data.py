@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agentgrpo.reporting.run_log import EPISODES_DIR, IMAGES_DIR, METRICS_FILE, episode_file
+from rollout.match import SEAT_COLUMN
 from rollout.record import TAG, EpisodeRecord, encode_value, record_from_dict
 from rollout.types import Episode, EpisodeRow, ToolCallRecord
 
@@ -158,7 +159,8 @@ def episode_view(record: EpisodeRecord) -> dict[str, Any]:
     JSON text) and `rows` (each training row's `prompt_ids`, `completion_ids`, `loss_mask`,
     `logprobs`: the sampler logprob to 4 significant digits where the mask is 1, else 0, and
     `versions`: each token's weights version, -1 where the mask is 0, or None when unrecorded),
-    `row_kinds` (what started each row, `row_kinds`) and `responses` (the environment's replies).
+    `row_kinds` (what started each row, `row_kinds`), `responses` (the environment's replies)
+    and `seat` (the seat of a game the episode is one side of, `rollout.match`; else None).
     """
     episode = record.episode
     return {
@@ -179,11 +181,12 @@ def episode_view(record: EpisodeRecord) -> dict[str, Any]:
         "rows": [_row_view(row) for row in episode.rows],
         "row_kinds": row_kinds(episode),
         "responses": episode.stats.responses,
+        "seat": episode.row.get(SEAT_COLUMN),
     }
 
 
 def row_kinds(episode: Episode) -> list[str]:
-    """What started each row: the task, a template fork, a summary request, a compaction.
+    """What started each row: the task (a seat's side of a game), a fork, a summary, a compaction.
 
     >>> from rollout import Compaction, EpisodeRow, EpisodeStats, Finish
     >>> rows = tuple(EpisodeRow([1], [2], [1], [0.0]) for _ in range(4))
@@ -191,7 +194,9 @@ def row_kinds(episode: Episode) -> list[str]:
     >>> row_kinds(Episode(rows, [], Finish.STOP, stats, {}, 0, 0))
     ['task', 'fork', 'summary request', 'compacted (summarize): 900 -> 300 tokens']
     """
-    kinds = ["task"] + ["fork"] * (len(episode.rows) - 1)
+    seat = episode.row.get(SEAT_COLUMN)
+    kinds = [f"seat {seat}'s side" if seat is not None else "task"]
+    kinds += ["fork"] * (len(episode.rows) - 1)
     for c in episode.stats.compactions:
         kinds[c.row] = f"compacted ({c.policy}): {c.tokens_before} -> {c.tokens_after} tokens"
         if c.rows == 2:

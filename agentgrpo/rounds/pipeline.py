@@ -24,6 +24,7 @@ from agentgrpo.learner.batch import TrainingBatch
 from agentgrpo.rounds.curriculum import Curriculum
 from agentgrpo.rounds.dynamic_sampling import DynamicSampling, Resampled, resample
 from agentgrpo.rounds.turn_credit import TurnCredit
+from environments.seats import is_seated, seat_players
 from rollout import Episode
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class RoundPlan:
         whole_groups: Shuffle groups, not episodes, keeping each group's episodes together
             (`micro_batches_commute`): micro-batches then hold few prompts, which the learner
             runs once each (`learner.shared_prompt`).
+        seats: Groups each prompt gives: its game's policy seats (`rollout.match`), else 1.
     """
 
     prompts_per_process: int
@@ -72,19 +74,28 @@ class RoundPlan:
     max_steps: int = 0
     train: bool = True
     whole_groups: bool = False
+    seats: int = 1
 
     @classmethod
-    def from_config(cls, args: GRPOConfig, num_processes: int) -> RoundPlan:
+    def from_config(
+        cls, args: GRPOConfig, num_processes: int, environment: Any = None
+    ) -> RoundPlan:
         """The training round of a `GRPOConfig` (its batch fields already resolved).
 
+        `environment` is the run's environment factory: a game whose policy plays S seats
+        gives S episodes per play (`trained_seats`), so a round plays S times fewer rows, and
+        its episodes are as many as the batch sizes say.
+
         Raises:
-            ValueError: The round cannot give every process whole groups.
+            ValueError: The round cannot give every process whole groups, or as
+                `environments.seats.seat_players`.
         """
+        seats = trained_seats(environment, args.seat_players)
         completions, micro_batches = args.generation_batch_size, args.steps_per_generation
         assert completions is not None and micro_batches is not None  # GRPOConfig resolves them
         return cls(
             prompts_per_process=prompts_per_process(
-                completions, args.num_generations, num_processes
+                completions, args.num_generations, num_processes, seats
             ),
             num_generations=args.num_generations,
             num_processes=num_processes,
@@ -94,6 +105,7 @@ class RoundPlan:
             num_iterations=args.num_iterations,
             max_steps=args.max_steps,
             whole_groups=micro_batches_commute(args),
+            seats=seats,
         )
 
     @classmethod
@@ -114,7 +126,7 @@ class RoundPlan:
     @property
     def episodes_per_process(self) -> int:
         """Episodes each process plays per round."""
-        return self.prompts_per_process * self.num_generations
+        return self.prompts_per_process * self.num_generations * self.seats
 
     @property
     def repeats(self) -> int:
@@ -162,6 +174,17 @@ class RoundPlan:
         return micro_index % self.repeats % self.micro_batches
 
 
+def trained_seats(environment: Any, players: Mapping[str, str] | None) -> int:
+    """How many episodes one play of a row gives: the policy's seats in a game, else 1.
+
+    Raises:
+        ValueError: As `environments.seats.seat_players`.
+    """
+    if not (isinstance(environment, type) and is_seated(environment)):
+        return 1
+    return sum(p is None for p in seat_players(environment, players).values())
+
+
 def micro_batches_commute(args: GRPOConfig) -> bool:
     """Whether a round's update is the same whichever episodes share a micro-batch.
 
@@ -184,20 +207,28 @@ def micro_batches_commute(args: GRPOConfig) -> bool:
     )
 
 
-def prompts_per_process(completions: int, num_generations: int, processes: int) -> int:
+def prompts_per_process(
+    completions: int, num_generations: int, processes: int, seats: int = 1
+) -> int:
     """Prompts each process plays per round; groups are never split across processes.
+
+    A prompt played as a game with `seats` policy seats gives `seats` groups (one per seat).
 
     Examples:
         >>> prompts_per_process(completions=16, num_generations=4, processes=2)
         2
+        >>> prompts_per_process(completions=16, num_generations=4, processes=1, seats=2)
+        2
     """
-    if completions % (num_generations * processes):
+    if completions % (num_generations * processes * seats):
+        per_seat = f" x {seats} seats trained per game" if seats > 1 else ""
         raise ValueError(
             f"a round of {completions} completions over {processes} process(es) cannot give "
-            f"each process whole groups of num_generations={num_generations}; choose batch "
-            f"sizes so that the round is a multiple of num_generations x processes"
+            f"each process whole groups of num_generations={num_generations}{per_seat}; "
+            f"choose batch sizes so that the round is a multiple of num_generations x "
+            f"processes{' x seats' if seats > 1 else ''}"
         )
-    return completions // (num_generations * processes)
+    return completions // (num_generations * processes * seats)
 
 
 def round_seed(seed: int, train: bool, global_step: int, process_index: int) -> int:

@@ -181,7 +181,8 @@ class Scorer:
         text = self.text_completions and not carries_tools(episode.row)  # row tools: chat
         if text and isinstance(episode.row.get("prompt"), str):
             return episode.row["prompt"], self.decode(episode.completion_ids)
-        first_reply = next(i for i, m in enumerate(episode.messages) if m["role"] == "assistant")
+        replies = (i for i, m in enumerate(episode.messages) if m["role"] == "assistant")
+        first_reply = next(replies, len(episode.messages))  # a seat may end without a turn
         return episode.messages[:first_reply], episode.messages[first_reply:]
 
 
@@ -239,7 +240,8 @@ async def play_round(
         rewards_by_group[episodes[0].group] = await scorer.score_group(episodes)
 
     episodes = await engine.run(rows, num_generations, seed=seed, on_group=on_group)
-    rewards_N_F = torch.cat([rewards_by_group[g] for g in range(len(rows))])
+    groups = len(episodes) // num_generations  # a game gives a group per seat (MatchEngine)
+    rewards_N_F = torch.cat([rewards_by_group[g] for g in range(groups)])
     warn_if_unscored(episodes, rewards_N_F, scorer)
     return episodes, rewards_N_F
 

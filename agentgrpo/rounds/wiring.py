@@ -17,8 +17,10 @@ from agentgrpo.learner.losses import LossConfig
 from agentgrpo.learner.objectives import VespoShape
 from agentgrpo.rewards.calls import RewardFunction
 from agentgrpo.rounds.scoring import Scorer, environment_reward_classes
+from environments.seats import is_seated
 from rollout import EpisodeConfig, GenerationBackend, RolloutEngine
 from rollout.agents import Agent
+from rollout.match import MatchEngine
 from tools.mcp import mcp_servers_of
 
 if TYPE_CHECKING:
@@ -101,9 +103,28 @@ def build_engine(
 
     `build_parts` builds the run's with it; `agentgrpo doctor --generate` plays through it too,
     with no reward to score. The arguments are `build_parts`'s; what `RolloutEngine` refuses
-    is raised.
+    is raised. A game with seats is played by a `MatchEngine` (`seat_players` says who plays
+    each seat).
+
+    Raises:
+        ValueError: `seat_players` without a game with seats, or a game with seats played
+            asynchronously or beside several environments or an agent.
     """
-    return RolloutEngine(
+    options: dict[str, Any] = {}
+    engine_class: type[RolloutEngine] = RolloutEngine
+    if isinstance(environment_factory, type) and is_seated(environment_factory):
+        if config.async_grpo or agent is not None:
+            raise ValueError(
+                f"{environment_factory.__qualname__} is a game with seats, which plays only "
+                "synchronously and without an agent; set async_grpo=False and drop the agent"
+            )
+        engine_class, options["players"] = MatchEngine, config.seat_players
+    elif config.seat_players:
+        raise ValueError(
+            f"seat_players={config.seat_players} needs one environment class with seats (e.g. "
+            "env:TicTacToe); leave it unset for this run"
+        )
+    return engine_class(
         backend,
         tokenizer,
         environment_factory=environment_factory,
@@ -117,6 +138,7 @@ def build_engine(
         player=agent.player if agent is not None else None,
         mcp_servers=mcp_servers_of(config.mcp_servers),
         infra_retries=config.infra_retries,
+        **options,
     )
 
 

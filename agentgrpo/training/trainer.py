@@ -168,7 +168,7 @@ class GRPOTrainer(TRLAttributes):
             sources, reward_processing_classes, reward_model_kwargs(args), args.device
         )
         self.rollout_func = rollout_func
-        self.plan = RoundPlan.from_config(args, args.world_size)
+        self.plan = RoundPlan.from_config(args, args.world_size, environment_factory)
         rows, shuffle_seed = self.plan.rows_needed, args.seed if args.shuffle_dataset else None
         super().__init__(
             model=model,

@@ -13,14 +13,22 @@ to leave the scoring to reward functions (they see the recorded conversation), o
 `Agent` declaring `reward_names`, a dict with one number per name (one reward column each).
 
 An agent that raises, or runs past its timeout, ends its episode with `Finish.ERROR` and the
-error as `Episode.error`: the run goes on. A request refused because the episode reached a limit
-ends it with `Finish.LENGTH` or `Finish.MAX_TURNS` instead. An `AgentError` the agent raises is
-the exception: it found a mistake in its own set-up, and the run stops with it. An agent that
-returns or raises without one request answered (none made, or all refused: malformed, or a
-first prompt over the limits) is a mistake in the agent, raised as `AgentError` saying which; an
-error answering a request that is neither the request's fault nor a limit (a chat template that
-cannot show the agent's tools, say) is answered with status 500, and raised once the agent has
-returned.
+error as `Episode.error`: the run goes on. A request refused because the episode reached a
+limit ends it with `Finish.LENGTH` or `Finish.MAX_TURNS` instead. An `AgentError` the agent
+raises is the exception: it found a mistake in its own set-up, and the run stops with it. An
+agent that returns or raises without one request answered (none made, or all refused:
+malformed, or a first prompt over the limits) is a mistake in the agent, raised as `AgentError`
+saying which; an error answering a request that is neither the request's fault nor a limit (a
+chat template that cannot show the agent's tools, say) is answered with status 500, and raised
+once the agent has returned.
+
+An agent that raises `tools.InfrastructureError` (itself, or as the explicit cause of what it
+raises: ``raise ... from InfrastructureError(...)``) says the machinery behind it failed, not
+the model nor the agent (a sandbox it runs the model's code in died, a service it calls is
+gone): what the episode played is dropped and it is replayed from scratch through a new session,
+as an environment's episode is (`rollout.infrastructure`), up to `infra_retries` times; then it
+is kept as `Finish.INFRA`, neither scored nor trained on, and left out of its group's baseline.
+A timeout is not one: a slow model may cause it.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from rollout.agents.endpoint import ChatEndpoint
 from rollout.agents.session import AgentSession, SessionContext
 from rollout.engine import PlaySetup
 from rollout.types import Episode, EpisodeStats, Finish
-from tools import run_in_daemon_thread
+from tools import infrastructure_failure, run_in_daemon_thread
 
 INSTALL = "pip install 'agentgrpo[agents]'"
 
@@ -164,16 +172,25 @@ async def run_agent_episode(
     Raises:
         AgentError: The agent made no request, or none the endpoint answered, returned
             something that is not a reward, or raised `AgentError` itself.
+        InfrastructureError: The agent raised one (or one as its error's cause): the engine
+            replays the episode (`rollout.infrastructure.play_retrying`).
     """
     session = AgentSession(context, sample_seed=hash((seed, index)))
     base_url = endpoint.open(session)
+    infrastructure: Exception | None = None
     try:
         outcome, error = await _call_agent(agent, base_url, dict(row))
+    except Exception as failure:
+        if infrastructure_failure(failure) is None:
+            raise
+        infrastructure, outcome, error = failure, None, None
     finally:
         endpoint.close_session(base_url)
     where = f"agent {agent.name} ({_where(agent.function)})"
     if session.failure is not None:  # not the model's doing, nor the agent's: say it loudly
         raise session.failure
+    if infrastructure is not None:  # what it played is dropped: the replay plays it afresh
+        raise infrastructure
     what = f"raised {error}" if error else "returned"
     if session.received == 0:
         raise AgentError(
@@ -206,7 +223,13 @@ async def run_agent_episode(
 
 
 async def _call_agent(agent: Agent, base_url: str, row: dict[str, Any]) -> tuple[Any, str | None]:
-    """The agent's return value and None, or None and why it failed (an error or a timeout)."""
+    """The agent's return value and None, or None and why it failed (an error or a timeout).
+
+    Raises:
+        AgentError: The agent raised it.
+        Exception: What the agent raised, when it is an infrastructure failure
+            (`tools.infrastructure_failure`).
+    """
     import openai
 
     limit = math.inf if agent.timeout_s is None else agent.timeout_s
@@ -225,6 +248,8 @@ async def _call_agent(agent: Agent, base_url: str, row: dict[str, Any]) -> tuple
     except AgentError:
         raise
     except Exception as failure:
+        if infrastructure_failure(failure) is not None:
+            raise
         return None, f"{type(failure).__name__}: {failure}"
 
 

@@ -20,7 +20,10 @@ of its taskset, an installed module exporting a `vf.Taskset` subclass in `__all_
 - limits: the agent seat's `max_turns` is the run's (`Agent.episode_limits`), unless the
   command line says otherwise.
 - a failed episode (verifiers' `episode.ok` is false: the harness, a task hook or the scoring
-  raised) ends with `Finish.ERROR` and verifiers' error message; the run goes on.
+  raised) ends with `Finish.ERROR` and verifiers' error message; the run goes on. One whose
+  every recorded error is a `vf.SandboxError`, `vf.InterceptionError` or `vf.TunnelError`
+  (`INFRASTRUCTURE_ERRORS`: its sandbox or its link to the endpoint failed) is an
+  infrastructure failure instead: replayed, then kept as `Finish.INFRA` (`rollout.agents`).
 
 Mistakes in the set-up are loud: `VerifiersEnvError` (a `ValueError`) when loading, and
 `AgentError` for an episode that does not fit (several trainable agent runs, a reward that was
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollout.agents import Agent, AgentError
+from tools import InfrastructureError
 from tools.threads import shield_unless_interrupted
 
 if TYPE_CHECKING:
@@ -51,6 +55,10 @@ MODEL = "agentgrpo"
 API_KEY_VARIABLE = "AGENTGRPO_VF_API_KEY"
 """Where verifiers' client reads its key (unset: "EMPTY"); the endpoint needs none."""
 LOCAL_RUNTIME = {"type": "subprocess"}
+INFRASTRUCTURE_ERRORS = frozenset({"SandboxError", "InterceptionError", "TunnelError"})
+"""verifiers' error types (`vf.SandboxError`, ...) that say its machinery failed, not the model:
+a sandbox (provisioning, exec, file I/O) or the link to the interception server. An episode
+whose every recorded error is one of them is an infrastructure failure."""
 
 
 class VerifiersEnvError(ValueError):
@@ -172,6 +180,8 @@ class _Episodes:
 
         Raises:
             RuntimeError: verifiers reports the episode failed (it ends as `Finish.ERROR`).
+            InfrastructureError: It failed for `INFRASTRUCTURE_ERRORS` only (it is replayed).
+            InfrastructureError: It failed for `INFRASTRUCTURE_ERRORS` only (it is replayed).
             AgentError: The episode does not fit a run (see `rewards`).
         """
         vf = verifiers_v1()
@@ -209,7 +219,9 @@ class _Episodes:
             policy_url: The endpoint session it played against (the policy's).
 
         Raises:
-            RuntimeError: The episode failed: verifiers' errors, the last first.
+            InfrastructureError: The episode failed with `INFRASTRUCTURE_ERRORS` only: it
+                is replayed (`rollout.agents`).
+            RuntimeError: The episode failed otherwise: verifiers' errors, the last first.
             AgentError: It holds other than one trainable agent run, or an untrainable seat
                 that asked the policy (its turns would be trained on), or a reward not
                 declared up front (one returning a dict, or recorded by `Env.finalize`), or
@@ -218,7 +230,10 @@ class _Episodes:
         if not episode.ok:
             errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
             detail = "; ".join(f"{e.type}: {e.message}" for e in reversed(errors))
-            raise RuntimeError(f"the verifiers episode failed: {detail or 'no error recorded'}")
+            failed = f"the verifiers episode failed: {detail or 'no error recorded'}"
+            if errors and all(e.type in INFRASTRUCTURE_ERRORS for e in errors):
+                raise InfrastructureError(failed)
+            raise RuntimeError(failed)
         for trace in episode.traces:
             seat = trace.agent
             client = seat.config.client if seat is not None else None

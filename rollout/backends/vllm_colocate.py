@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import torch
 
+from rollout.backends.lora_versions import Adapter, AdapterVersions
 from rollout.backends.vllm_worker import load_weights
 from rollout.images import is_vision_processor, unexpanded_ids
 from rollout.types import Completion, Pictures, SamplingParams, check_sampling_overrides
@@ -69,6 +70,7 @@ class _Request:
     prompt_ids: list[int]
     params: Any  # vllm.SamplingParams
     prompt: dict[str, Any]  # what vLLM is given: ids (unexpanded, with images) and pictures
+    lora: Any = None  # vllm.lora.request.LoRARequest of the episode's adapter, or None
     result: Completion | None = None
     error: BaseException | None = None
 
@@ -125,6 +127,8 @@ class VLLMColocateBackend:
         self._lock = anyio.Lock()  # one engine step at a time
         self._guard = threading.Lock()  # the request lists, shared with the stepping thread
         self._folder: tempfile.TemporaryDirectory | None = None
+        # Adapter-only pushes (`load_adapter`); None: requests use the engine's own weights.
+        self.adapters: AdapterVersions | None = None
 
     @classmethod
     def start(
@@ -204,6 +208,9 @@ class VLLMColocateBackend:
         request = _Request(
             str(next(self._ids)), list(prompt_ids), self._vllm_params(params), prompt
         )
+        adapter = self.adapters.for_request() if self.adapters is not None else None
+        if adapter is not None:
+            request.lora = _lora_request(adapter)
         with self._guard:
             self._arriving.append(request)
         try:
@@ -232,6 +239,25 @@ class VLLMColocateBackend:
             raise
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         self.llm.llm_engine.reset_encoder_cache()  # so were cached image features
+
+    def load_adapter(self, adapter: Adapter) -> list[Adapter]:
+        """Load a LoRA adapter version beside the others; evict (and return) the oldest.
+
+        `adapters` (set it first) says how many versions stay loaded. The engine must have
+        been started with `enable_lora=True` and a `max_lora_rank` of at least the adapter's
+        rank. Episodes that start from now on generate with it
+        (`AdapterVersions.for_request`); running ones keep theirs while it stays loaded. The
+        prefix cache needs no reset: vLLM keys cached blocks by the adapter that computed them,
+        and each version has a name and id of its own.
+        """
+        if self.adapters is None:
+            raise RuntimeError("set `adapters` (the versions to keep) before loading adapters")
+        if not self.llm.llm_engine.add_lora(_lora_request(adapter)):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter in {adapter.path}")
+        evicted = self.adapters.add(adapter)
+        for old in evicted:
+            self.llm.llm_engine.remove_lora(old.lora_id)
+        return evicted
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory: weights and KV cache discarded (level 2).
@@ -306,7 +332,9 @@ class VLLMColocateBackend:
     def _admit(self, request: _Request) -> None:
         """Hand a request to vLLM; one it refuses (bad parameters) fails alone."""
         try:
-            self.llm.llm_engine.add_request(request.id, request.prompt, request.params)
+            self.llm.llm_engine.add_request(
+                request.id, request.prompt, request.params, lora_request=request.lora
+            )
         except Exception as error:  # its parameters; a broken engine fails the step after
             request.error = error
             return
@@ -328,6 +356,14 @@ class VLLMColocateBackend:
                 self._arriving.remove(request)
             elif self._running.pop(request.id, None) is not None:
                 self._abandoned.append(request.id)
+
+
+def _lora_request(adapter: Adapter) -> Any:
+    """`adapter` as the `vllm.lora.request.LoRARequest` that names it."""
+    import_vllm()
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.lora_id, adapter.path)
 
 
 def _finish(request: _Request, output: Any) -> None:

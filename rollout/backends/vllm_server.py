@@ -42,6 +42,7 @@ from typing import Any
 
 import anyio
 
+from rollout.backends.lora_versions import Adapter, AdapterVersions
 from rollout.backends.request_gate import RequestGate
 from rollout.backends.server_guard import KEY_VARIABLE, server_key
 from rollout.images import unexpanded_ids
@@ -121,17 +122,26 @@ class ServerConnection:
         return self._call(request, timeout_s)
 
     def post(
-        self, path: str, body: Mapping[str, Any] | None = None, timeout_s: float | None = None
+        self,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+        text: bool = False,
     ) -> Any:
-        """`POST path` with a JSON body and its JSON reply (None for an empty reply)."""
+        """`POST path` with a JSON body and its JSON reply (None for an empty reply).
+
+        `text`: the reply is plain text (vLLM's LoRA endpoints answer so); return it as is.
+        """
         request = urllib.request.Request(
             self.base_url + path,
             data=json.dumps(body or {}).encode(),
             headers={"Content-Type": "application/json", **self._headers},
         )
-        return self._call(request, timeout_s)
+        return self._call(request, timeout_s, text)
 
-    def _call(self, request: urllib.request.Request, timeout_s: float | None) -> Any:
+    def _call(
+        self, request: urllib.request.Request, timeout_s: float | None, text: bool = False
+    ) -> Any:
         try:
             with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as reply:
                 payload = reply.read()
@@ -148,6 +158,8 @@ class ServerConnection:
                 f"{request.full_url} ({error!r}); if it stopped, restart it (`agentgrpo "
                 "vllm-serve`) and resume the run from its last checkpoint"
             ) from None
+        if text:
+            return payload.decode(errors="replace")
         return json.loads(payload) if payload else None
 
 
@@ -197,6 +209,8 @@ class VLLMServerBackend:
             self.sampling_overrides["structured_outputs"] = {"regex": regex}
         self._threads = anyio.CapacityLimiter(max_concurrent_requests)
         self._gate = RequestGate()
+        # Adapter-only pushes (`load_adapter`); None: requests use the served weights.
+        self.adapters: AdapterVersions | None = None
 
     @classmethod
     def connect(cls, connection: ServerConnection, **kwargs: Any) -> VLLMServerBackend:
@@ -236,6 +250,7 @@ class VLLMServerBackend:
                 "this request holds images but the vLLM server backend was built without a "
                 "processor; give it the model's processor (`rollout.images.load_processor`)"
             )
+        adapter = self.adapters.for_request() if self.adapters is not None else None
         parts: list[Completion] = []
         while True:  # a part cut short by a weight push is continued after it
             drawn = [token for part in parts for token in part.token_ids]
@@ -244,27 +259,38 @@ class VLLMServerBackend:
                 max_tokens=params.max_tokens - len(drawn),
                 seed=None if params.seed is None else params.seed + len(drawn),
             )
-            part, cut = await self._request(prompt_ids + drawn, rest, images)
+            part, cut = await self._request(prompt_ids + drawn, rest, images, adapter)
             parts.append(part)
             if not cut or len(drawn) + len(part.token_ids) >= params.max_tokens:
                 return _joined(parts)
 
     async def _request(
-        self, prompt_ids: list[int], params: SamplingParams, images: Sequence[Any]
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        images: Sequence[Any],
+        adapter: Adapter | None,
     ) -> tuple[Completion, bool]:
-        """One request; its completion, and whether a weight push cut it short."""
+        """One request; its completion, and whether a weight push cut it short.
+
+        With `adapter` it generates with that LoRA and its tokens carry the adapter's version;
+        without, with the served weights.
+        """
+        model = adapter.name if adapter is not None else self.model
         if images:
             reply, version = await anyio.to_thread.run_sync(
-                self._post_with_images, prompt_ids, params, images, limiter=self._threads
+                self._post_with_images, prompt_ids, params, images, model, limiter=self._threads
             )
             completion, choice = _generated(reply, prompt_ids), reply["choices"][0]
         else:
-            body = self._request_body(prompt_ids, params)
+            body = self._request_body(prompt_ids, params) | {"model": model}
             reply, version = await anyio.to_thread.run_sync(
                 self._post, "/v1/completions", body, limiter=self._threads
             )
             choice = reply["choices"][0]
             completion = _completion(choice)
+        if adapter is not None:
+            version = adapter.version
         return _tagged(completion, version), choice.get("finish_reason") == "abort"
 
     @property
@@ -275,6 +301,33 @@ class VLLMServerBackend:
     def set_weights_version(self, version: int) -> None:
         """Tag the tokens of requests sent from now on with `version`."""
         self._gate.version = version
+
+    def load_adapter(self, adapter: Adapter) -> list[Adapter]:
+        """Load a LoRA adapter version on the server; unload (and return) the oldest.
+
+        `adapters` (set it first) says how many versions stay loaded.
+
+        Nothing pauses: requests in flight go on with their own versions. The server must run
+        with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (`agentgrpo
+        vllm-serve` sets it) and read `adapter.path` (the trainer's file system).
+        """
+        if self.adapters is None:
+            raise RuntimeError("set `adapters` (the versions to keep) before loading adapters")
+        body = {"lora_name": adapter.name, "lora_path": adapter.path, "load_inplace": False}
+        try:
+            self.connection.post("/v1/load_lora_adapter", body, text=True)
+        except ServerRequestError as error:
+            raise ServerRequestError(
+                f"the server at {self.connection.base_url} did not load the LoRA adapter in "
+                f"{adapter.path}: start it with `agentgrpo vllm-serve --enable-lora "
+                "--max-lora-rank R` on a machine that reads the trainer's files, or set "
+                f"vllm_lora_push='merged'. The server said: {error}",
+                error.status,
+            ) from None
+        evicted = self.adapters.add(adapter)
+        for old in evicted:
+            self.connection.post("/v1/unload_lora_adapter", {"lora_name": old.name}, text=True)
+        return evicted
 
     async def between_steps(self, update: Callable[[], None], version: int | None = None) -> None:
         """Run `update` (a weight push) while no request is in flight, then go on.
@@ -318,10 +371,10 @@ class VLLMServerBackend:
             return self.connection.post(path, body), version
 
     def _post_with_images(
-        self, prompt_ids: list[int], params: SamplingParams, images: Sequence[Any]
+        self, prompt_ids: list[int], params: SamplingParams, images: Sequence[Any], model: str
     ) -> tuple[Any, int | None]:
         body = {
-            "model": self.model,
+            "model": model,
             "token_ids": unexpanded_ids(self.processor, prompt_ids, images),
             "content_parts": [{"type": "image_url", "url": png_data_url(i)} for i in images],
             "sampling_params": self._sampling_params(params),

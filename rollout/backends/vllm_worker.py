@@ -60,14 +60,26 @@ class WeightReceiver:
     arguments, the only kind that endpoint forwards.
     """
 
-    # The vLLM worker this class is mixed into sets these two.
+    # The vLLM worker this class is mixed into sets these (`lora_config`: None without LoRA).
     device: torch.device
     rank: int
+    lora_config: Any
     _agentgrpo_group: WeightGroup | None
 
     def agentgrpo_ready(self) -> bool:
         """Answer True: the server was started with this extension."""
         return True
+
+    def agentgrpo_lora_limits(self) -> str:
+        """The server's LoRA limits, as JSON.
+
+        `{"max_lora_rank": R, "max_loras": N}`, or `null` when it was started without
+        `--enable-lora` (adapter pushes cannot go to it).
+        """
+        config = getattr(self, "lora_config", None)
+        if config is None:
+            return "null"
+        return json.dumps({"max_lora_rank": config.max_lora_rank, "max_loras": config.max_loras})
 
     def agentgrpo_join(self, options_json: str) -> None:
         """Join the weight group (blocks until the trainer joins too).

@@ -109,6 +109,7 @@ AGENTGRPO_DEFAULTS = [
     ("tool_call_parser", None),
     ("mcp_servers", None),
     ("infra_retries", 2),
+    ("seat_players", None),
     ("log_episodes", True),
     ("warm_start_steps", 0),
     ("warm_start_learning_rate", 5e-5),
@@ -116,6 +117,7 @@ AGENTGRPO_DEFAULTS = [
     # asynchronous GRPO: TRL's AsyncGRPOConfig names and defaults
     ("async_grpo", False),
     ("max_staleness", 4),
+    ("vllm_lora_push", "auto"),
     ("queue_maxsize", 1024),
     ("weight_sync_steps", 1),
     # dynamic sampling: off, as TRL trains on every group

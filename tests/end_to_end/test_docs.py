@@ -81,7 +81,7 @@ def given_names(request) -> dict[str, object]:
 def run_block(block: Block, namespace: dict[str, object]) -> None:
     """Execute `block` in `namespace`, awaiting it when it has top-level `await`."""
     flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-    code = compile(block.code, block.where, "exec", flags=flags)
+    code = compile(block.code, block.where, "exec", flags=flags, dont_inherit=True)  # as written
     result = eval(code, namespace)  # a coroutine exactly when the block awaits
     if asyncio.iscoroutine(result):
         asyncio.run(result)

@@ -145,6 +145,7 @@ def test_env_prefix_resolves_a_builtin():
         "ColourSquare",
         "Trail",
         "Questions",
+        "TicTacToe",
     ]
 
 

@@ -105,8 +105,9 @@ def questions_turn(text: str) -> str:
 
 
 # ColourSquare shows a picture, so it needs a vision-language model
-# (tests/environments/test_vlm_environments.py)
-@pytest.mark.parametrize("name", sorted(set(BUILTIN_ENVIRONMENTS) - {"ColourSquare"}))
+# (tests/environments/test_vlm_environments.py); TicTacToe is a game with seats, played as
+# matches (tests/rollout/test_match.py)
+@pytest.mark.parametrize("name", sorted(set(BUILTIN_ENVIRONMENTS) - {"ColourSquare", "TicTacToe"}))
 def test_every_row_of_each_builtin_can_reach_its_reward_within_the_limits_it_states(
     name, tokenizer
 ):

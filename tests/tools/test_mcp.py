@@ -212,7 +212,8 @@ def test_a_spec_is_a_command_line_a_url_or_a_dict(spec, server):
 BAD_SPECS = [
     ("   ", "names no MCP server"),
     ("python 'unclosed", "cannot split"),
-    ({"command": "python", "per_episode": True}, "unknown key 'per_episode'"),
+    ({"command": "python", "per_spisode": True}, "unknown key 'per_spisode'"),
+    ({"command": "python", "per_episode": "yes"}, "'per_episode' must be true or false"),
     ({"command": "python", "url": "http://x"}, "exactly one of 'command' and 'url'"),
     ({"url": "ftp://x"}, "must be an http"),
     ({"command": "python", "args": "s.py"}, "'args' must be a list of texts"),

@@ -130,7 +130,8 @@ function summary(s) {
 }
 
 function label(e) {
-  return `${e.process ? `${e.process}:` : ""}${e.group}.${e.index}`;
+  const seat = e.seat === null || e.seat === undefined ? "" : ` (seat ${e.seat})`;
+  return `${e.process ? `${e.process}:` : ""}${e.group}.${e.index}${seat}`;
 }
 
 function num(value) {
@@ -196,7 +197,8 @@ function callTable(calls) {
 
 function tokenRow(row, r, count, kind) {
   const sampled = row.loss_mask.filter((m) => m === 1).length;
-  const which = count > 1 ? `row ${r + 1} of ${count}${r ? ` (${kind})` : ""}: ` : "";
+  const named = r > 0 || kind !== "task";  // a fork, a compaction, or a seat's side of a game
+  const which = count > 1 || named ? `row ${r + 1} of ${count}${named ? ` (${kind})` : ""}: ` : "";
   const prompt = row.prompt_ids.map((id) => token(id, "p", `prompt · id ${id}`));
   const completion = row.completion_ids.map((id, i) => row.loss_mask[i] === 1
     ? token(id, "m1", `sampled · logprob ${logprob(row.logprobs[i])}${version(row, i)} · id ${id}`)

@@ -1,0 +1,234 @@
+"""Games with seats: the contract of an environment that several players take turns in.
+
+A seated environment is an environment (`environments.contract`) with these members:
+
+- ``seats``: a class attribute, a tuple of two or more distinct seat names (``("x", "o")``).
+- ``reset(**row) -> str | None``: starts the game, as for any environment; the text it returns
+  is appended to the last user message of every seat's prompt.
+- ``to_move(self) -> str | None``: the seat whose turn it is; None once the game is over.
+- ``observe(self, seat) -> str | None``: what `seat` is told just before its turn: on its first
+  turn this is appended to its prompt (its side, the board), on later turns it follows its own
+  last tool results as a user message (the other seats' moves, as the game reports them).
+  None: nothing to tell.
+- ``reward(self, seat) -> float``: the seat's reward once the game has ended. Zero-sum games
+  give opposite rewards; general-sum games any rewards.
+- Tools: every other public method, as for any environment. A tool always acts for the seat
+  that is to move when it is called.
+- ``legal_moves(self) -> list[dict]`` (optional): the moves the seat to move may make, each
+  ``{"name": tool, "arguments": {...}}``. The ``"random"`` player draws from them.
+
+Each seat has its own conversation, rendered through the chat template token-exactly, and its
+own rows (`rollout.match`). A seat is played by the policy (``"policy"``: its turns are
+trained), by ``"random"`` (a uniformly random legal move), or by a scripted function
+``(env, seat, rng) -> None`` that makes its move by calling the environment's tools.
+
+Illegal moves are data, with one penalty: the seat that breaks the rules (an illegal move, or
+a turn that makes no move at all) gets `ILLEGAL_MOVE_REWARD` and every other seat gets 0.0,
+never a win: the other seats did nothing to earn one. The match driver applies this rule to a
+turn without a tool call; a game applies it to the illegal moves it detects (ending the game),
+as `environments.tictactoe.TicTacToe` does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from environments.errors import EnvironmentSpecError
+
+ILLEGAL_MOVE_REWARD = -1.0
+"""The reward of a seat that breaks the rules; the other seats get 0.0 in that game."""
+
+SEAT_MEMBERS: frozenset[str] = frozenset({"seats", "to_move", "observe", "legal_moves"})
+"""Names a seated environment uses for the contract: never tools in such a class."""
+
+POLICY = "policy"
+RANDOM = "random"
+
+#: A scripted player: makes the move of `seat` on `env` by calling its tools.
+ScriptedPlayer = Callable[[Any, str, random.Random], None]
+
+
+def is_seated(cls: type) -> bool:
+    """Whether `cls` declares seats (a ``seats`` class attribute)."""
+    return getattr(cls, "seats", None) is not None
+
+
+def seats_of(cls: type) -> tuple[str, ...]:
+    """The seats `cls` declares, checked; () for an environment without seats.
+
+    Raises:
+        EnvironmentSpecError: ``seats`` is not a tuple of two or more distinct, non-empty
+            strings.
+
+    Examples:
+        >>> class Game:
+        ...     seats = ("x", "o")
+        >>> seats_of(Game)
+        ('x', 'o')
+    """
+    seats = getattr(cls, "seats", None)
+    if seats is None:
+        return ()
+    valid = isinstance(seats, tuple) and all(isinstance(s, str) and s for s in seats)
+    if not valid or len(seats) < 2 or len(set(seats)) != len(seats):
+        raise EnvironmentSpecError(
+            f"{cls.__qualname__}.seats is {seats!r}; it must be a tuple of two or more distinct "
+            "seat names, e.g. seats = ('x', 'o')"
+        )
+    return seats
+
+
+def check_seats(cls: type) -> None:
+    """Check a seated class's members (`seats`, `to_move`, `observe`, `reward(seat)`).
+
+    Raises:
+        EnvironmentSpecError: The first member missing or of the wrong shape, with the fix.
+    """
+    if not seats_of(cls):
+        return
+    name = cls.__qualname__
+    for member, shape in (
+        ("to_move", "def to_move(self) -> str | None"),
+        ("observe", "def observe(self, seat: str) -> str | None"),
+        ("reward", "def reward(self, seat: str) -> float"),
+    ):
+        method = inspect.getattr_static(cls, member, None)
+        if not inspect.isfunction(method) or inspect.iscoroutinefunction(method):
+            raise EnvironmentSpecError(
+                f"{name} declares seats, so it needs a plain method `{shape}`"
+            )
+        wants_seat = member != "to_move"
+        if len(inspect.signature(method).parameters) != 1 + wants_seat:
+            raise EnvironmentSpecError(f"{name}.{member} must be `{shape}`")
+    if hasattr(cls, "legal_moves") and not inspect.isfunction(
+        inspect.getattr_static(cls, "legal_moves")
+    ):
+        raise EnvironmentSpecError(f"{name}.legal_moves must be `def legal_moves(self) -> list`")
+
+
+def seat_to_move(env: Any) -> str | None:
+    """``env.to_move()``, checked to name one of its seats (or None: the game is over).
+
+    Raises:
+        EnvironmentSpecError: It named something else.
+    """
+    seat = env.to_move()
+    if seat is not None and seat not in type(env).seats:
+        raise EnvironmentSpecError(
+            f"{type(env).__qualname__}.to_move() returned {seat!r}; it must return one of its "
+            f"seats {list(type(env).seats)} or None when the game is over"
+        )
+    return seat
+
+
+def seat_observation(env: Any, seat: str) -> str | None:
+    """``env.observe(seat)``, checked to be text or None.
+
+    Raises:
+        EnvironmentSpecError: It returned something else.
+    """
+    text = env.observe(seat)
+    if text is not None and not isinstance(text, str):
+        raise EnvironmentSpecError(
+            f"{type(env).__qualname__}.observe({seat!r}) returned {type(text).__name__}; it "
+            "must return text or None"
+        )
+    return text
+
+
+def seat_reward(env: Any, seat: str) -> float:
+    """``env.reward(seat)`` as a finite float.
+
+    Raises:
+        EnvironmentSpecError: It returned something that is not a finite number.
+    """
+    value = env.reward(seat)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise EnvironmentSpecError(
+            f"{type(env).__qualname__}.reward({seat!r}) returned {value!r}; it must return a "
+            "finite number"
+        )
+    if abs(value) == float("inf"):
+        raise EnvironmentSpecError(f"{type(env).__qualname__}.reward({seat!r}) is infinite")
+    return float(value)
+
+
+def random_player(env: Any, seat: str, rng: random.Random) -> None:
+    """Make a uniformly random legal move (``legal_moves``) for `seat`.
+
+    Raises:
+        EnvironmentSpecError: The environment has no ``legal_moves``, or it listed none while
+            the game goes on.
+    """
+    moves = getattr(env, "legal_moves", None)
+    if moves is None:
+        raise EnvironmentSpecError(
+            f"the 'random' player needs {type(env).__qualname__}.legal_moves() -> list of "
+            "{'name': tool, 'arguments': {...}}; add it, or give the seat a scripted player"
+        )
+    legal = list(moves())
+    if not legal:
+        raise EnvironmentSpecError(
+            f"{type(env).__qualname__}.legal_moves() is empty while {seat!r} is to move"
+        )
+    move = rng.choice(legal)
+    getattr(env, move["name"])(**move.get("arguments", {}))
+
+
+def seat_players(cls: type, players: Mapping[str, Any] | None) -> dict[str, ScriptedPlayer | None]:
+    """Who plays each seat of `cls`: None for the policy, else a scripted player.
+
+    Args:
+        cls: A seated environment class.
+        players: Seat to player: ``"policy"``, ``"random"``, ``"module:function"`` (a
+            scripted player imported by name) or a callable ``(env, seat, rng) -> None``.
+            Seats left out are played by the policy; None: self-play, every seat the policy's.
+
+    Raises:
+        ValueError: A seat the class lacks, a player that is none of these, every seat
+            scripted (nothing to train), or players given for an environment without seats.
+    """
+    seats = seats_of(cls)
+    players = dict(players or {})
+    if players and not seats:
+        raise ValueError(
+            f"seat_players is set but {cls.__qualname__} declares no seats (a `seats` class "
+            "attribute); leave seat_players unset, or use a game with seats (env:TicTacToe)"
+        )
+    if unknown := sorted(set(players) - set(seats)):
+        raise ValueError(f"seat_players names {unknown}; {cls.__qualname__}'s seats are {seats}")
+    chosen = {seat: _player(seat, players.get(seat, POLICY)) for seat in seats}
+    if seats and all(player is not None for player in chosen.values()):
+        raise ValueError(
+            f"seat_players gives every seat of {cls.__qualname__} a scripted player, so no seat "
+            f"is trained; let at least one be '{POLICY}'"
+        )
+    return chosen
+
+
+def _player(seat: str, player: Any) -> ScriptedPlayer | None:
+    """One seat's player (see `seat_players`)."""
+    if callable(player):
+        return player
+    if player == POLICY:
+        return None
+    if player == RANDOM:
+        return random_player
+    if isinstance(player, str) and ":" in player:
+        module, _, name = player.partition(":")
+        try:
+            found = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as error:
+            message = f"seat_players[{seat!r}]={player!r} cannot be imported: {error}"
+            raise ValueError(message) from error
+        if callable(found):
+            return found
+    raise ValueError(
+        f"seat_players[{seat!r}]={player!r} is not a player; use '{POLICY}' (trained), "
+        f"'{RANDOM}' (a random legal move), 'module:function' or a callable (env, seat, rng). "
+        "A frozen snapshot of the policy cannot play a seat yet"
+    )

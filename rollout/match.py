@@ -1,0 +1,368 @@
+"""Matches: a game with seats (`environments.seats`) played by several players, one episode a seat.
+
+One environment instance holds the game. The seat it names (``to_move``) plays the next turn:
+a scripted player (`environments.seats.ScriptedPlayer`) calls the game's tools itself; a seat
+the policy plays samples a turn in its own conversation, and its tool calls run on the game.
+Each policy seat's conversation is its own: the row's prompt with ``reset``'s text and, at its
+first turn, what ``observe(seat)`` tells it; at each later turn its own last tool results, then
+``observe(seat)`` (the other seats' moves) as a user message, appended as one mask-0 delta
+through the chat template, as an episode appends a tool turn (`rollout.episode`). So every
+policy seat gets token-exact rows, and the match gives one `Episode` per policy seat, each
+with that seat's reward (``reward(seat)``).
+
+A policy seat's turn that makes no tool call forfeits the game: it ends there, that seat gets
+`ILLEGAL_MOVE_REWARD` and the other seats 0.0. A seat that runs out of tokens or turns cuts
+the game off for every seat (LENGTH or MAX_TURNS); the rewards are then the game's.
+`MatchEngine` plays a round of matches in place of `RolloutEngine`'s episodes, with groups
+formed per (row, seat).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from environments import (
+    close_after_failure,
+    close_environment,
+    create_environment,
+    init_name,
+    reset_environment,
+    run_environment_code,
+    tool_method,
+)
+from environments.seats import (
+    ILLEGAL_MOVE_REWARD,
+    ScriptedPlayer,
+    seat_observation,
+    seat_players,
+    seat_reward,
+    seat_to_move,
+    seats_of,
+)
+from rollout.engine import RolloutEngine
+from rollout.episode import EpisodeContext, PromptTooLongError
+from rollout.prompts import row_messages, show_row, with_observation
+from rollout.tokens import EpisodeState, TokenRow
+from rollout.tool_calls import assistant_message, call_records, run_calls, tool_message
+from rollout.types import Episode, EpisodeStats, Finish
+from tools import Tool
+
+#: The row column that names the seat an episode played (added to `Episode.row`).
+SEAT_COLUMN = "seat"
+
+
+@dataclass
+class _Seat:
+    """A policy seat's side of a match: its conversation and rows, once it has played."""
+
+    name: str
+    state: EpisodeState | None = None
+    pending: list[dict[str, Any]] = field(default_factory=list)  # its last turn's results
+    stop_text: str = ""
+    finish: Finish | None = None
+
+
+@dataclass
+class _Match:
+    """One match in play."""
+
+    ctx: EpisodeContext
+    env: Any
+    row: Mapping[str, Any]
+    prompt: list[dict[str, Any]]
+    players: Mapping[str, ScriptedPlayer | None]
+    sample_seed: int
+    sides: dict[str, _Seat]
+    forfeit: str | None = None
+
+    async def env_code(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run the game's own code in a daemon thread under `environment_timeout_s`."""
+        where = f"{type(self.env).__qualname__}.{what}"
+        return await run_environment_code(fn, where, self.ctx.config.environment_timeout_s)
+
+
+async def play_match(
+    ctx: EpisodeContext,
+    row: Mapping[str, Any],
+    seed: int,
+    players: Mapping[str, ScriptedPlayer | None],
+    place: Callable[[str], tuple[int, int]],
+) -> dict[str, Episode]:
+    """Play one match of `row`; return the episode of each policy seat (None in `players`).
+
+    Args:
+        ctx: The engine's context of the game (renderer, parser, backend, limits, tools).
+        row: The task row; `reset` receives its columns.
+        seed: The group's seed: the game resets with it; turns sample from it and the seat.
+        players: Every seat's player: None for the policy, else a scripted player.
+        place: A seat's (group, index) in the round.
+
+    Raises:
+        PromptTooLongError: A seat's first prompt leaves no room to generate.
+    """
+    assert ctx.environment_factory is not None
+    factory, timeout_s = ctx.environment_factory, ctx.config.environment_timeout_s
+    create = functools.partial(create_environment, factory)
+    env = await run_environment_code(create, init_name(factory), timeout_s)
+    sides = {seat: _Seat(seat) for seat, player in players.items() if player is None}
+    match = _Match(ctx, env, row, [], players, hash((seed, *place(next(iter(sides))))), sides)
+    try:
+        reset = functools.partial(reset_environment, env, row, seed)
+        shared = await match.env_code(reset, "reset()")
+        match.prompt = with_observation(row_messages(row), shared)
+        finish = await _play(match)
+        rewards = await _rewards(match)
+        for side in sides.values():
+            if side.state is None:  # the game ended before this seat's first turn
+                side.state = await _first_state(match, side)
+    except BaseException as failure:  # the first error is the one raised; a failing close notes
+        with anyio.CancelScope(shield=True):
+            close = functools.partial(close_after_failure, env, failure)
+            await run_environment_code(close, f"{type(env).__qualname__}.close()", timeout_s)
+        raise
+    await match.env_code(functools.partial(close_environment, env), "close()")
+    return {
+        seat: _episode(match, side, side.finish or finish, rewards[seat], place(seat))
+        for seat, side in sides.items()
+    }
+
+
+async def _play(match: _Match) -> Finish:
+    """The match's turns until the game is over or cut off; returns how it ended."""
+    rng = random.Random(match.sample_seed)
+    while True:
+        seat = await match.env_code(functools.partial(seat_to_move, match.env), "to_move()")
+        if seat is None:
+            return Finish.ENV_DONE
+        player = match.players[seat]
+        if player is not None:
+            move = functools.partial(player, match.env, seat, rng)
+            await match.env_code(move, f"move of the scripted player of {seat!r}")
+            continue
+        side = match.sides[seat]
+        if side.state is not None and side.state.turns >= match.ctx.config.max_turns:
+            return Finish.MAX_TURNS
+        finish = await _policy_turn(match, side)
+        if finish is not None:
+            return finish
+
+
+async def _policy_turn(match: _Match, side: _Seat) -> Finish | None:
+    """One turn of a policy seat; returns a Finish when the game ends (or is cut off) here."""
+    ctx = match.ctx
+    if side.state is None:
+        side.state = await _first_state(match, side)
+    elif (finish := await _follow_up(match, side)) is not None:
+        return finish
+    state = side.state
+    window = ctx.window(state.first_prompt_length)
+    budget = window - len(state.tokens.context_ids)
+    if budget < 1:
+        return Finish.LENGTH
+    params = ctx.config.sampling(budget, hash((state.sample_seed, state.turns)) % 2**62)
+    completion = await ctx.backend.generate(state.tokens.context_ids, params)
+    state.add_sampled(completion)
+    state.turns += 1
+    if not completion.stopped:
+        state.messages.append({"role": "assistant", "content": ctx.decode(completion.token_ids)})
+        return Finish.LENGTH
+    text = ctx.decode(completion.token_ids[:-1])
+    side.stop_text = ctx.decode(completion.token_ids[-1:])
+    parsed = ctx.parser(text)
+    state.messages.append(assistant_message(text, parsed))
+    if not parsed.tool_calls and not parsed.errors:
+        match.forfeit, side.finish = side.name, Finish.STOP  # no move: the seat forfeits
+        return Finish.ENV_DONE
+    timeout_s = ctx.config.tool_timeout_s
+    results = await run_calls(parsed.tool_calls, _tools(match), ctx.tools.keys(), timeout_s)
+    side.pending = [tool_message(r.name, r.content, r.images) for r in results]
+    side.pending += [tool_message("error", e) for e in parsed.errors]
+    state.tool_calls += len(parsed.tool_calls) + len(parsed.errors)
+    state.tool_errors.update(str(r.error) for r in results if r.error is not None)
+    state.tool_errors["parse"] += len(parsed.errors)
+    state.calls.extend(call_records(parsed, results, side.pending))
+    return None
+
+
+def _tools(match: _Match) -> dict[str, Tool]:
+    """The plain tools and the game's, bound to this match's instance."""
+    ctx, env = match.ctx, match.env
+    bound = {
+        n: dataclasses.replace(t, fn=tool_method(env, n)) for n, t in ctx.environment_tools.items()
+    }
+    return {**ctx.tools, **bound}
+
+
+async def _first_state(match: _Match, side: _Seat) -> EpisodeState:
+    """A seat's conversation at its first turn: the prompt and what the game tells it.
+
+    Raises:
+        PromptTooLongError: The prompt leaves no room to generate.
+    """
+    ctx = match.ctx
+    told = await _observe(match, side.name)
+    messages = with_observation(match.prompt, told)
+    fresh = ctx.renderer.fresh(messages)
+    limit, context = ctx.config.max_prompt_length, ctx.backend.context_limit
+    if (limit and len(fresh.ids) > limit) or (context and len(fresh.ids) >= context):
+        raise PromptTooLongError(
+            f"seat {side.name!r}'s first prompt is {len(fresh.ids)} tokens, over the limit "
+            f"(max_prompt_length={limit}, model context={context}). Row: {show_row(match.row)}"
+        )
+    seat_index = list(match.players).index(side.name)
+    seed = hash((match.sample_seed, seat_index))
+    return EpisodeState(messages, TokenRow(fresh.ids), fresh.prompt_text, seed)
+
+
+async def _observe(match: _Match, seat: str) -> str | None:
+    observe = functools.partial(seat_observation, match.env, seat)
+    return await match.env_code(observe, f"observe({seat!r})")
+
+
+async def _follow_up(match: _Match, side: _Seat) -> Finish | None:
+    """Append the seat's last results and what the game tells it now, as one mask-0 delta."""
+    ctx, state = match.ctx, side.state
+    assert state is not None
+    told = await _observe(match, side.name)
+    new = [*side.pending, *([{"role": "user", "content": told}] if told else [])]
+    side.pending = []
+    left = ctx.config.max_completion_length - state.spent
+    shown, turn = ctx.renderer.fitted_tool_turn(
+        state.prompt_text,
+        state.context_messages,
+        new,
+        side.stop_text,
+        (left, ctx.config.max_completion_length),
+    )
+    state.messages.extend(shown)
+    context = len(turn.ids) if turn.fork else len(state.tokens.context_ids) + len(turn.ids)
+    if context >= ctx.window(state.first_prompt_length):
+        return Finish.LENGTH
+    state.add_tool_turn(turn)
+    return None
+
+
+async def _rewards(match: _Match) -> dict[str, float]:
+    """Every seat's reward: the game's, or the forfeit rule (the mover loses, others 0.0)."""
+    if match.forfeit is not None:
+        return {
+            seat: ILLEGAL_MOVE_REWARD if seat == match.forfeit else 0.0 for seat in match.players
+        }
+    rewards = {}
+    for seat in match.players:
+        score = functools.partial(seat_reward, match.env, seat)
+        rewards[seat] = await match.env_code(score, f"reward({seat!r})")
+    return rewards
+
+
+def _episode(
+    match: _Match, side: _Seat, finish: Finish, reward: float, place: tuple[int, int]
+) -> Episode:
+    """The episode of a policy seat: its rows and messages, the seat's reward."""
+    state = side.state
+    assert state is not None
+    state.messages.extend(side.pending)  # the last results, shown as the game ended
+    stats = EpisodeStats(state.turns, state.tool_calls, dict(state.tool_errors))
+    return Episode(
+        rows=state.rows(),
+        messages=state.messages,
+        finish=finish,
+        stats=stats,
+        row={**match.row, SEAT_COLUMN: side.name},
+        group=place[0],
+        index=place[1],
+        env_reward=reward,
+        environment=match.env,
+        tool_calls=tuple(state.calls),
+        turns=tuple(state.turn_log),
+    )
+
+
+class MatchEngine(RolloutEngine):
+    """A `RolloutEngine` whose environment has seats: each row's episodes are matches.
+
+    `run` plays `num_generations` matches of each row. A match gives one episode per policy
+    seat, so a round of R rows gives R x S groups of `num_generations` episodes (S policy
+    seats): group ``r * S + j`` holds seat j's side of row r's matches, and its members share
+    the row, the seed and the seat. Several environments, agents and ``tools`` columns are
+    not supported with seats.
+
+    Args:
+        backend, tokenizer: As for `RolloutEngine`.
+        environment_factory: The seated environment class.
+        players: Seat to player (`environments.seats.seat_players`); None: self-play.
+        **options: `RolloutEngine`'s other keyword arguments.
+
+    Raises:
+        ValueError: As `seat_players`, or the class has no seats.
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        tokenizer: Any,
+        *,
+        environment_factory: type,
+        players: Mapping[str, Any] | None = None,
+        **options: Any,
+    ):
+        if not seats_of(environment_factory):
+            raise ValueError(f"{environment_factory.__qualname__} declares no seats")
+        self.players = seat_players(environment_factory, players)
+        self.trained_seats = [seat for seat, p in self.players.items() if p is None]
+        super().__init__(backend, tokenizer, environment_factory=environment_factory, **options)
+
+    async def run(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        num_generations: int = 1,
+        seed: int = 0,
+        on_group: Callable[[list[Episode]], Awaitable[None]] | None = None,
+    ) -> list[Episode]:
+        """Play `num_generations` matches of each row, all concurrently (see the class).
+
+        Returns:
+            Episodes by group: episode ``g * num_generations + k`` is match k's side of seat
+            ``g % S`` of row ``g // S``; `on_group` is awaited with each group once its row's
+            matches have all ended.
+        """
+        seats, size = self.trained_seats, num_generations
+        played: dict[int, Episode] = {}
+        limiter = anyio.CapacityLimiter(self.max_concurrent_episodes)
+        unfinished = [size] * len(rows)
+
+        def place(r: int, k: int, seat: str) -> tuple[int, int]:
+            group = r * len(seats) + seats.index(seat)
+            return group, group * size + k
+
+        async def play(r: int, k: int) -> None:
+            async with limiter:
+                sides = await play_match(
+                    self.context, rows[r], seed + r, self.players, functools.partial(place, r, k)
+                )
+            played.update({episode.index: episode for episode in sides.values()})
+            unfinished[r] -= 1
+            if unfinished[r] == 0 and on_group is not None:
+                for seat in seats:
+                    group = place(r, 0, seat)[0]
+                    await on_group([played[group * size + m] for m in range(size)])
+
+        try:
+            async with anyio.create_task_group() as tasks:
+                for r in range(len(rows)):
+                    for k in range(size):
+                        tasks.start_soon(play, r, k)
+        except BaseExceptionGroup as failures:
+            first: BaseException = failures  # one match's error, not the group, is the user's
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+        else:
+            return [played[i] for i in range(len(rows) * len(seats) * size)]
+        raise first  # outside the handler: its own __cause__ stays intact
