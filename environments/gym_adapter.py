@@ -11,7 +11,10 @@
   model; the env is not stepped), calls ``env.step``, adds the step reward, sets ``done`` when
   the episode is terminated or truncated, and returns the next observation as text, marked
   ``(episode over)`` or ``(out of steps: episode over)`` on the last step;
-- ``reward()``: the sum of the step rewards; ``close()``: closes the gym env;
+- ``reward()``: the sum of the step rewards, the episode's reward; ``turn_reward()``: the
+  rewards of the steps since it was last read, so each step's reward is its turn's (per-turn
+  credit, ``turn_advantage``; the default ``"episode"`` reads only the sum); ``close()``:
+  closes the gym env;
 - ``terminated``, ``truncated``, ``steps`` and ``total_reward`` attributes, kept apart as
   gymnasium keeps them (the task ended versus we cut it off);
 - with ``prompt=``, a ``dataset(split)`` classmethod, so the class runs without data files.
@@ -87,6 +90,7 @@ class GymEnvironment:
     """
 
     _gym: ClassVar[GymSpec]
+    reward_sums_turns: ClassVar[bool] = True  # `reward()` is the sum of the `turn_reward()`s
     env: gymnasium.Env | None = None
     done: bool = False
 
@@ -110,7 +114,7 @@ class GymEnvironment:
             self.env = spec.make_env()
         options = {name: row[name] for name in spec.options} or None
         observation, _ = self.env.reset(seed=seed, options=options)
-        self.total_reward = 0.0
+        self.total_reward = self._earned = 0.0
         self.steps = 0
         self.terminated = self.truncated = self.done = False
         # The engine runs one instance's calls one at a time, but a call abandoned on timeout
@@ -121,6 +125,15 @@ class GymEnvironment:
     def reward(self) -> float:
         """The sum of the rewards of the steps taken so far."""
         return self.total_reward
+
+    def turn_reward(self) -> float:
+        """The rewards of the steps taken since the last call: the turn's reward.
+
+        The engine calls it after each model turn, so a turn's step (one call a turn, as a
+        model usually makes) earns gymnasium's reward for that step.
+        """
+        earned, self._earned = self._earned, 0.0
+        return earned
 
     def close(self) -> None:
         """Close the gym env (if one was made); a later `reset` makes a new one."""
@@ -147,6 +160,7 @@ class GymEnvironment:
         observation, reward, terminated, truncated, _ = env.step(action)
         self.steps += 1
         self.total_reward += float(reward)
+        self._earned += float(reward)
         limit = spec.max_episode_steps
         self.terminated = bool(terminated)
         self.truncated = not self.terminated and (

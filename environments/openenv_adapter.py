@@ -92,6 +92,7 @@ class OpenEnvEnvironment:
     """
 
     _openenv: ClassVar[OpenEnvSpec]
+    reward_sums_turns: ClassVar[bool] = True  # `reward()` is the sum of the `turn_reward()`s
     done: bool = False
     _session: Session | None = None
 

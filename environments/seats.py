@@ -19,7 +19,9 @@ A seated environment is an environment (`environments.contract`) with these memb
 
 Each seat has its own conversation, rendered through the chat template token-exactly, and its
 own rows (`rollout.match`). A seat is played by the policy (``"policy"``: its turns are
-trained), by ``"random"`` (a uniformly random legal move), or by a scripted function
+trained), by a frozen snapshot of the policy (``"snapshot"``, ``"snapshot:N"``, or one drawn
+per game from a pool of earlier snapshots, ``"league:N:K"``: a `Snapshot`, never trained), by
+``"random"`` (a uniformly random legal move), or by a scripted function
 ``(env, seat, rng) -> None`` that makes its move by calling the environment's tools.
 
 Illegal moves are data, with one penalty: the seat that breaks the rules (an illegal move, or
@@ -34,7 +36,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from environments.errors import EnvironmentSpecError
@@ -47,14 +50,54 @@ SEAT_MEMBERS: frozenset[str] = frozenset({"seats", "to_move", "observe", "legal_
 
 POLICY = "policy"
 RANDOM = "random"
+SNAPSHOT = "snapshot"
+LEAGUE = "league"
 
 #: A scripted player: makes the move of `seat` on `env` by calling its tools.
 ScriptedPlayer = Callable[[Any, str, random.Random], None]
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A seat played by a frozen copy of the policy's weights: it samples turns, never trains.
+
+    Named ``"snapshot"`` (taken at the first round, never refreshed), ``"snapshot:N"`` (taken
+    again every N optimizer steps) or ``"league:N:K"`` (league play: a pool of the K latest
+    snapshots, one taken every N steps, each game drawing one of them). Whoever runs the match
+    holds the copies and their generation backends (`rollout.match.MatchEngine`'s
+    ``seat_backends``).
+
+    Attributes:
+        every: Optimizer steps between two snapshots; None: only the first is ever taken.
+        pool: The most snapshots kept; a new one replaces the oldest.
+    """
+
+    every: int | None = None
+    pool: int = 1
+
+
+#: Who plays a seat: None for the policy (trained), a `Snapshot`, or a scripted player.
+SeatPlayer = ScriptedPlayer | Snapshot | None
+
+
 def is_seated(cls: type) -> bool:
     """Whether `cls` declares seats (a ``seats`` class attribute)."""
     return getattr(cls, "seats", None) is not None
+
+
+def refuse_games(factories: Iterable[Any], engine: str) -> None:
+    """Refuse games with seats where `engine` plays one episode at a time, without seats.
+
+    Raises:
+        ValueError: A factory is an environment class that declares ``seats``.
+    """
+    for factory in factories:
+        if isinstance(factory, type) and is_seated(factory):
+            raise ValueError(
+                f"{factory.__qualname__} is a game with seats, which {engine} cannot play (each "
+                "seat has its own turns and reward): use rollout.match.MatchEngine, as "
+                "`agentgrpo run` and GRPOTrainer do, with that class alone (not in a dict)"
+            )
 
 
 def seats_of(cls: type) -> tuple[str, ...]:
@@ -179,18 +222,20 @@ def random_player(env: Any, seat: str, rng: random.Random) -> None:
     getattr(env, move["name"])(**move.get("arguments", {}))
 
 
-def seat_players(cls: type, players: Mapping[str, Any] | None) -> dict[str, ScriptedPlayer | None]:
-    """Who plays each seat of `cls`: None for the policy, else a scripted player.
+def seat_players(cls: type, players: Mapping[str, Any] | None) -> dict[str, SeatPlayer]:
+    """Who plays each seat of `cls`: None for the policy, a `Snapshot`, or a scripted player.
 
     Args:
         cls: A seated environment class.
-        players: Seat to player: ``"policy"``, ``"random"``, ``"module:function"`` (a
-            scripted player imported by name) or a callable ``(env, seat, rng) -> None``.
-            Seats left out are played by the policy; None: self-play, every seat the policy's.
+        players: Seat to player: ``"policy"``, ``"snapshot"`` or ``"snapshot:N"`` (a frozen
+            copy of the policy, refreshed every N optimizer steps), ``"random"``,
+            ``"module:function"`` (a scripted player imported by name) or a callable
+            ``(env, seat, rng) -> None``. Seats left out are played by the policy; None:
+            self-play, every seat the policy's.
 
     Raises:
-        ValueError: A seat the class lacks, a player that is none of these, every seat
-            scripted (nothing to train), or players given for an environment without seats.
+        ValueError: A seat the class lacks, a player that is none of these, no seat left to
+            the policy (nothing to train), or players given for an environment without seats.
     """
     seats = seats_of(cls)
     players = dict(players or {})
@@ -204,20 +249,22 @@ def seat_players(cls: type, players: Mapping[str, Any] | None) -> dict[str, Scri
     chosen = {seat: _player(seat, players.get(seat, POLICY)) for seat in seats}
     if seats and all(player is not None for player in chosen.values()):
         raise ValueError(
-            f"seat_players gives every seat of {cls.__qualname__} a scripted player, so no seat "
-            f"is trained; let at least one be '{POLICY}'"
+            f"seat_players gives every seat of {cls.__qualname__} another player than the "
+            f"policy, so no seat is trained; let at least one be '{POLICY}'"
         )
     return chosen
 
 
-def _player(seat: str, player: Any) -> ScriptedPlayer | None:
+def _player(seat: str, player: Any) -> SeatPlayer:
     """One seat's player (see `seat_players`)."""
-    if callable(player):
+    if callable(player) or isinstance(player, Snapshot):
         return player
     if player == POLICY:
         return None
     if player == RANDOM:
         return random_player
+    if isinstance(player, str) and player.partition(":")[0] in (SNAPSHOT, LEAGUE):
+        return _snapshot(seat, player)
     if isinstance(player, str) and ":" in player:
         module, _, name = player.partition(":")
         try:
@@ -229,6 +276,27 @@ def _player(seat: str, player: Any) -> ScriptedPlayer | None:
             return found
     raise ValueError(
         f"seat_players[{seat!r}]={player!r} is not a player; use '{POLICY}' (trained), "
-        f"'{RANDOM}' (a random legal move), 'module:function' or a callable (env, seat, rng). "
-        "A frozen snapshot of the policy cannot play a seat yet"
+        f"'{SNAPSHOT}' or '{SNAPSHOT}:N' (a frozen copy of the policy, refreshed every N steps), "
+        f"'{LEAGUE}:N:K' (one of its K latest snapshots, taken every N steps, drawn per game), "
+        f"'{RANDOM}' (a random legal move), 'module:function' or a callable (env, seat, rng)"
+    )
+
+
+def _snapshot(seat: str, player: str) -> Snapshot:
+    """``"snapshot"``, ``"snapshot:N"`` or ``"league:N:K"`` as a `Snapshot`.
+
+    Raises:
+        ValueError: N or K is not a whole number of 1 or more (K: 2 or more), or missing.
+    """
+    kind, *numbers = player.split(":")
+    counts = [int(n) if n.isdigit() else 0 for n in numbers]
+    if kind == SNAPSHOT and len(counts) <= 1 and all(n >= 1 for n in counts):
+        return Snapshot(counts[0] if counts else None)
+    if kind == LEAGUE and len(counts) == 2 and counts[0] >= 1 and counts[1] >= 2:
+        return Snapshot(counts[0], counts[1])
+    raise ValueError(
+        f"seat_players[{seat!r}]={player!r}: use '{SNAPSHOT}' (never refreshed), '{SNAPSHOT}:N' "
+        f"(N, the optimizer steps between refreshes, a whole number of 1 or more, e.g. "
+        f"'{SNAPSHOT}:10') or '{LEAGUE}:N:K' (K, the snapshots kept, 2 or more, e.g. "
+        f"'{LEAGUE}:10:4')"
     )

@@ -24,6 +24,7 @@ from environments import (
     init_name,
     run_environment_code_blocking,
 )
+from environments.seats import refuse_games
 from rollout.backend import GenerationBackend
 from rollout.compaction import POLICY_NAMES, ContextPolicy, ContextPolicyError, context_policy_of
 from rollout.episode import EpisodeConfig, EpisodeContext, run_episode
@@ -126,10 +127,13 @@ class RolloutEngine:
         EnvironmentTimeoutError: A factory that is not a class, called once (and its instance
             closed) to find the class, did not return within `config.environment_timeout_s`.
         ValueError: `environment_factory` is an empty dict, an agent comes with an
-            environment or tools, two tools share a name, or `infra_retries` is negative.
+            environment or tools, two tools share a name, `infra_retries` is negative, or an
+            environment class has seats (a game: `rollout.match.MatchEngine` plays it).
         McpServerError: An MCP server did not start or list its tools.
 
     """
+
+    plays_seats = False  # a game with seats needs `rollout.match.MatchEngine`
 
     def __init__(
         self,
@@ -163,6 +167,8 @@ class RolloutEngine:
             factories = {None: environment_factory}
         if not factories:
             raise ValueError("environment_factory is an empty dict; give at least one environment")
+        if not self.plays_seats:
+            refuse_games(factories.values(), "RolloutEngine")
         processor = tokenizer if is_vision_processor(tokenizer) else None
         if processor is not None:
             tokenizer = processor.tokenizer

@@ -295,7 +295,11 @@ def _start(
 async def _play(
     ctx: EpisodeContext, state: EpisodeState, tools: Mapping[str, Tool], env: Any
 ) -> Finish:
-    """The turn loop; returns why the episode ended."""
+    """The turn loop; returns why the episode ended.
+
+    A turn's reward is what its tool calls' `Rewarded` results gave, plus the environment's
+    ``turn_reward()``, read once the turn's calls ran.
+    """
     window = ctx.window(state.first_prompt_length)
     while True:
         if finish := await _compact_if_full(ctx, state, window):
@@ -338,6 +342,7 @@ async def _turn(
         return Finish.MAX_TURNS  # every earlier turn ran its calls: no more may run
     results = await run_calls(parsed.tool_calls, tools, ctx.tools.keys(), ctx.config.tool_timeout_s)
     _count(state, parsed, results)
+    state.score_turn(sum(r.reward for r in results))  # what `Rewarded` results gave the step
     tool_messages = [tool_message(r.name, r.content, r.images) for r in results]
     tool_messages += [tool_message("error", e) for e in parsed.errors]
     env_done = env is not None and await read_done(env, ctx.config.environment_timeout_s)

@@ -2,17 +2,21 @@
 
 One environment instance holds the game. The seat it names (``to_move``) plays the next turn:
 a scripted player (`environments.seats.ScriptedPlayer`) calls the game's tools itself; a seat
-the policy plays samples a turn in its own conversation, and its tool calls run on the game.
-Each policy seat's conversation is its own: the row's prompt with ``reset``'s text and, at its
+a model plays (the policy, or a frozen snapshot of it: `environments.seats.Snapshot`) samples
+a turn in its own conversation from its own backend, and its tool calls run on the game.
+Each model seat's conversation is its own: the row's prompt with ``reset``'s text and, at its
 first turn, what ``observe(seat)`` tells it; at each later turn its own last tool results, then
 ``observe(seat)`` (the other seats' moves) as a user message, appended as one mask-0 delta
 through the chat template, as an episode appends a tool turn (`rollout.episode`). So every
-policy seat gets token-exact rows, and the match gives one `Episode` per policy seat, each
-with that seat's reward (``reward(seat)``).
+model seat gets token-exact rows, and the match gives one `Episode` per policy seat (a
+snapshot's side is not trained, and not returned), each with that seat's reward
+(``reward(seat)``).
 
-A policy seat's turn that makes no tool call forfeits the game: it ends there, that seat gets
+A model seat's turn that makes no tool call forfeits the game: it ends there, that seat gets
 `ILLEGAL_MOVE_REWARD` and the other seats 0.0. A seat that runs out of tokens or turns cuts
-the game off for every seat (LENGTH or MAX_TURNS); the rewards are then the game's.
+the game off for every seat (LENGTH or MAX_TURNS); the rewards are then the game's. A policy
+seat whose game ended before its first turn sampled nothing: its episode `sat_out`, and the
+round leaves it out of its group's baseline and of training, as an infrastructure failure.
 `MatchEngine` plays a round of matches in place of `RolloutEngine`'s episodes, with groups
 formed per (row, seat).
 """
@@ -39,13 +43,16 @@ from environments import (
 )
 from environments.seats import (
     ILLEGAL_MOVE_REWARD,
-    ScriptedPlayer,
+    SeatPlayer,
+    Snapshot,
+    is_seated,
     seat_observation,
     seat_players,
     seat_reward,
     seat_to_move,
     seats_of,
 )
+from rollout.backend import GenerationBackend
 from rollout.engine import RolloutEngine
 from rollout.episode import EpisodeContext, PromptTooLongError
 from rollout.prompts import row_messages, show_row, with_observation
@@ -58,11 +65,28 @@ from tools import Tool
 SEAT_COLUMN = "seat"
 
 
+def sat_out(episode: Episode) -> bool:
+    """Whether `episode` is a game's seat that sampled nothing (the game ended before its turn).
+
+    Its reward is the game's for moves it never made: it says nothing about the policy, so a
+    round scores it as it does an infrastructure failure (`Finish.INFRA`): not at all.
+    """
+    sampled = any(mask for row in episode.rows for mask in row.loss_mask)
+    return not sampled and is_seated(type(episode.environment))
+
+
 @dataclass
 class _Seat:
-    """A policy seat's side of a match: its conversation and rows, once it has played."""
+    """A model seat's side of a match: its conversation and rows, once it has played.
+
+    Attributes:
+        backend: What samples its turns: the policy's backend, or its snapshot's.
+        trained: The policy plays it (its episode is returned); False for a snapshot.
+    """
 
     name: str
+    backend: GenerationBackend
+    trained: bool
     state: EpisodeState | None = None
     pending: list[dict[str, Any]] = field(default_factory=list)  # its last turn's results
     stop_text: str = ""
@@ -77,7 +101,7 @@ class _Match:
     env: Any
     row: Mapping[str, Any]
     prompt: list[dict[str, Any]]
-    players: Mapping[str, ScriptedPlayer | None]
+    players: Mapping[str, SeatPlayer]
     sample_seed: int
     sides: dict[str, _Seat]
     forfeit: str | None = None
@@ -92,8 +116,9 @@ async def play_match(
     ctx: EpisodeContext,
     row: Mapping[str, Any],
     seed: int,
-    players: Mapping[str, ScriptedPlayer | None],
+    players: Mapping[str, SeatPlayer],
     place: Callable[[str], tuple[int, int]],
+    snapshots: Mapping[str, Sequence[GenerationBackend]],
 ) -> dict[str, Episode]:
     """Play one match of `row`; return the episode of each policy seat (None in `players`).
 
@@ -101,18 +126,30 @@ async def play_match(
         ctx: The engine's context of the game (renderer, parser, backend, limits, tools).
         row: The task row; `reset` receives its columns.
         seed: The group's seed: the game resets with it; turns sample from it and the seat.
-        players: Every seat's player: None for the policy, else a scripted player.
-        place: A seat's (group, index) in the round.
+        players: Every seat's player: None for the policy, a `Snapshot` or a scripted player.
+        place: A policy seat's (group, index) in the round.
+        snapshots: The backends of each seat a `Snapshot` plays: the match draws one from its
+            seed (a league's pool holds several).
 
     Raises:
         PromptTooLongError: A seat's first prompt leaves no room to generate.
     """
     assert ctx.environment_factory is not None
     factory, timeout_s = ctx.environment_factory, ctx.config.environment_timeout_s
+    first = next(seat for seat, player in players.items() if player is None)
+    sample_seed = hash((seed, *place(first)))
+    sides = {
+        seat: _Seat(
+            seat,
+            _drawn(snapshots, seat, sample_seed, players) if seat in snapshots else ctx.backend,
+            player is None,
+        )
+        for seat, player in players.items()
+        if player is None or isinstance(player, Snapshot)
+    }
     create = functools.partial(create_environment, factory)
     env = await run_environment_code(create, init_name(factory), timeout_s)
-    sides = {seat: _Seat(seat) for seat, player in players.items() if player is None}
-    match = _Match(ctx, env, row, [], players, hash((seed, *place(next(iter(sides))))), sides)
+    match = _Match(ctx, env, row, [], players, sample_seed, sides)
     try:
         reset = functools.partial(reset_environment, env, row, seed)
         shared = await match.env_code(reset, "reset()")
@@ -120,7 +157,7 @@ async def play_match(
         finish = await _play(match)
         rewards = await _rewards(match)
         for side in sides.values():
-            if side.state is None:  # the game ended before this seat's first turn
+            if side.trained and side.state is None:  # the game ended before its first turn
                 side.state = await _first_state(match, side)
     except BaseException as failure:  # the first error is the one raised; a failing close notes
         with anyio.CancelScope(shield=True):
@@ -131,7 +168,29 @@ async def play_match(
     return {
         seat: _episode(match, side, side.finish or finish, rewards[seat], place(seat))
         for seat, side in sides.items()
+        if side.trained
     }
+
+
+def _drawn(
+    snapshots: Mapping[str, Sequence[GenerationBackend]],
+    seat: str,
+    sample_seed: int,
+    players: Mapping[str, SeatPlayer],
+) -> GenerationBackend:
+    """The snapshot that plays `seat` in this match: drawn from its pool by the match's seed.
+
+    Raises:
+        ValueError: The pool is empty (no snapshot taken yet).
+    """
+    pool = snapshots[seat]
+    if not pool:
+        raise ValueError(
+            f"seat {seat!r} is a snapshot's, but no snapshot of the policy has been taken yet; "
+            "take one before the round (GRPOTrainer does at each round's start)"
+        )
+    seat_index = list(players).index(seat)
+    return pool[random.Random(hash((sample_seed, seat_index))).randrange(len(pool))]
 
 
 async def _play(match: _Match) -> Finish:
@@ -142,20 +201,20 @@ async def _play(match: _Match) -> Finish:
         if seat is None:
             return Finish.ENV_DONE
         player = match.players[seat]
-        if player is not None:
+        if player is not None and not isinstance(player, Snapshot):
             move = functools.partial(player, match.env, seat, rng)
             await match.env_code(move, f"move of the scripted player of {seat!r}")
             continue
         side = match.sides[seat]
         if side.state is not None and side.state.turns >= match.ctx.config.max_turns:
             return Finish.MAX_TURNS
-        finish = await _policy_turn(match, side)
+        finish = await _model_turn(match, side)
         if finish is not None:
             return finish
 
 
-async def _policy_turn(match: _Match, side: _Seat) -> Finish | None:
-    """One turn of a policy seat; returns a Finish when the game ends (or is cut off) here."""
+async def _model_turn(match: _Match, side: _Seat) -> Finish | None:
+    """One turn of a model seat; returns a Finish when the game ends (or is cut off) here."""
     ctx = match.ctx
     if side.state is None:
         side.state = await _first_state(match, side)
@@ -167,7 +226,7 @@ async def _policy_turn(match: _Match, side: _Seat) -> Finish | None:
     if budget < 1:
         return Finish.LENGTH
     params = ctx.config.sampling(budget, hash((state.sample_seed, state.turns)) % 2**62)
-    completion = await ctx.backend.generate(state.tokens.context_ids, params)
+    completion = await side.backend.generate(state.tokens.context_ids, params)
     state.add_sampled(completion)
     state.turns += 1
     if not completion.stopped:
@@ -298,11 +357,18 @@ class MatchEngine(RolloutEngine):
         backend, tokenizer: As for `RolloutEngine`.
         environment_factory: The seated environment class.
         players: Seat to player (`environments.seats.seat_players`); None: self-play.
+        seat_backends: What samples each `Snapshot` seat's turns: a backend, or a pool of them
+            (a league's; a list that its holder may grow between rounds) from which each match
+            draws one. One entry per such seat, and for no other seat. Whoever holds them keeps
+            their weights frozen.
         **options: `RolloutEngine`'s other keyword arguments.
 
     Raises:
-        ValueError: As `seat_players`, or the class has no seats.
+        ValueError: As `seat_players`, the class has no seats, or `seat_backends` does not
+            match the `Snapshot` seats.
     """
+
+    plays_seats = True
 
     def __init__(
         self,
@@ -311,12 +377,24 @@ class MatchEngine(RolloutEngine):
         *,
         environment_factory: type,
         players: Mapping[str, Any] | None = None,
+        seat_backends: Mapping[str, GenerationBackend | Sequence[GenerationBackend]] | None = None,
         **options: Any,
     ):
         if not seats_of(environment_factory):
             raise ValueError(f"{environment_factory.__qualname__} declares no seats")
         self.players = seat_players(environment_factory, players)
         self.trained_seats = [seat for seat, p in self.players.items() if p is None]
+        self.seat_backends = {  # a pool stays the caller's list: it may grow between rounds
+            seat: pool if isinstance(pool, Sequence) else [pool]
+            for seat, pool in (seat_backends or {}).items()
+        }
+        snapshots = sorted(s for s, p in self.players.items() if isinstance(p, Snapshot))
+        if sorted(self.seat_backends) != snapshots:
+            raise ValueError(
+                f"seat_backends has backends for seats {sorted(self.seat_backends)}, but the "
+                f"seats a snapshot plays are {snapshots}: give one backend per snapshot seat "
+                "(`agentgrpo run` and GRPOTrainer build them; see docs/several-players.md)"
+            )
         super().__init__(backend, tokenizer, environment_factory=environment_factory, **options)
 
     async def run(
@@ -344,8 +422,9 @@ class MatchEngine(RolloutEngine):
 
         async def play(r: int, k: int) -> None:
             async with limiter:
+                where = functools.partial(place, r, k)
                 sides = await play_match(
-                    self.context, rows[r], seed + r, self.players, functools.partial(place, r, k)
+                    self.context, rows[r], seed + r, self.players, where, self.seat_backends
                 )
             played.update({episode.index: episode for episode in sides.values()})
             unfinished[r] -= 1

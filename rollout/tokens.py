@@ -148,8 +148,9 @@ class EpisodeState:
         self.turn_log.append(TurnRecord(len(self.done_rows), start, end, state=state_key))
 
     def score_turn(self, reward: float) -> None:
-        """Set the reward of the turn logged last."""
-        self.turn_log[-1] = dataclasses.replace(self.turn_log[-1], reward=reward)
+        """Add `reward` to the turn logged last's (its tools' rewards and ``turn_reward`` add)."""
+        last = self.turn_log[-1]
+        self.turn_log[-1] = dataclasses.replace(last, reward=last.reward + reward)
 
     def add_tool_turn(self, turn: ToolTurn) -> None:
         """Append the tool turn to the current row, or close the row and start a new one."""

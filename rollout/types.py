@@ -168,7 +168,7 @@ class TurnRecord:
     Attributes:
         row: The index of its row in `Episode.rows`.
         start, end: Its tokens' span in that row's completion (all mask 1).
-        reward: The environment's reward for the turn (``turn_reward``; 0.0 without one).
+        reward: The turn's reward: its tools' `Rewarded` rewards plus ``turn_reward()``'s.
         state: The state it started from, for ``turn_advantage="same_state"`` (the
             environment's ``state_key``, or its observation); None when not tracked.
     """

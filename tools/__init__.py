@@ -4,6 +4,8 @@
 `Tool` whose schema the chat template shows the model. `await call_tool(tools, name, arguments,
 timeout_s)` validates the model's arguments and calls the tool, and never raises for a failure
 the model caused: it returns a `ToolResult` with `error` set and a message the model can act on.
+A tool that returns `Rewarded(value, reward)` gives its step a reward: the model reads `value`,
+and the engine adds `reward` to the turn's (`tools.rewarded`).
 
 Built-in tools: `calculator` (safe arithmetic) and `python` (runs model-written Python in a
 sandbox: wall-clock, CPU, memory, process, file-size and output limits; no network, and only
@@ -32,12 +34,14 @@ from tools.call import (
 )
 from tools.infrastructure import InfrastructureError, infrastructure_failure
 from tools.python import python, python_tool
+from tools.rewarded import Rewarded, ToolRewardError
 from tools.sandbox import SandboxUnavailableError
 from tools.schema import Tool, ToolDefinitionError, as_tool
 from tools.threads import StuckCallsError, UserCodeAborted, run_in_daemon_thread
 
 __all__ = [
     "InfrastructureError",
+    "Rewarded",
     "SandboxUnavailableError",
     "StuckCallsError",
     "Tool",
@@ -45,6 +49,7 @@ __all__ = [
     "ToolErrorKind",
     "ToolResult",
     "ToolResultError",
+    "ToolRewardError",
     "UserCodeAborted",
     "as_tool",
     "calculator",

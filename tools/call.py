@@ -25,6 +25,8 @@ Contract of `call_tool`:
   the model's arguments can reach), alone or inside a dict, list or tuple, becomes a note that
   says so: that is data too. A value that cannot become text (e.g. a dict with tuple keys) is
   the tool author's bug, not the model's: `ToolResultError` names the tool's function.
+- A `Rewarded(value, reward)` gives the step a reward (`ToolResult.reward`; `tools.rewarded`):
+  the model reads only `value`; a reward that is not a finite number is a `ToolRewardError`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any
 import anyio
 
 from tools.infrastructure import InfrastructureError
+from tools.rewarded import split_reward
 from tools.sandbox import SandboxUnavailableError
 from tools.schema import Tool
 from tools.threads import StuckCallsError, describe_error, is_signal, run_in_daemon_thread
@@ -83,6 +86,7 @@ class ToolResult:
         seconds: Wall time of the whole call, validation included, in seconds.
         images: Images the tool returned (PIL images, `is_image`), for a vision-language model
             to see after `content`'s text; empty for text results.
+        reward: What the step earned: the reward of a `Rewarded` the tool returned, else 0.0.
 
     """
 
@@ -91,6 +95,7 @@ class ToolResult:
     error: ToolErrorKind | None
     seconds: float
     images: tuple[Any, ...] = ()
+    reward: float = 0.0
 
 
 async def call_tool(
@@ -103,7 +108,7 @@ async def call_tool(
 
     A tool may also return an image (a PIL image), or a list or tuple of images and other
     values: the images go to `ToolResult.images`, the other values, as text, one a line, to
-    `content`.
+    `content`. A `Rewarded(value, reward)` is read as `value`, its reward is `ToolResult.reward`.
 
     Args:
         tools: The tools the model may call, by name.
@@ -117,6 +122,8 @@ async def call_tool(
 
     Raises:
         ToolResultError: The tool returned a value that cannot become text (its author's bug).
+        ToolRewardError: The tool returned a `Rewarded` with a reward that is not a finite
+            number, or nested one (its author's bug).
         StuckCallsError: Too many calls of user code are stuck to start another.
         SandboxUnavailableError: The python tool cannot isolate its code here.
         InfrastructureError: The tool raised it: its sandbox or server failed, not the model.
@@ -144,14 +151,16 @@ async def call_tool(
             message = f"Error: {name}() timed out after {float(timeout_s or 0)} s"
             return result(message, ToolErrorKind.TIMEOUT)
         return result(f"Error: {name}() raised {describe_error(exc)}", ToolErrorKind.EXCEPTION)
+    value, reward = split_reward(value, getattr(tool.fn, "__qualname__", tool.name))
     images = _images_in(value)
     if not images:
-        return result(_result_text(tool, value))
+        text = _result_text(tool, value)
+        return ToolResult(name, text, None, time.perf_counter() - start_s, (), reward)
     if problem := next(filter(None, map(picture_problem, images)), None):
         return result(f"Error: {name}() returned {problem}", ToolErrorKind.BAD_PICTURE)
     rest = [] if is_image(value) else [v for v in value if not is_image(v)]
     text = "\n".join(_result_text(tool, v) for v in rest)
-    return ToolResult(name, text, None, time.perf_counter() - start_s, images)
+    return ToolResult(name, text, None, time.perf_counter() - start_s, images, reward)
 
 
 def is_image(value: Any) -> bool:

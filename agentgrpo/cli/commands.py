@@ -409,7 +409,7 @@ def _print_start(
         "precision": describe_precision(weights, autocast),
         "generation": backend,
         "steps": f"{args.max_steps} x {args.per_device_train_batch_size} episodes "
-        f"({args.num_generations} per prompt), lr {args.learning_rate:g}",
+        f"({trainer.plan.per_prompt}), lr {args.learning_rate:g}",
         "episodes": _episode_line(args.max_completion_length, args.max_turns, settings),
         "warm start": _warm_start_line(args),
         "output": args.output_dir,

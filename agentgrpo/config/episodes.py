@@ -98,9 +98,11 @@ class EpisodeFields:
         metadata={
             "help": "Who plays each seat of a game with seats (docs/several-players.md), as a "
             "JSON object of seat to player: 'policy' (the model; its turns are trained), "
+            "'snapshot' or 'snapshot:N' (a frozen copy of the policy, refreshed every N steps; "
+            "transformers only), 'league:N:K' (one of its K latest snapshots, drawn per game), "
             "'random' (a random legal move) or 'module:function' (a scripted player). Seats "
-            "left out are the policy's. None: self-play, every seat trained. Frozen snapshots "
-            'of the policy cannot play a seat yet. Example: {"o": "random"}.'
+            'left out are the policy\'s. None: self-play, every seat trained. Example: {"o": '
+            '"random"}.'
         },
     )
     log_episodes: bool = field(
@@ -142,8 +144,8 @@ def check_episode_values(config: "GRPOConfig") -> None:
     require(
         players is None
         or (isinstance(players, dict) and all(isinstance(v, str) for v in players.values())),
-        f"seat_players={players!r} must map seat names to players ('policy', 'random' or "
-        "'module:function'), e.g. {'o': 'random'}.",
+        f"seat_players={players!r} must map seat names to players ('policy', 'snapshot', "
+        "'random' or 'module:function'), e.g. {'o': 'random'}.",
     )
     require(
         not (players and config.async_grpo),

@@ -115,7 +115,7 @@ class TrainingBatch:
         real_B_L = picked.attention_mask_B_L.bool()
         first = int(real_B_L.any(0).nonzero()[0])  # leftmost column some row uses
         completion_used = picked.attention_mask_B_L[:, -self.completion_width :].any(0)
-        last = int(completion_used.nonzero()[-1]) + 1 if completion_used.any() else 0
+        last = int(completion_used.nonzero()[-1]) + 1 if completion_used.any() else 1  # C >= 1
         return picked._trim(first, self.completion_width - last)
 
     def _trim(self, left: int, right: int) -> TrainingBatch:

@@ -109,19 +109,38 @@ class RoundPlan:
         )
 
     @classmethod
-    def for_eval(cls, args: GRPOConfig, num_processes: int) -> RoundPlan:
-        """An evaluation round: `per_device_eval_batch_size` episodes a process, one batch."""
+    def for_eval(cls, args: GRPOConfig, num_processes: int, seats: int = 1) -> RoundPlan:
+        """An evaluation round: `per_device_eval_batch_size` episodes a process, one batch.
+
+        A game whose policy plays `seats` seats gives that many episodes a play, as in training
+        (`from_config`), so the round plays `seats` times fewer rows.
+        """
         num_generations = args.num_generations_eval or args.num_generations
         per_process = prompts_per_process(
-            args.per_device_eval_batch_size * num_processes, num_generations, num_processes
+            args.per_device_eval_batch_size * num_processes, num_generations, num_processes, seats
         )
         return cls(
             per_process,
             num_generations,
             num_processes,
-            micro_batch_size=per_process * num_generations,
+            micro_batch_size=per_process * num_generations * seats,
             train=False,
+            seats=seats,
         )
+
+    @property
+    def per_prompt(self) -> str:
+        """What one prompt gives, for the run's summary: its episodes, or games and seats.
+
+        Examples:
+            >>> RoundPlan(prompts_per_process=2, num_generations=4).per_prompt
+            '4 per prompt'
+            >>> RoundPlan(prompts_per_process=1, num_generations=4, seats=2).per_prompt
+            '4 games per prompt, 2 seats trained in each'
+        """
+        if self.seats == 1:
+            return f"{self.num_generations} per prompt"
+        return f"{self.num_generations} games per prompt, {self.seats} seats trained in each"
 
     @property
     def episodes_per_process(self) -> int:

@@ -4,7 +4,9 @@ Scoring runs inside the engine's `on_group` hook, so slow (for example I/O-bound
 functions overlap with the generation of the groups still playing instead of adding to the step.
 An episode an infrastructure failure ended (`Finish.INFRA`, `rollout.infrastructure`) is not
 scored: reward functions never see it, and every one of its rewards is NaN, which leaves it out
-of its group's baseline with advantage 0 (`learner.advantages.group_advantages`).
+of its group's baseline with advantage 0 (`learner.advantages.group_advantages`). Neither is a
+game's seat that sampled nothing because the game ended before its turn (`rollout.match.sat_out`):
+its reward would be the game's for moves it never made.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from agentgrpo.rewards.calls import RewardBatch, RewardFunction, score
 from environments import reward_method_name
 from rollout import Episode, Finish, RolloutEngine
+from rollout.match import sat_out
 from rollout.row_tools import carries_tools
 
 logger = logging.getLogger(__name__)
@@ -141,10 +144,10 @@ class Scorer:
     async def score_group(self, episodes: Sequence[Episode]) -> torch.Tensor:
         """rewards_G_F: one column per name in `names`; NaN where a function returned None.
 
-        `Finish.INFRA` episodes are left out of what the reward functions see, and their rows
-        are NaN.
+        `Finish.INFRA` episodes, and seats that sat out their game (`rollout.match.sat_out`),
+        are left out of what the reward functions see, and their rows are NaN.
         """
-        at = [g for g, e in enumerate(episodes) if e.finish is not Finish.INFRA]
+        at = [g for g, e in enumerate(episodes) if not unscored(e)]
         rewards_G_F = torch.full((len(episodes), len(self.names)), math.nan)
         if at:
             scored = [episodes[g] for g in at]
@@ -184,6 +187,11 @@ class Scorer:
         replies = (i for i, m in enumerate(episode.messages) if m["role"] == "assistant")
         first_reply = next(replies, len(episode.messages))  # a seat may end without a turn
         return episode.messages[:first_reply], episode.messages[first_reply:]
+
+
+def unscored(episode: Episode) -> bool:
+    """Whether no reward rates `episode`: an infrastructure failure, or a seat that sat out."""
+    return episode.finish is Finish.INFRA or sat_out(episode)
 
 
 def _own_reward(episode: Episode, env_class: type) -> float:
@@ -267,8 +275,8 @@ def warn_if_unscored(
     1.16 (`learner.advantages.group_advantages`). The warning goes through this
     module's logger, as TRL logs its own, so the same log filters catch it.
     """
-    infra_N = torch.tensor([e.finish is Finish.INFRA for e in episodes], dtype=torch.bool)
-    unscored_N = rewards_N_F.isnan().all(dim=1) & ~infra_N  # an INFRA episode is not scored
+    skipped_N = torch.tensor([unscored(e) for e in episodes], dtype=torch.bool)
+    unscored_N = rewards_N_F.isnan().all(dim=1) & ~skipped_N  # not scored on purpose
     if not rewards_N_F.shape[1] or not unscored_N.any():
         return
     first = episodes[int(unscored_N.nonzero()[0])]

@@ -3,7 +3,9 @@
 The maths is `agentgrpo.learner.turn_credit`'s; this lays a round's episodes out for it (each
 turn's return and state, gathered over every process, since a group may span processes) and
 spreads each turn's advantage over its tokens (`TurnRecord` spans). Tokens of an episode the
-engine did not play turn by turn (no `Episode.turns`) keep the episode's advantage.
+engine did not play turn by turn (no `Episode.turns`) keep the episode's advantage. The
+episode's reward is added to its last turn's, less what its turns earned when its environment's
+``reward()`` is their sum (`sums_turns`).
 """
 
 from __future__ import annotations
@@ -71,11 +73,22 @@ class TurnCredit:
             if math.isnan(reward):
                 continue
             turn_rewards = [turn.reward for turn in episode.turns]
-            returns = discounted_returns(turn_rewards, reward, self.gamma)
+            final = reward - sum(turn_rewards) if sums_turns(episode) else reward
+            returns = discounted_returns(turn_rewards, final, self.gamma)
             returns_N_T[n, : len(returns)] = torch.tensor(returns)
             for t, turn in enumerate(episode.turns):
                 states_N_T[n, t] = state_id(turn.state) if turn.state is not None else -1
         return returns_N_T, states_N_T
+
+
+def sums_turns(episode: Episode) -> bool:
+    """Whether the episode's environment's ``reward()`` already sums its turns' rewards.
+
+    Such an environment (the gymnasium and OpenEnv adapters: ``reward_sums_turns = True``)
+    earned its reward in its turns, so the last turn's return adds only what no turn earned:
+    counting the reward there too would credit every step twice.
+    """
+    return bool(getattr(type(episode.environment), "reward_sums_turns", False))
 
 
 def spread(episode: Episode, advantages_T: torch.Tensor, advantage: float) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ from agentgrpo.learner.losses import LossConfig
 from agentgrpo.learner.objectives import VespoShape
 from agentgrpo.rewards.calls import RewardFunction
 from agentgrpo.rounds.scoring import Scorer, environment_reward_classes
-from environments.seats import is_seated
+from environments.seats import Snapshot, is_seated, seat_players
 from rollout import EpisodeConfig, GenerationBackend, RolloutEngine
 from rollout.agents import Agent
 from rollout.match import MatchEngine
@@ -55,6 +55,7 @@ def build_parts(
     reward_funcs: Sequence[RewardFunction] = (),
     trainer_state: Callable[[], Any] = lambda: None,
     agent: Agent | None = None,
+    seat_backends: Mapping[str, GenerationBackend | Sequence[GenerationBackend]] | None = None,
 ) -> RunParts:
     """Build the parts of a run from `config` (a `GRPOConfig`).
 
@@ -70,12 +71,17 @@ def build_parts(
             training).
         agent: An agent that plays each episode through the engine's chat endpoint, in place
             of an environment and tools; its returned rewards are reward columns of their own.
+        seat_backends: The backend (a league: its pool) of each seat a frozen snapshot plays
+            (`seat_players`); None: `backend` plays them, which is right where the policy does
+            not train (evaluation: its snapshot is itself).
 
     Raises:
         ValueError: No reward at all, or `reward_weights` not matching the rewards (see
             `reward_weights_of`).
     """
-    engine = build_engine(config, backend, tokenizer, environment_factory, tools, agent)
+    engine = build_engine(
+        config, backend, tokenizer, environment_factory, tools, agent, seat_backends
+    )
     scorer = Scorer(
         funcs=list(reward_funcs),
         env_reward_classes=environment_reward_classes(environment_factory),
@@ -98,6 +104,7 @@ def build_engine(
     environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None,
     tools: Sequence[Callable[..., Any]] = (),
     agent: Agent | None = None,
+    seat_backends: Mapping[str, GenerationBackend | Sequence[GenerationBackend]] | None = None,
 ) -> RolloutEngine:
     """The engine that plays a `GRPOConfig` run's episodes (its template, parser and limits).
 
@@ -119,6 +126,11 @@ def build_engine(
                 "synchronously and without an agent; set async_grpo=False and drop the agent"
             )
         engine_class, options["players"] = MatchEngine, config.seat_players
+        players = seat_players(environment_factory, config.seat_players)
+        snapshots = [seat for seat, player in players.items() if isinstance(player, Snapshot)]
+        options["seat_backends"] = (
+            {seat: backend for seat in snapshots} if seat_backends is None else seat_backends
+        )
     elif config.seat_players:
         raise ValueError(
             f"seat_players={config.seat_players} needs one environment class with seats (e.g. "

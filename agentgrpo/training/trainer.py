@@ -23,7 +23,7 @@ import torch
 from agentgrpo.asynchronous.mode import AsyncRounds, check_async_players
 from agentgrpo.config import GRPOConfig
 from agentgrpo.devices import check_launch
-from agentgrpo.generation.generator import Generator, Generators, choose_generators
+from agentgrpo.generation.generator import Generator, Generators
 from agentgrpo.learner.batch import TrainingBatch, collate_episodes
 from agentgrpo.learner.logprobs import batched_logprobs
 from agentgrpo.learner.losses import normalises_by_num_items
@@ -62,7 +62,7 @@ from agentgrpo.rounds.pipeline import (
 from agentgrpo.rounds.sampler import curriculum_of, evaluation_loader, training_loader
 from agentgrpo.rounds.scoring import Scorer, play_round, score_played
 from agentgrpo.rounds.wiring import build_parts
-from agentgrpo.training import porting
+from agentgrpo.training import porting, seat_snapshots
 from agentgrpo.training.checkpoint_saving import Checkpoints
 from agentgrpo.training.loss_step import LossStep
 from agentgrpo.training.processes import Processes
@@ -220,8 +220,8 @@ class GRPOTrainer(TRLAttributes):
     def _wire(self, tools: Sequence[Callable[..., Any]], factory: Any, router_coef: float) -> None:
         """Build the engine, scorer and loss step (`wiring.build_parts`) and the round's parts."""
         args, tokenizer = self.args, self.processing_class
-        generators = choose_generators(
-            args, self.placement, self.model, tokenizer, self.accelerator, self.processor
+        generators, self.snapshots = seat_snapshots.choose_with_snapshots(
+            args, self.placement, self.model, tokenizer, self.accelerator, self.processor, factory
         )
         self.generator: Generator = generators.rounds
         parts = self._build_parts(generators.rounds.backend, tools, factory, self.agent)
@@ -269,8 +269,8 @@ class GRPOTrainer(TRLAttributes):
     def _build_parts(self, backend: Any, tools: Sequence[Callable], factory: Any, agent: Any):
         """`wiring.build_parts` for this run over `backend`; a VLM's processor renders images."""
         renderer = self.processing_class if self.processor is None else self.processor
-        rewards, state = self._reward_functions, lambda: self.state
-        return build_parts(self.args, backend, renderer, factory, tools, rewards, state, agent)
+        parts = (self._reward_functions, lambda: self.state, agent, self.snapshots.backends)
+        return build_parts(self.args, backend, renderer, factory, tools, *parts)
 
     @property
     def _mode(self) -> str:
@@ -336,7 +336,7 @@ class GRPOTrainer(TRLAttributes):
 
     @property
     def _eval_plan(self) -> RoundPlan:
-        return RoundPlan.for_eval(self.args, self.args.world_size)
+        return RoundPlan.for_eval(self.args, self.args.world_size, self.plan.seats)
 
     # ------------------------------------------------------------------ rounds
 

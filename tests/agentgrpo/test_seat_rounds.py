@@ -47,6 +47,9 @@ def test_a_round_plays_fewer_rows_when_each_game_trains_several_seats(tmp_path):
     plan = RoundPlan.from_config(args, 1, TicTacToe)
     assert (plan.prompts_per_process, plan.episodes_per_process) == (1, 4)
     assert plan.rows_needed == 3
+    evaluation = RoundPlan.for_eval(config(tmp_path, per_device_eval_batch_size=4), 1, plan.seats)
+    assert (evaluation.prompts_per_process, evaluation.episodes_per_process) == (1, 4)
+    assert evaluation.micro_batch_size == 4
     odd = config(tmp_path, per_device_train_batch_size=2)
     with pytest.raises(ValueError, match=re.escape("x 2 seats trained per game")):
         RoundPlan.from_config(odd, 1, TicTacToe)

@@ -101,3 +101,29 @@ def test_a_training_step_with_credit_per_turn_trains(tmp_path, tokenizer):
 def test_vespo_refuses_credit_per_turn(tmp_path):
     with pytest.raises(ValueError, match=r"turn_advantage=.return..*vespo"):
         config(tmp_path, turn_advantage="return", loss_type="vespo")
+
+
+class SummedSteps(Steps):
+    """`Steps` whose reward is its turns' rewards summed, as the gymnasium adapter's is."""
+
+    reward_sums_turns = True
+
+    def reward(self) -> float:
+        return 1.0 if self.good else 0.0
+
+
+@pytest.mark.parametrize(
+    ("environment", "returns"), [(Steps, [2.0, 1.0, 1.0]), (SummedSteps, [1.0, 0.0, 0.0])]
+)
+def test_a_reward_that_sums_the_turns_is_not_credited_twice(
+    tmp_path, tokenizer, environment, returns
+):
+    args = config(tmp_path, turn_advantage="return")
+    backend = scripted_backend(tokenizer, [tool_call("step"), tool_call("step"), "Done."])
+    run = build_parts(args, backend, tokenizer, environment, (), reward_functions([]))
+    [episode] = anyio.run(run.engine.run, [{"prompt": "Go.", "good": True}])
+    assert [t.reward for t in episode.turns] == [1.0, 0.0, 0.0] and episode.env_reward == 1.0
+    turns = RewardShaping.from_config(args).turns
+    assert turns is not None
+    returns_N_T, _ = turns.tables([episode], torch.tensor([1.0]), width=3)
+    assert returns_N_T.tolist() == [returns]  # Steps' reward comes on top of its turns'

@@ -146,7 +146,8 @@ def test_seat_players_refuse_what_cannot_play():
     assert seat_players(TicTacToe, None) == {"x": None, "o": None}
     for players, words in (
         ({"z": "random"}, "names ['z']"),
-        ({"o": "snapshot"}, "is not a player; use 'policy'"),
+        ({"o": "chess-master"}, "is not a player; use 'policy'"),
+        ({"o": "snapshot:0"}, "a whole number of 1 or more"),
         ({"x": "random", "o": "random"}, "no seat is trained"),
     ):
         with pytest.raises(ValueError, match=re.escape(words)):

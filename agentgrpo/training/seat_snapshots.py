@@ -1,0 +1,205 @@
+"""Frozen snapshots of the policy that play seats of a game (``seat_players={"o": "snapshot:N"}``).
+
+A seat that `environments.seats.Snapshot` plays samples its turns from a copy of the policy's
+weights as they were when the copy was last taken, and is never trained. With the transformers
+backend the copy is a second model in the trainer's process, generating through a backend of
+its own (`generation.local.CopiedWeights`, the copy the asynchronous producer also uses). One
+pool of copies serves every snapshot seat with the same `Snapshot` settings.
+
+A copy is taken at the first round the run plays (after the warm start), then, for
+``"snapshot:N"``, again at the first round at least N optimizer steps after the last; plain
+``"snapshot"`` is never taken again. A league (``"league:N:K"``) keeps its K latest copies,
+a new one replacing the oldest once there are K, and each match draws one of them
+(`rollout.match`). A resumed run takes its copies afresh from the resumed policy: a league
+starts again from one. vLLM and sharded weights (DeepSpeed ZeRO-3, FSDP) cannot hold such a
+copy here, and are refused by `SeatSnapshots.of`. `choose_with_snapshots` is the trainer's one
+call for both: its generators, the rounds' one refreshing the copies first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from agentgrpo.generation.generator import Generator, Generators, choose_generators
+from agentgrpo.generation.local import CopiedWeights
+from agentgrpo.placement import Placement
+from environments.seats import Snapshot, is_seated, seat_players
+from rollout import GenerationBackend
+
+if TYPE_CHECKING:
+    from agentgrpo.config import GRPOConfig
+
+
+@dataclass
+class _Pool:
+    """The copies of one `Snapshot` setting: at most `size`, the oldest replaced first.
+
+    Attributes:
+        copy: Makes a new copy of the policy it is given (weights and backend).
+        every: Optimizer steps between two copies; None: only the first is taken.
+        size: The most copies kept.
+        copies: The copies taken, in the order of their slots.
+        backends: Their backends: the list the match engine draws from, kept in place.
+        taken_at: The optimizer step of each copy, by slot.
+    """
+
+    copy: Callable[[torch.nn.Module], CopiedWeights]
+    every: int | None
+    size: int
+    copies: list[CopiedWeights] = field(default_factory=list)
+    backends: list[GenerationBackend] = field(default_factory=list)
+    taken_at: list[int] = field(default_factory=list)
+
+    def due(self, step: int) -> bool:
+        """Whether the round of optimizer step `step` takes a new copy."""
+        if not self.taken_at:
+            return True
+        return self.every is not None and step >= max(self.taken_at) + self.every
+
+    def take(self, policy: torch.nn.Module, step: int) -> None:
+        """Copy `policy` (its weights of `step`) into a new slot, or over the oldest copy."""
+        if len(self.copies) < self.size:
+            self.copies.append(self.copy(policy))
+            self.backends.append(self.copies[-1].backend)
+            self.taken_at.append(step)
+            return
+        oldest = self.taken_at.index(min(self.taken_at))
+        self.copies[oldest].load(policy, step)
+        self.copies[oldest].backend.reset_prefix_cache()  # its keys are the old weights'
+        self.taken_at[oldest] = step
+
+
+@dataclass
+class SeatSnapshots:
+    """The frozen copies of the policy that a run's snapshot seats play.
+
+    Attributes:
+        seats: Each snapshot seat's pool of copies (seats with one `Snapshot` share it).
+    """
+
+    seats: dict[str, _Pool] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        args: GRPOConfig,
+        placement: Placement,
+        environment: Any,
+        policy: torch.nn.Module,
+        tokenizer: Any,
+    ) -> SeatSnapshots:
+        """The copies `args.seat_players` asks for (none: an empty `SeatSnapshots`).
+
+        Args:
+            args: The run's config (its `seat_players`, sampling and precision).
+            placement: Its launch.
+            environment: The run's environment factory.
+            policy: The policy (unwrapped); copied by each round that takes a copy.
+            tokenizer: The policy's tokenizer.
+
+        Raises:
+            ValueError: A snapshot seat with vLLM generating, or over sharded weights.
+        """
+        if not (isinstance(environment, type) and is_seated(environment)):
+            return cls()
+        players = seat_players(environment, args.seat_players)
+        chosen = {s: p for s, p in players.items() if isinstance(p, Snapshot)}
+        if not chosen:
+            return cls()
+        asked = {seat: args.seat_players[seat] for seat in chosen}  # type: ignore[index]
+        if args.use_vllm:
+            raise ValueError(
+                f"seat_players {asked}: a snapshot seat plays from a frozen copy of the "
+                "policy, which vLLM cannot hold beside the policy's weights yet; generate with "
+                "transformers (use_vllm=False), or give the seat 'random' or a scripted player"
+            )
+        if placement.shards_weights:
+            raise ValueError(
+                f"seat_players {asked}: a snapshot seat needs the whole policy on each process "
+                "to copy, and DeepSpeed ZeRO-3 or FSDP shards it; launch with DeepSpeed ZeRO-2 "
+                "or without sharding, or give the seat 'random' or a scripted player"
+            )
+        copy = functools.partial(_copied, tokenizer=tokenizer, args=args)
+        pools = {p: _Pool(copy, p.every, p.pool) for p in dict.fromkeys(chosen.values())}
+        return cls({seat: pools[snapshot] for seat, snapshot in chosen.items()})
+
+    @property
+    def backends(self) -> dict[str, list[GenerationBackend]]:
+        """Each snapshot seat's pool of backends, which the rounds fill and refresh in place.
+
+        `rollout.match.MatchEngine`'s ``seat_backends``: each match draws one of its seat's.
+        """
+        return {seat: pool.backends for seat, pool in self.seats.items()}
+
+    def refresh(self, policy: torch.nn.Module, step: int) -> None:
+        """Take a copy of `policy`'s weights into each pool due at optimizer step `step`."""
+        for pool in {id(p): p for p in self.seats.values()}.values():
+            if pool.due(step):
+                pool.take(policy, step)
+
+    def around(self, generator: Generator) -> Generator:
+        """`generator`, refreshing the copies (as due) at the start of each of its rounds."""
+        return _WithSnapshots(generator, self) if self.seats else generator
+
+
+class _WithSnapshots:
+    """A `Generator` whose rounds first refresh the snapshot seats' copies, as due."""
+
+    def __init__(self, generator: Generator, snapshots: SeatSnapshots):
+        self.generator = generator
+        self.snapshots = snapshots
+
+    @property
+    def version(self) -> int:
+        """The optimizer step of the policy's weights (those the trained seats play)."""
+        return self.generator.version
+
+    @property
+    def backend(self) -> GenerationBackend:
+        """The policy's backend."""
+        return self.generator.backend
+
+    @contextlib.contextmanager
+    def generating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
+        """A round of `generator`, its snapshots refreshed first; their memory freed after."""
+        with self.generator.generating(policy, step):
+            self.snapshots.refresh(policy, step)
+            try:
+                yield
+            finally:
+                for pool in self.snapshots.seats.values():
+                    for copied in pool.copies:
+                        copied.backend.release_memory()
+
+
+def _copied(policy: torch.nn.Module, tokenizer: Any, args: GRPOConfig) -> CopiedWeights:
+    """A new frozen copy of `policy`, with its own backend, tagged with no version yet."""
+    return CopiedWeights(policy, tokenizer, args)
+
+
+def choose_with_snapshots(
+    args: GRPOConfig,
+    placement: Placement,
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    accelerator: Any,
+    processor: Any,
+    environment: Any,
+) -> tuple[Generators, SeatSnapshots]:
+    """`generation.generator.choose_generators`, its rounds' generator refreshing the snapshots.
+
+    The arguments are `choose_generators`'s, and the run's environment factory. The snapshot
+    seats are refused (`SeatSnapshots.of`) before any generator starts.
+
+    Raises:
+        ValueError: As `SeatSnapshots.of` and `choose_generators`.
+    """
+    snapshots = SeatSnapshots.of(args, placement, environment, policy, tokenizer)
+    generators = choose_generators(args, placement, policy, tokenizer, accelerator, processor)
+    return generators._replace(rounds=snapshots.around(generators.rounds)), snapshots
