@@ -309,13 +309,16 @@ async def _play(
             return Finish.LENGTH
         finish = await _turn(ctx, state, tools, env, budget)
         if env is not None and gives_turn_rewards(type(env)):
-            where = f"{type(env).__qualname__}.turn_reward()"
-            score = functools.partial(turn_reward_value, env)
-            state.score_turn(
-                await run_environment_code(score, where, ctx.config.environment_timeout_s)
-            )
+            state.score_turn(await _turn_reward(ctx, env))
         if finish:
             return finish
+
+
+async def _turn_reward(ctx: EpisodeContext, env: Any) -> float:
+    """The environment's ``turn_reward()``, run like its other methods (None is 0)."""
+    where = f"{type(env).__qualname__}.turn_reward()"
+    score = functools.partial(turn_reward_value, env)
+    return await run_environment_code(score, where, ctx.config.environment_timeout_s)
 
 
 async def _turn(

@@ -12,6 +12,7 @@ from agentgrpo.cli import main
 from agentgrpo.models.default_model import default_model_path
 from rollout import Episode
 from tests.support.episodes import COUNTER_TURNS, scripted_episode
+from tests.support.packages import Site
 from tests.support.teach import teach
 from tests.support.tiny_model import tiny_llama
 
@@ -119,3 +120,11 @@ def user_error(capsys, monkeypatch, tmp_path):
         return errors[0]
 
     return run
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A site-packages folder of its own, where a test installs environment packages."""
+    installed = Site(tmp_path / "site", monkeypatch)
+    yield installed
+    installed.forget()

@@ -28,7 +28,7 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from rollout.agents.session import ChatReply, ChatRequest, RequestError, template_messages
-from rollout.agents.wire import flag, sse, text_of, whole_number
+from rollout.agents.wire import flag, sse, string, text_of, whole_number
 
 if TYPE_CHECKING:
     import anthropic
@@ -88,7 +88,7 @@ def _turn(turn: Any, where: str) -> list[dict[str, Any]]:
             calls.append(_call(block, at))
         elif kind == "tool_result" and role == "user":
             result = text_of(block.get("content") or "", ("text",), f"{at}.content")
-            messages.append({"role": "tool", "tool_call_id": _id(block, "tool_use_id", at),
+            messages.append({"role": "tool", "tool_call_id": string(block, "tool_use_id", at),
                              "content": result})  # fmt: skip
         else:
             raise RequestError(
@@ -104,16 +104,9 @@ def _call(block: dict[str, Any], where: str) -> dict[str, Any]:
     arguments = block.get("input")
     if not isinstance(arguments, dict):
         raise RequestError(f"{where}.input must be an object (the tool's arguments)")
-    name = _id(block, "name", where)
-    return {"id": _id(block, "id", where), "type": "function",
+    name = string(block, "name", where)
+    return {"id": string(block, "id", where), "type": "function",
             "function": {"name": name, "arguments": arguments}}  # fmt: skip
-
-
-def _id(block: dict[str, Any], key: str, where: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise RequestError(f"{where}.{key} must be a string, not {type(value).__name__}")
-    return value
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
@@ -131,9 +124,9 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
                 f"({{'name': ..., 'input_schema': {{...}}}}) are supported: the agent runs its "
                 f"own tools"
             )
-        function: dict[str, Any] = {"name": _id(tool, "name", f"tools[{index}]")}
+        function: dict[str, Any] = {"name": string(tool, "name", f"tools[{index}]")}
         if tool.get("description") is not None:
-            function["description"] = _id(tool, "description", f"tools[{index}]")
+            function["description"] = string(tool, "description", f"tools[{index}]")
         function["parameters"] = tool["input_schema"]
         converted.append({"type": "function", "function": function})
     return converted

@@ -33,7 +33,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.agents.session import ChatReply, ChatRequest, RequestError, template_messages
-from rollout.agents.wire import arguments_json, flag, sse, text_of, token_logprobs, whole_number
+from rollout.agents.wire import (
+    arguments_json,
+    flag,
+    sse,
+    string,
+    text_of,
+    token_logprobs,
+    whole_number,
+)
 
 _TEXT_PARTS = ("input_text", "output_text")
 _ROLES = ("user", "system", "developer", "assistant")
@@ -139,11 +147,11 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
             messages.append({"role": role, "content": content})
         elif kind == "function_call":
             call = {
-                "id": _string(item, "call_id", where),
+                "id": string(item, "call_id", where),
                 "type": "function",
                 "function": {
-                    "name": _string(item, "name", where),
-                    "arguments": _string(item, "arguments", where),
+                    "name": string(item, "name", where),
+                    "arguments": string(item, "arguments", where),
                 },
             }
             last = messages[-1] if messages else None
@@ -154,7 +162,7 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = text_of(item.get("output"), ("input_text",), f"{where}.output")
             messages.append(
-                {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": output}
+                {"role": "tool", "tool_call_id": string(item, "call_id", where), "content": output}
             )
         else:
             raise RequestError(
@@ -162,13 +170,6 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
                 f"function_call_output (this endpoint makes no reasoning or other items)"
             )
     return messages
-
-
-def _string(item: Mapping[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise RequestError(f"{where}.{key} must be a string, not {type(value).__name__}")
-    return value
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
@@ -185,7 +186,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
                 f"tools[{index}] is a {kind!r} tool; only function tools ({{'type': 'function', "
                 f"'name': ..., 'parameters': {{...}}}}) are supported: the agent runs its own tools"
             )
-        _string(tool, "name", f"tools[{index}]")
+        string(tool, "name", f"tools[{index}]")
         for key, kinds in (("description", str), ("parameters", dict)):
             if not isinstance(tool.get(key), kinds | None):
                 raise RequestError(f"tools[{index}].{key} must be a {kinds.__name__}")

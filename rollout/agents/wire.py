@@ -29,6 +29,14 @@ def whole_number(body: Mapping[str, Any], name: str) -> int | None:
     raise RequestError(f"'{name}' must be a whole number >= 1 or null, got {value!r}")
 
 
+def string(item: Mapping[str, Any], key: str, where: str) -> str:
+    """`item[key]`, which must be a string; else a `RequestError` naming `where.key`."""
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise RequestError(f"{where}.{key} must be a string, not {type(value).__name__}")
+    return value
+
+
 def flag(body: Mapping[str, Any], name: str) -> bool:
     """`body[name]` as a boolean: false when absent or null.
 

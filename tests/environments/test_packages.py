@@ -6,7 +6,6 @@ import pytest
 
 from environments import Counter, EnvironmentSpecError, resolve_environment
 from environments.packages import EnvironmentPackage, installed_environments
-from tests.support.packages import Site
 
 SUMS = '''
 class Sums:
@@ -15,13 +14,6 @@ class Sums:
     def reset(self, a: int) -> str:
         return f"Start at {a}."
 '''
-
-
-@pytest.fixture
-def site(tmp_path, monkeypatch):
-    installed = Site(tmp_path / "site", monkeypatch)
-    yield installed
-    installed.forget()
 
 
 def refusal(spec: str) -> str:

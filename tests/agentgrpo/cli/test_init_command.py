@@ -12,7 +12,6 @@ import pytest
 from agentgrpo.cli import main, sources
 from agentgrpo.cli.envs_command import installed_listing
 from environments import BUILTIN_ENVIRONMENTS
-from tests.support.packages import Site
 from tests.support.paths import REPO
 
 SUMS = '''
@@ -22,13 +21,6 @@ class Sums:
     def reset(self, a: int) -> str:
         return f"Start at {a}."
 '''
-
-
-@pytest.fixture
-def site(tmp_path, monkeypatch):
-    installed = Site(tmp_path / "site", monkeypatch)
-    yield installed
-    installed.forget()
 
 
 @pytest.mark.parametrize(
