@@ -308,14 +308,15 @@ async def _play(
         if budget < 1:
             return Finish.LENGTH
         finish = await _turn(ctx, state, tools, env, budget)
-        if env is not None and gives_turn_rewards(type(env)):
-            state.score_turn(await _turn_reward(ctx, env))
+        state.score_turn(await _turn_reward(ctx, env))
         if finish:
             return finish
 
 
 async def _turn_reward(ctx: EpisodeContext, env: Any) -> float:
-    """The environment's ``turn_reward()``, run like its other methods (None is 0)."""
+    """The environment's ``turn_reward()``, run like its other methods; 0.0 without one."""
+    if env is None or not gives_turn_rewards(type(env)):
+        return 0.0
     where = f"{type(env).__qualname__}.turn_reward()"
     score = functools.partial(turn_reward_value, env)
     return await run_environment_code(score, where, ctx.config.environment_timeout_s)
@@ -345,7 +346,6 @@ async def _turn(
         return Finish.MAX_TURNS  # every earlier turn ran its calls: no more may run
     results = await run_calls(parsed.tool_calls, tools, ctx.tools.keys(), ctx.config.tool_timeout_s)
     _count(state, parsed, results)
-    state.score_turn(sum(r.reward for r in results))  # what `Rewarded` results gave the step
     tool_messages = [tool_message(r.name, r.content, r.images) for r in results]
     tool_messages += [tool_message("error", e) for e in parsed.errors]
     env_done = env is not None and await read_done(env, ctx.config.environment_timeout_s)
@@ -468,8 +468,9 @@ def _ending(ctx: EpisodeContext, state: EpisodeState, env_done: bool) -> Finish 
 
 
 def _count(state: EpisodeState, parsed: ParsedTurn, results: list[ToolResult]) -> None:
-    """Count a turn's calls and their errors."""
+    """Count a turn's calls and their errors, and keep what their `Rewarded` results gave."""
     state.tool_calls += len(parsed.tool_calls) + len(parsed.errors)
+    state.tool_reward += sum(r.reward for r in results)
     state.tool_errors.update(str(r.error) for r in results if r.error is not None)
     if parsed.errors:
         state.tool_errors["parse"] += len(parsed.errors)

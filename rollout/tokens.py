@@ -120,6 +120,7 @@ class EpisodeState:
     base_at: int = 0
     compactions: list[Compaction] = field(default_factory=list)
     turn_log: list[TurnRecord] = field(default_factory=list)
+    tool_reward: float = 0.0  # what the turn's tool calls earned, until `score_turn` adds it
 
     def __post_init__(self) -> None:
         self.first_prompt_length = len(self.tokens.prompt_ids)
@@ -148,9 +149,10 @@ class EpisodeState:
         self.turn_log.append(TurnRecord(len(self.done_rows), start, end, state=state_key))
 
     def score_turn(self, reward: float) -> None:
-        """Add `reward` to the turn logged last's (its tools' rewards and ``turn_reward`` add)."""
+        """Give the turn logged last its reward: `reward` plus what its tool calls earned."""
         last = self.turn_log[-1]
-        self.turn_log[-1] = dataclasses.replace(last, reward=last.reward + reward)
+        earned, self.tool_reward = reward + self.tool_reward, 0.0
+        self.turn_log[-1] = dataclasses.replace(last, reward=last.reward + earned)
 
     def add_tool_turn(self, turn: ToolTurn) -> None:
         """Append the tool turn to the current row, or close the row and start a new one."""
