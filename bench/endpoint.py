@@ -51,6 +51,7 @@ from agentgrpo.models.default_model import default_model_path
 from rollout import (
     Completion,
     EpisodeConfig,
+    Pictures,
     SamplingParams,
     ScriptedBackend,
     TransformersBackend,
@@ -108,7 +109,9 @@ class RealComputeScriptedText:
         self.context_limit = backend.context_limit
         self.requests: list[tuple[list[int], SamplingParams]] = []
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, pictures: Pictures | None = None
+    ) -> Completion:
         self.requests.append((list(prompt_ids), params))
         ids = self.script(prompt_ids)[: params.max_tokens]
         sampled = await self.backend.generate(

@@ -65,6 +65,7 @@ from rollout import (
     ChatRenderer,
     Completion,
     EpisodeConfig,
+    Pictures,
     RolloutEngine,
     SamplingParams,
     ScriptedBackend,
@@ -131,7 +132,9 @@ class RealComputeScriptedText:
         self.context_limit = backend.context_limit
         self.stop_token_ids = frozenset({script.eos})
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, pictures: Pictures | None = None
+    ) -> Completion:
         ids = self.script(prompt_ids)[: params.max_tokens]
         real = dataclasses.replace(params, max_tokens=len(ids))
         sampled = await self.backend.generate(prompt_ids, real)

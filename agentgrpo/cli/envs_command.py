@@ -25,6 +25,8 @@ ENVIRONMENT_SOURCES = (
     ("", "a plugin package's ids after its module: gym:minigrid:MiniGrid-Empty-5x5-v0"),
     ("gem:ENV_ID", "a GEM game or task, e.g. gem:game:GuessTheNumber-v0-easy ('agentgrpo[gem]')"),
     ("ta:GAME_ID", "a TextArena game, e.g. ta:TicTacToe-v0,opponent=random (extra: textarena)"),
+    ("openenv:module:Class", "an OpenEnv environment played in this process, or one an OpenEnv"),
+    ("", "server serves: openenv:http://host:port ('agentgrpo[openenv]')"),
     ("agent:file.py:function", "an agent function driving an OpenAI client (also"),
     ("", "agent:package.module:function); rows from --dataset"),
     ("vf:ENV_ID", "an installed verifiers environment (its taskset's id): its tasks, harness"),

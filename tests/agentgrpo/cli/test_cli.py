@@ -32,10 +32,18 @@ def test_envs_lists_every_builtin_with_one_line_each_then_the_environment_source
         "env:ColourSquare",
         "env:Trail",
         "env:Questions",
+        "env:TicTacToe",
     ]
     assert all(len(line.split()) > 2 for line in lines)
     forms = [line.split()[0] for line in sources.splitlines()[1:]]
-    for form in ("env:Name", "package.module:Class", "path/file.py:Class", "gym:ENV_ID"):
+    expected = (
+        "env:Name",
+        "package.module:Class",
+        "path/file.py:Class",
+        "gym:ENV_ID",
+        "openenv:module:Class",
+    )
+    for form in expected:
         assert form in forms
     assert "gym:FrozenLake-v1" in sources
     assert "rg:TASK" in sources  # reasoning-gym's tasks, or how to install them
