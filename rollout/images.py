@@ -1,11 +1,12 @@
-"""Images in prompts: loading a vision-language model's processor and encoding text with images.
+"""Images in prompts: a vision-language model's processor, the row's images, pixel tensors.
 
 A vision-language model (VLM) reads an image as a run of image tokens in its input ids, whose
 embeddings its vision tower computes from the image's pixels. The chat template writes one
-*placeholder* per image (`image_placeholder`); the model's processor expands each placeholder
-into the image's tokens and turns the image into the tensors the model reads (`pixel_values`,
-and per family `image_grid_thw`, `pixel_attention_mask`, ...). `encode_with_images` does both, so
-the expansion is part of the ids the model sees: prompt and tool-turn tokens, mask 0.
+*placeholder* per image; rendering expands each into the image's tokens with the processor
+(`rollout.template.encode_with_images`), so the expansion is part of the ids the model sees:
+prompt and tool-turn tokens, mask 0. This module loads processors (`load_processor`), puts a
+row's images in its messages (`with_row_images`), and joins and batches the tensors the model's
+forward takes (`pixel_values`, and per family `image_grid_thw`, `pixel_attention_mask`, ...).
 
 Without torchvision (CPU machines here: the registries' torchvision wheels are CUDA builds
 that do not load beside the CPU torch), transformers cannot build a processor that has a video
