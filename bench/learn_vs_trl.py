@@ -54,22 +54,6 @@ sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _HERE]
 
 from environments import Chain, Counter  # noqa: E402
 
-# The transformers response template for `chatml_tools` (as in bench/step.py): TRL parses
-# tool calls with `tokenizer.parse_response`, and has none for this format.
-RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "tool_calls": {
-            "open": "<tool_call>",
-            "close_pattern": r"</tool_call>\s*",
-            "repeats": True,
-            "content": "json",
-            "transform": {"type": "function", "function": "{content}"},
-        },
-        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
-    },
-}
 TEMPLATE = "chatml_tools"
 CONFIGS: dict[str, dict[str, bool]] = {
     "trl": {},
@@ -355,7 +339,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
         from trl import GRPOConfig, GRPOTrainer
 
         tokenizer.chat_template = load_template(tokenizer, TEMPLATE)
-        tokenizer.response_template = RESPONSE_TEMPLATE
+        tokenizer.response_template = _step_bench().RESPONSE_TEMPLATE  # TRL parses calls with it
         config = GRPOConfig(**common)
     else:
         from agentgrpo import GRPOConfig, GRPOTrainer
@@ -447,6 +431,16 @@ def _warm_start_child(args: argparse.Namespace) -> None:
         with contextlib.suppress(_Stop):
             trainer.train()
         shutil.copytree(Path(tmp) / "warm_start", args.out)
+
+
+def _step_bench() -> Any:
+    """bench/step.py as a module (bench/ is not a package): its `chatml_tools` response template."""
+    spec = importlib.util.spec_from_file_location("bench_step", Path(_HERE) / "step.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 if __name__ == "__main__":
