@@ -19,10 +19,11 @@ A seated environment is an environment (`environments.contract`) with these memb
 
 Each seat has its own conversation, rendered through the chat template token-exactly, and its
 own rows (`rollout.match`). A seat is played by the policy (``"policy"``: its turns are
-trained), by a frozen snapshot of the policy (``"snapshot"``, ``"snapshot:N"``, or one drawn
-per game from a pool of earlier snapshots, ``"league:N:K"``: a `Snapshot`, never trained), by
-``"random"`` (a uniformly random legal move), or by a scripted function
-``(env, seat, rng) -> None`` that makes its move by calling the environment's tools.
+trained), by another trained policy of the run (``"adapter:NAME"``, a LoRA adapter of the same
+base model: `seat_adapters`), by a frozen snapshot of the policy (``"snapshot"``,
+``"snapshot:N"``, or one drawn per game from a pool of earlier snapshots, ``"league:N:K"``: a
+`Snapshot`, never trained), by ``"random"`` (a uniformly random legal move), or by a scripted
+function ``(env, seat, rng) -> None`` that makes its move by calling the environment's tools.
 
 Illegal moves are data, with one penalty: the seat that breaks the rules (an illegal move, or
 a turn that makes no move at all) gets `ILLEGAL_MOVE_REWARD` and every other seat gets 0.0,
@@ -52,6 +53,9 @@ POLICY = "policy"
 RANDOM = "random"
 SNAPSHOT = "snapshot"
 LEAGUE = "league"
+ADAPTER = "adapter"
+POLICY_ADAPTER = "default"
+"""The name PEFT gives the run's own adapter (``"policy"``): no ``"adapter:NAME"`` may take it."""
 
 #: A scripted player: makes the move of `seat` on `env` by calling its tools.
 ScriptedPlayer = Callable[[Any, str, random.Random], None]
@@ -227,7 +231,8 @@ def seat_players(cls: type, players: Mapping[str, Any] | None) -> dict[str, Seat
 
     Args:
         cls: A seated environment class.
-        players: Seat to player: ``"policy"``, ``"snapshot"`` or ``"snapshot:N"`` (a frozen
+        players: Seat to player: ``"policy"``, ``"adapter:NAME"`` (trained: the match plays it
+            as the policy's; `seat_adapters`), ``"snapshot"`` or ``"snapshot:N"`` (a frozen
             copy of the policy, refreshed every N optimizer steps), ``"random"``,
             ``"module:function"`` (a scripted player imported by name) or a callable
             ``(env, seat, rng) -> None``. Seats left out are played by the policy; None:
@@ -261,6 +266,9 @@ def _player(seat: str, player: Any) -> SeatPlayer:
         return player
     if player == POLICY:
         return None
+    if isinstance(player, str) and player.partition(":")[0] == ADAPTER:
+        adapter_name(seat, player)  # a trained seat: the match plays it as the policy's
+        return None
     if player == RANDOM:
         return random_player
     if isinstance(player, str) and player.partition(":")[0] in (SNAPSHOT, LEAGUE):
@@ -278,8 +286,46 @@ def _player(seat: str, player: Any) -> SeatPlayer:
         f"seat_players[{seat!r}]={player!r} is not a player; use '{POLICY}' (trained), "
         f"'{SNAPSHOT}' or '{SNAPSHOT}:N' (a frozen copy of the policy, refreshed every N steps), "
         f"'{LEAGUE}:N:K' (one of its K latest snapshots, taken every N steps, drawn per game), "
-        f"'{RANDOM}' (a random legal move), 'module:function' or a callable (env, seat, rng)"
+        f"'{ADAPTER}:NAME' (a trained LoRA adapter of its own), '{RANDOM}' (a random legal "
+        "move), 'module:function' or a callable (env, seat, rng)"
     )
+
+
+def seat_adapters(cls: type, players: Mapping[str, Any] | None) -> dict[str, str]:
+    """The trained adapter of each seat `players` gives one: seat to adapter name.
+
+    ``"adapter:NAME"`` makes a seat another trained policy of the run, a LoRA adapter NAME of
+    the same base model beside the run's own (``"policy"``, PEFT's ``"default"``). Seats that
+    name one adapter share it. Seats not in the result are not played by a named adapter.
+
+    Raises:
+        ValueError: As `seat_players`, or a NAME that is not a Python identifier or is
+            ``"default"`` or ``"policy"``.
+
+    Examples:
+        >>> class Game:
+        ...     seats = ("x", "o")
+        >>> seat_adapters(Game, {"o": "adapter:solver", "x": "policy"})
+        {'o': 'solver'}
+    """
+    seat_players(cls, players)  # every player checked, and a seat left to train
+    return {
+        seat: adapter_name(seat, player)
+        for seat, player in (players or {}).items()
+        if isinstance(player, str) and player.partition(":")[0] == ADAPTER
+    }
+
+
+def adapter_name(seat: str, player: str) -> str:
+    """NAME of ``"adapter:NAME"`` (`seat`'s player), checked (see `seat_adapters`)."""
+    name = player.partition(":")[2]
+    if not name.isidentifier() or name in (POLICY_ADAPTER, POLICY):
+        raise ValueError(
+            f"seat_players[{seat!r}]={player!r}: name the adapter with a Python identifier "
+            f"other than '{POLICY_ADAPTER}' and '{POLICY}' (the run's own adapter, which "
+            f"'{POLICY}' plays), e.g. '{ADAPTER}:solver'"
+        )
+    return name
 
 
 def _snapshot(seat: str, player: str) -> Snapshot:

@@ -359,8 +359,9 @@ class MatchEngine(RolloutEngine):
         players: Seat to player (`environments.seats.seat_players`); None: self-play.
         seat_backends: What samples each `Snapshot` seat's turns: a backend, or a pool of them
             (a league's; a list that its holder may grow between rounds) from which each match
-            draws one. One entry per such seat, and for no other seat. Whoever holds them keeps
-            their weights frozen.
+            draws one. One entry per such seat; a policy seat may have one too (its turns,
+            still trained, sample from it: a LoRA adapter of its own). Whoever holds a
+            snapshot's keeps its weights frozen.
         **options: `RolloutEngine`'s other keyword arguments.
 
     Raises:
@@ -389,10 +390,11 @@ class MatchEngine(RolloutEngine):
             for seat, pool in (seat_backends or {}).items()
         }
         snapshots = sorted(s for s, p in self.players.items() if isinstance(p, Snapshot))
-        if sorted(self.seat_backends) != snapshots:
+        if not set(snapshots) <= set(self.seat_backends) <= {*snapshots, *self.trained_seats}:
             raise ValueError(
                 f"seat_backends has backends for seats {sorted(self.seat_backends)}, but the "
-                f"seats a snapshot plays are {snapshots}: give one backend per snapshot seat "
+                f"seats a snapshot plays are {snapshots}: give one backend per snapshot seat, "
+                "and optionally one per policy seat that samples from its own "
                 "(`agentgrpo run` and GRPOTrainer build them; see docs/several-players.md)"
             )
         super().__init__(backend, tokenizer, environment_factory=environment_factory, **options)

@@ -100,9 +100,19 @@ class EpisodeFields:
             "JSON object of seat to player: 'policy' (the model; its turns are trained), "
             "'snapshot' or 'snapshot:N' (a frozen copy of the policy, refreshed every N steps; "
             "transformers only), 'league:N:K' (one of its K latest snapshots, drawn per game), "
+            "'adapter:NAME' (a trained LoRA adapter of its own; needs peft_config), "
             "'random' (a random legal move) or 'module:function' (a scripted player). Seats "
             'left out are the policy\'s. None: self-play, every seat trained. Example: {"o": '
             '"random"}.'
+        },
+    )
+    adapter_learning_rates: dict[str, float] | None = field(
+        default=None,
+        metadata={
+            "help": "With seats played by trained LoRA adapters ('adapter:NAME' in seat_players; "
+            "docs/several-players.md), a JSON object of adapter name to its learning rate. "
+            "Adapters left out, and the policy's own, use learning_rate; all follow the same "
+            'schedule. Example: {"solver": 1e-5}.'
         },
     )
     log_episodes: bool = field(
@@ -145,13 +155,33 @@ def check_episode_values(config: "GRPOConfig") -> None:
         players is None
         or (isinstance(players, dict) and all(isinstance(v, str) for v in players.values())),
         f"seat_players={players!r} must map seat names to players ('policy', 'snapshot', "
-        "'random' or 'module:function'), e.g. {'o': 'random'}.",
+        "'adapter:NAME', 'random' or 'module:function'), e.g. {'o': 'random'}.",
+    )
+    rates = config.adapter_learning_rates
+    require(
+        rates is None
+        or (
+            isinstance(rates, dict)
+            and all(isinstance(v, int | float) and v > 0 for v in rates.values())
+            and set(rates) <= _adapters_named(players)
+        ),
+        f"adapter_learning_rates={rates!r} must map adapters that seat_players names "
+        f"('adapter:NAME'; named here: {sorted(_adapters_named(players))}) to positive "
+        "learning rates, e.g. {'solver': 1e-5}.",
     )
     require(
         not (players and config.async_grpo),
         "seat_players (a game with seats) does not work with async_grpo yet; play it "
         "synchronously (async_grpo=False).",
     )
+
+
+def _adapters_named(players: object) -> set[str]:
+    """The NAMEs of the ``"adapter:NAME"`` players in `players` (a `seat_players` value)."""
+    if not isinstance(players, dict):
+        return set()
+    found = (str(p).partition(":") for p in players.values())
+    return {name for kind, _, name in found if kind == "adapter"}
 
 
 def check_template_and_parser(config: "GRPOConfig") -> None:

@@ -28,6 +28,7 @@ from agentgrpo.reporting.sampling import SamplingWindow
 
 if TYPE_CHECKING:
     from agentgrpo.config import GRPOConfig
+    from agentgrpo.training.seat_policies import SeatPolicies
 
 # Where a checkpoint keeps the adaptive entropy controller (the name TRL 1.16 uses).
 ENTROPY_STATE_FILE = "entropy_ctrl_state.json"
@@ -50,6 +51,9 @@ class LossStep:
         padding_free: Pack each micro-batch's rows into one, without padding
             (`learner.packing`).
         sampling: This optimizer step's sampler-mismatch statistics, micro-batch by micro-batch.
+        policies: The LoRA adapters that seats train beside the policy (`seat_policies`): each
+            row's loss forward runs under its adapter, and a checkpoint's adapters are read
+            back with the loss step's state; None: the policy alone.
     """
 
     loss_config: LossConfig
@@ -61,6 +65,7 @@ class LossStep:
     sharded: bool = False
     padding_free: bool = False
     sampling: SamplingWindow = field(default_factory=SamplingWindow)
+    policies: SeatPolicies | None = None
 
     @classmethod
     def from_config(
@@ -93,7 +98,8 @@ class LossStep:
         adaptive controller's window; evaluation never changes the controller.
         """
         # The entropy bonus needs the entropy's gradient; everything else reads it detached.
-        logprobs_B_C, entropy_B_C, aux_loss = completion_logprobs(
+        forward = completion_logprobs if self.policies is None else self.policies.forward
+        logprobs_B_C, entropy_B_C, aux_loss = forward(
             model,
             batch,
             self.temperature,
@@ -190,7 +196,9 @@ class LossStep:
                 json.dump(self.entropy_control.state(), file)
 
     def load(self, checkpoint: str) -> None:
-        """Read the entropy controller's state from `checkpoint`, when it holds one."""
+        """Read the entropy controller's state, and the seats' adapters, from `checkpoint`."""
+        if self.policies is not None:
+            self.policies.load(checkpoint)
         path = os.path.join(checkpoint, ENTROPY_STATE_FILE)
         if self.entropy_control is not None and os.path.exists(path):
             with open(path) as file:

@@ -13,7 +13,8 @@ a new one replacing the oldest once there are K, and each match draws one of the
 (`rollout.match`). A resumed run takes its copies afresh from the resumed policy: a league
 starts again from one. vLLM and sharded weights (DeepSpeed ZeRO-3, FSDP) cannot hold such a
 copy here, and are refused by `SeatSnapshots.of`. `choose_with_snapshots` is the trainer's one
-call for both: its generators, the rounds' one refreshing the copies first.
+call for both: its generators, the rounds' one refreshing the copies first, and the seats that
+trained LoRA adapters play (`seat_policies`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from agentgrpo.generation.generator import Generator, Generators, choose_generators
 from agentgrpo.generation.local import CopiedWeights
 from agentgrpo.placement import Placement
+from agentgrpo.training.seat_policies import SeatPolicies
 from environments.seats import Snapshot, is_seated, seat_players
 from rollout import GenerationBackend
 
@@ -81,9 +83,12 @@ class SeatSnapshots:
 
     Attributes:
         seats: Each snapshot seat's pool of copies (seats with one `Snapshot` share it).
+        adapters: The backend of each seat a trained LoRA adapter plays
+            (`seat_policies.SeatPolicies.seat_backends`), handed on with the snapshots'.
     """
 
     seats: dict[str, _Pool] = field(default_factory=dict)
+    adapters: dict[str, GenerationBackend] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -134,8 +139,10 @@ class SeatSnapshots:
         """Each snapshot seat's pool of backends, which the rounds fill and refresh in place.
 
         `rollout.match.MatchEngine`'s ``seat_backends``: each match draws one of its seat's.
+        Each seat a trained adapter plays has its adapter's backend, alone in its pool.
         """
-        return {seat: pool.backends for seat, pool in self.seats.items()}
+        adapters = {seat: [backend] for seat, backend in self.adapters.items()}
+        return {seat: pool.backends for seat, pool in self.seats.items()} | adapters
 
     def refresh(self, policy: torch.nn.Module, step: int) -> None:
         """Take a copy of `policy`'s weights into each pool due at optimizer step `step`."""
@@ -191,15 +198,21 @@ def choose_with_snapshots(
     accelerator: Any,
     processor: Any,
     environment: Any,
-) -> tuple[Generators, SeatSnapshots]:
-    """`generation.generator.choose_generators`, its rounds' generator refreshing the snapshots.
+) -> tuple[Generators, SeatSnapshots, SeatPolicies]:
+    """`generation.generator.choose_generators`, with the seats' snapshots and trained adapters.
 
     The arguments are `choose_generators`'s, and the run's environment factory. The snapshot
-    seats are refused (`SeatSnapshots.of`) before any generator starts.
+    seats are refused (`SeatSnapshots.of`) and the adapter seats' adapters added to `policy`
+    (`SeatPolicies.of`) before any generator starts; the rounds' generator refreshes the
+    snapshots and starts the adapters' backends afresh.
 
     Raises:
-        ValueError: As `SeatSnapshots.of` and `choose_generators`.
+        ValueError: As `SeatSnapshots.of`, `SeatPolicies.of` and `choose_generators`.
     """
     snapshots = SeatSnapshots.of(args, placement, environment, policy, tokenizer)
+    policies = SeatPolicies.of(args, placement, accelerator, environment, policy)
     generators = choose_generators(args, placement, policy, tokenizer, accelerator, processor)
-    return generators._replace(rounds=snapshots.around(generators.rounds)), snapshots
+    policies.attach(generators.rounds.backend, tokenizer)
+    snapshots.adapters = policies.seat_backends
+    rounds = policies.around(snapshots.around(generators.rounds))
+    return generators._replace(rounds=rounds), snapshots, policies

@@ -25,7 +25,6 @@ from agentgrpo.config import GRPOConfig
 from agentgrpo.devices import check_launch
 from agentgrpo.generation.generator import Generator, Generators
 from agentgrpo.learner.batch import TrainingBatch, collate_episodes
-from agentgrpo.learner.logprobs import batched_logprobs
 from agentgrpo.learner.losses import normalises_by_num_items
 from agentgrpo.models.loading import (
     load_policy_and_processing,
@@ -220,7 +219,7 @@ class GRPOTrainer(TRLAttributes):
     def _wire(self, tools: Sequence[Callable[..., Any]], factory: Any, router_coef: float) -> None:
         """Build the engine, scorer and loss step (`wiring.build_parts`) and the round's parts."""
         args, tokenizer = self.args, self.processing_class
-        generators, self.snapshots = seat_snapshots.choose_with_snapshots(
+        generators, self.snapshots, self.policies = seat_snapshots.choose_with_snapshots(
             args, self.placement, self.model, tokenizer, self.accelerator, self.processor, factory
         )
         self.generator: Generator = generators.rounds
@@ -235,13 +234,14 @@ class GRPOTrainer(TRLAttributes):
             collate=lambda episodes, advantages_N: collate_episodes(
                 episodes, advantages_N, tokenizer.pad_token_id, args.mask_truncated_completions
             ).to(args.device),
-            old_logprobs=lambda batch: self._logprobs(self.model, batch),
+            old_logprobs=lambda batch: self.policies.logprobs(self.model, batch),
             ref_logprobs=self._reference_logprobs if args.beta != 0.0 else None,
             gather=self._processes.gather,
             process_index=self.accelerator.process_index,
             dynamic=dynamic_sampling_of(args, self.train_dataset, self._play, self.scorer),
             curriculum=curriculum_of(args, self.train_dataset),
         )
+        self._round_parts = self.policies.route(self._round_parts, self.loss_step, self._metrics)
         self._async: AsyncRounds | None = None
         if generators.producer is not None:  # training rounds take groups played meanwhile
             self._wire_async(generators, tools, factory)
@@ -395,18 +395,11 @@ class GRPOTrainer(TRLAttributes):
             )
             return episodes, anyio.run(score_played, scorer or self.scorer, episodes, G)
 
-    def _logprobs(self, model: torch.nn.Module, batch: TrainingBatch) -> torch.Tensor:
-        """`model`'s logprobs of the batch, no grad, under autocast, a micro-batch at a time."""
-        with self.accelerator.autocast():  # the run's mixed precision, as in the loss forward
-            rows = self.args.per_device_train_batch_size
-            sharded = self.placement.shards_weights
-            return batched_logprobs(model, batch, self.args.temperature, rows, sharded)
-
     def _reference_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
         if self.ref_model is not None:
-            return self._logprobs(self.ref_model, batch)
+            return self.policies.logprobs(self.ref_model, batch)
         with self.accelerator.unwrap_model(self.model).disable_adapter():  # PEFT: base model
-            return self._logprobs(self.model, batch)
+            return self.policies.logprobs(self.model, batch)
 
     # ------------------------------------------------------------------ loss
 
@@ -488,3 +481,7 @@ class GRPOTrainer(TRLAttributes):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         self.checkpoints.load_optimizer(checkpoint, super()._load_optimizer_and_scheduler)
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """`Trainer.create_optimizer`, a param group per adapter seats train (`SeatPolicies`)."""
+        return self.policies.grouped(functools.partial(super().create_optimizer, model))

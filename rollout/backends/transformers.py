@@ -89,6 +89,9 @@ class TransformersBackend:
             trainer's mixed-precision forward computes; None: in the weights' own dtype.
         chunk_steps: A `SlotBatch`'s decoding steps per host round trip.
         cuda_graphs: Let a `SlotBatch` on CUDA replay its decoding step as CUDA graphs.
+        step_lock: Hold this lock for each step, in place of one of its own: backends over one
+            model that share it never step at once (say, one per LoRA adapter of a PEFT model).
+        step_context: Enter this context around each step (say, one activating its adapter).
 
     Attributes:
         reads_images: True: `generate` takes a vision-language model's image tensors.
@@ -110,6 +113,8 @@ class TransformersBackend:
         autocast_dtype: torch.dtype | None = None,
         chunk_steps: int = 8,
         cuda_graphs: bool = True,
+        step_lock: anyio.Lock | None = None,
+        step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
         if not stop_token_ids:
             raise ValueError("stop_token_ids is empty: generation would never end a turn")
@@ -140,7 +145,8 @@ class TransformersBackend:
         self._seeds = torch.Generator().manual_seed(seed)
         self._arriving: list[Request] = []
         self._batch: DynamicBatch | SlotBatch | None = None
-        self._lock = anyio.Lock()
+        self._lock = step_lock or anyio.Lock()
+        self._step_context = step_context or contextlib.nullcontext
         # The version tagging each drawn token (`Completion.versions`); None: no tags.
         self.weights_version: int | None = None
         # transformers checks the processors' values when they are built: fail now, not mid-round
@@ -195,6 +201,11 @@ class TransformersBackend:
         for row in self._running().rows:
             if row.version is not None:
                 row.version = version
+
+    @property
+    def step_lock(self) -> anyio.Lock:
+        """The lock each step holds (see the ``step_lock`` argument)."""
+        return self._lock
 
     @property
     def running_rows(self) -> int:
@@ -263,7 +274,7 @@ class TransformersBackend:
         """Admit `admitted`, then decode every running row (a token, or a chunk of tokens)."""
         batch = self._running()
         try:
-            with torch.inference_mode(), self._autocast():
+            with self._step_context(), torch.inference_mode(), self._autocast():
                 alone = [r for r in admitted if r.vision or not self.reuses_keys_and_values]
                 for request in alone:
                     self._generate_alone(request)

@@ -110,6 +110,7 @@ AGENTGRPO_DEFAULTS = [
     ("mcp_servers", None),
     ("infra_retries", 2),
     ("seat_players", None),
+    ("adapter_learning_rates", None),
     ("log_episodes", True),
     ("warm_start_steps", 0),
     ("warm_start_learning_rate", 5e-5),
