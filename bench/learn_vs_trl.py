@@ -5,11 +5,13 @@ agentgrpo's with only the import changed (plus the two fields TRL has no name fo
 `chat_template` and `tool_call_parser`; TRL gets the same template on its tokenizer). Both start
 from the same folder: the environment's supervised warm start (`warm_start_steps` of its
 `demonstrations()`, agentgrpo's warm start, seed 0), made once per environment and cached. Each
-trainer then trains for `--budget-minutes` of wall-clock time, in its own process, one after the
-other. A callback saves the model every `--eval-every-minutes` of training time and at the end
-of the budget; the saves (and the start-up before the first step) are not counted. Afterwards
-every saved model (and the warm start, at 0 minutes) is played on the same first `--eval-rows`
-held-out rows by the same evaluator, `agentgrpo eval` with greedy decoding.
+trainer then trains for `--budget-minutes` of wall-clock time, in its own process: one after the
+other, or, with `--side-by-side`, a seed's configurations at the same time, so that they share
+whatever load the machine has (each child keeps `--threads` torch threads). A callback saves the
+model every `--eval-every-minutes` of training time and at the end of the budget; the saves (and
+the start-up before the first step) are not counted. Once every seed has trained, every saved
+model (and the warm start, at 0 minutes) is played on the same first `--eval-rows` held-out rows
+by the same evaluator, `agentgrpo eval` with greedy decoding (`--eval-workers` at a time).
 
 Printed per environment and seed: held-out success at each mark for each configuration, the
 training time each needs to reach TRL's final success (its first save at or above it), and the
@@ -43,7 +45,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -96,15 +100,18 @@ class Setup:
     tool_rounds: int  # max_tool_calling_iterations (agentgrpo: max_turns = rounds + 1)
     max_completion_length: int
     per_device_train_batch_size: int
+    gradient_accumulation_steps: int  # one optimizer step per per_device x this episodes
     learning_rate: float
     warm_start_steps: int
 
 
 SETUPS = {
     # docs/measurements.md and /work/shared/MODELS.md: the CPU recipe that learns Counter.
-    "counter": Setup(TrlCounter, f"{__file__}:TrlCounter", 1, 64, 8, 5e-5, 24),
-    # Chain's own episode_limits and run_defaults (environments/chain.py).
-    "chain": Setup(TrlChain, f"{__file__}:TrlChain", 4, 224, 16, 3e-5, 96),
+    "counter": Setup(TrlCounter, f"{__file__}:TrlCounter", 1, 64, 8, 1, 5e-5, 24),
+    # Chain's own episode_limits and run_defaults (environments/chain.py): 16 episodes a step,
+    # learned 4 at a time, which keeps each trainer's peak memory near 5 GB, not 11-16 GB (three
+    # trainers side by side were killed for memory on 24 GB).
+    "chain": Setup(TrlChain, f"{__file__}:TrlChain", 4, 224, 4, 4, 3e-5, 96),
 }
 
 
@@ -118,11 +125,23 @@ def main() -> None:
     results = Path(args.results)
     for env in args.envs:
         model_dir = _warm_start(env, results, args)
-        base = _evaluate(model_dir, env, args)
-        for seed in args.seeds:
-            runs = {c: _train(env, seed, c, model_dir, results, args) for c in args.configs}
-            curves = {c: [(0.0, base), *_curve(run, env, args)] for c, run in runs.items()}
-            _report(env, seed, runs, curves, args)
+        runs = {seed: _train_seed(env, seed, model_dir, results, args) for seed in args.seeds}
+        folders = [model_dir] + [
+            save["folder"]
+            for by_config in runs.values()
+            for run in by_config.values()
+            for save in run["saves"]
+        ]
+        with ThreadPoolExecutor(args.eval_workers) as pool:
+            scores = pool.map(_evaluate, folders, repeat(env), repeat(args))
+            success = dict(zip(folders, scores, strict=True))
+        for seed, by_config in runs.items():
+            curves = {
+                config: [(0.0, success[model_dir])]
+                + [(save["trained_s"], success[save["folder"]]) for save in run["saves"]]
+                for config, run in by_config.items()
+            }
+            _report(env, seed, by_config, curves, args)
     print(f"load average at the end: {_load()}", flush=True)
 
 
@@ -136,6 +155,12 @@ def _parse_args() -> argparse.Namespace:
     add("--eval-every-minutes", type=float, default=2.5, help="a save every this much training")
     add("--eval-rows", type=int, default=32, help="held-out rows played per saved model")
     add("--threads", type=int, default=1, help="torch threads in each child")
+    add(
+        "--side-by-side",
+        action="store_true",
+        help="train a seed's configurations at the same time (they share the machine's load)",
+    )
+    add("--eval-workers", type=int, default=1, help="evaluations run at the same time")
     add("--model", help="the model to warm-start (default: the embedded SmolLM2-135M-Instruct)")
     add("--results", default=str(Path(tempfile.gettempdir()) / "agentgrpo-learn-vs-trl"))
     add("--child", choices=("warm-start", *CONFIGS), help=argparse.SUPPRESS)
@@ -146,6 +171,8 @@ def _parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.budget_minutes <= 0 or args.eval_every_minutes <= 0 or args.eval_rows < 1:
         parser.error("--budget-minutes and --eval-every-minutes must be > 0, --eval-rows >= 1")
+    if args.eval_workers < 1:
+        parser.error("--eval-workers must be >= 1")
     if "trl" not in args.configs and not args.child:
         parser.error("--configs must include trl: every figure is relative to TRL's run")
     if importlib.util.find_spec("trl") is None:
@@ -159,19 +186,28 @@ def _load() -> str:
 
 def _call_child(args: argparse.Namespace, command: list[str], log: Path) -> None:
     """Run this script as a child with `args.threads` threads; exit with its log on failure."""
+    _wait_child(_start_child(args, command, log), command, log)
+
+
+def _start_child(args: argparse.Namespace, command: list[str], log: Path) -> subprocess.Popen:
+    """Start this script as a child with `args.threads` threads, its output to `log`."""
     env = dict(os.environ)
     env |= {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     env |= {"TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
     command += ["--threads", str(args.threads)]
     with open(log, "w") as out:
-        done = subprocess.run(
+        return subprocess.Popen(
             [sys.executable, os.path.realpath(__file__), *command],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
         )
-    if done.returncode != 0:
-        sys.exit(f"child {command[1]} failed (exit {done.returncode}):\n{log.read_text()[-4000:]}")
+
+
+def _wait_child(child: subprocess.Popen, command: list[str], log: Path) -> None:
+    """Wait for a started child; exit with its log on failure."""
+    if child.wait() != 0:
+        sys.exit(f"child {command[1]} failed (exit {child.returncode}):\n{log.read_text()[-4000:]}")
 
 
 def _warm_start(env: str, results: Path, args: argparse.Namespace) -> str:
@@ -188,32 +224,54 @@ def _warm_start(env: str, results: Path, args: argparse.Namespace) -> str:
     return str(target)
 
 
-def _train(
-    env: str, seed: int, config: str, model_dir: str, results: Path, args: argparse.Namespace
-) -> dict[str, Any]:
-    """One run's record (`result.json`): its saves, steps and load averages; made once."""
-    out = results / f"{env}-seed{seed}-{config}-{args.budget_minutes:g}min"
-    record = out / "result.json"
-    if not record.exists():
+def _train_seed(
+    env: str, seed: int, model_dir: str, results: Path, args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """Each configuration's run record (`result.json`) for one seed; a run is made once.
+
+    With `--side-by-side` the seed's missing runs train at the same time, else one after the
+    other.
+    """
+    started: list[tuple[subprocess.Popen, list[str], Path]] = []
+    for config in args.configs:
+        out = _run_folder(env, seed, config, results, args)
+        if (out / "result.json").exists():
+            continue
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         print(f"{env} seed {seed} {config}: training {args.budget_minutes:g} min", flush=True)
         command = ["--child", config, "--env", env, "--seed", str(seed), "--out", str(out)]
         command += ["--budget-minutes", str(args.budget_minutes)]
         command += ["--eval-every-minutes", str(args.eval_every_minutes)]
-        _call_child(args, [*command, "--model-dir", model_dir], out / "child.log")
-    run = json.loads(record.read_text())
+        command += ["--model-dir", model_dir]
+        started.append((_start_child(args, command, out / "child.log"), command, out / "child.log"))
+        if not args.side_by_side:
+            _wait_child(*started[-1])
+    try:
+        for child in started:
+            _wait_child(*child)
+    finally:  # one failed: the others' figures would not be side by side any more
+        for child, _, _ in started:
+            child.kill()
+    return {config: _run_record(env, seed, config, results, args) for config in args.configs}
+
+
+def _run_folder(env: str, seed: int, config: str, results: Path, args: argparse.Namespace) -> Path:
+    return results / f"{env}-seed{seed}-{config}-{args.budget_minutes:g}min"
+
+
+def _run_record(
+    env: str, seed: int, config: str, results: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    """A finished run's record, its summary printed."""
+    run = json.loads((_run_folder(env, seed, config, results, args) / "result.json").read_text())
     print(
-        f"  {config}: {run['steps']} steps, {len(run['saves'])} saves, built in "
-        f"{run['build_s']:.0f} s; load {run['load_start']} -> {run['load_end']}",
+        f"  seed {seed} {config}: {run['steps']} steps, {len(run['saves'])} saves, built in "
+        f"{run['build_s']:.0f} s, {run.get('train_cpu_s', 0) / 60:.1f} CPU min training; "
+        f"load {run['load_start']} -> {run['load_end']}",
         flush=True,
     )
     return run
-
-
-def _curve(run: dict[str, Any], env: str, args: argparse.Namespace) -> list[tuple[float, float]]:
-    """(training seconds, held-out success) of each save of a run."""
-    return [(save["trained_s"], _evaluate(save["folder"], env, args)) for save in run["saves"]]
 
 
 def _evaluate(model_dir: str, env: str, args: argparse.Namespace) -> float:
@@ -234,7 +292,8 @@ def _evaluate(model_dir: str, env: str, args: argparse.Namespace) -> float:
         sys.exit(f"eval of {model_dir} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     success = float(found.group(1))
     cached.write_text(json.dumps({"success_rate": success, "stdout": done.stdout}))
-    print(f"  eval {Path(model_dir).name}: success {success:.3f}", flush=True)
+    name = "/".join(Path(model_dir).parts[-2:])
+    print(f"  eval {name}: success {success:.3f}", flush=True)
     return success
 
 
@@ -282,12 +341,14 @@ def _run_child(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     trainer, clock = _build(args)
     build_s = time.perf_counter() - started
+    cpu_before = time.process_time()
     trainer.train()
     record = {
         "config": args.child,
         "steps": trainer.state.global_step,
         "saves": clock.saves,
         "build_s": build_s,
+        "train_cpu_s": time.process_time() - cpu_before,  # all its threads, saves included
         "load_start": load_start,
         "load_end": _load(),
         "logs": [
@@ -303,7 +364,7 @@ def _common(setup: Setup, seed: int, output_dir: str) -> dict[str, Any]:
     return {
         "output_dir": output_dir,
         "per_device_train_batch_size": setup.per_device_train_batch_size,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": setup.gradient_accumulation_steps,
         "num_generations": 4,
         "max_completion_length": setup.max_completion_length,
         "max_tool_calling_iterations": setup.tool_rounds,

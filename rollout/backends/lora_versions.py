@@ -15,6 +15,7 @@ module never imports vllm.
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -51,16 +52,20 @@ class AdapterVersions:
         self._loaded: list[Adapter] = []
         self._lock = threading.Lock()  # pushes and requests come from different threads
         self._next_id = 1
+        # A server outlives runs: a resumed or second run against it must not name an adapter
+        # the same as one still loaded there (vLLM refuses a name it holds).
+        self._run = secrets.token_hex(4)
         self._pinned: ContextVar[int | None] = ContextVar(f"agentgrpo_adapter_{id(self)}")
 
     def next_adapter(self, version: int, folder: str) -> Adapter:
         """A new adapter for `version`, with a name and id not used before.
 
-        Its path is a folder of its own (named after it) inside `folder`.
+        Its path is a folder of its own (named after it) inside `folder`. Its name carries a
+        token of this `AdapterVersions`, so that no other run's adapter has it.
         """
         with self._lock:
             lora_id, self._next_id = self._next_id, self._next_id + 1
-        name = f"agentgrpo-v{version}-{lora_id}"
+        name = f"agentgrpo-{self._run}-v{version}-{lora_id}"
         return Adapter(version, name, lora_id, os.path.join(folder, name))
 
     def add(self, adapter: Adapter) -> list[Adapter]:

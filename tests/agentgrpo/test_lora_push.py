@@ -136,6 +136,13 @@ def test_versions_past_keep_are_evicted_oldest_first(tmp_path):
     assert versions.loaded == adapters[2:] and versions.newest == adapters[3]
 
 
+def test_two_runs_never_name_an_adapter_alike(tmp_path):
+    # A server outlives a run: a resumed run must not reuse a name the server still holds.
+    first, second = AdapterVersions(keep=2), AdapterVersions(keep=2)
+    names = {versions.next_adapter(0, str(tmp_path)).name for versions in (first, second)}
+    assert len(names) == 2 and all(name.endswith("-v0-1") for name in names)
+
+
 def test_an_episode_finishes_on_the_version_it_started_with(tmp_path):
     versions = AdapterVersions(keep=2)
     v0, v1, v2 = (versions.next_adapter(step, str(tmp_path)) for step in range(3))

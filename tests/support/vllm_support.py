@@ -156,12 +156,14 @@ def train_two_steps(
     output_dir: Path,
     trainer_class: Any = None,
     eval_rows: int = 0,
+    peft_config: Any = None,
     **vllm_fields,
 ):
     """The trainer after 2 GRPO steps on the Counter row via vLLM (`vllm_fields`: the mode).
 
     `trainer_class`: a `GRPOTrainer` subclass to train with (default: `GRPOTrainer`).
     `eval_rows`: that many Counter rows are evaluated after every step (none by default).
+    `peft_config`: the trainer trains that adapter (default: the whole model).
 
     With the untaught model (distinct completions) and `rank_in_call` (distinct rewards in every
     group), each step has a nonzero gradient by construction, not by luck of the draw.
@@ -185,6 +187,7 @@ def train_two_steps(
         eval_dataset=Dataset.from_list([COUNTER_ROW] * eval_rows) if eval_rows else None,
         processing_class=tokenizer,
         environment_factory=Counter,
+        peft_config=peft_config,
     )
     trainer.train()
     return trainer

@@ -2,7 +2,8 @@
 
 The server's LoRA limits are read, the adapter it serves gives the trained policy's logprobs,
 and a push loads a new version beside the old one: an episode that started on the old version
-goes on with it, a new one starts on the new version, and each token says which drew it.
+goes on with it, a new one starts on the new version, and each token says which drew it. An
+asynchronous GRPO run of a LoRA policy pushes only its adapter to the server after each step.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from tests.support.vllm_support import (
     load_policy,
     logprob_gap,
     needs_vllm,
+    play_on_final_weights,
+    train_two_steps,
+    untaught_model_path,
     vllm_counter_engine,
     without_multiprocessing_flag,
 )
@@ -141,3 +145,33 @@ def _gap(model, prompt: list[int], completion) -> float:
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     forward = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
     return (forward - torch.tensor(completion.logprobs)).abs().mean().item()
+
+
+def test_async_grpo_of_a_lora_policy_pushes_only_its_adapter_to_the_server(
+    server, served, tokenizer, tmp_path_factory, tmp_path
+):
+    # `served` first: the server holds another run's adapters, whose names must not clash.
+    connection, _ = server
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    trainer = train_two_steps(
+        untaught_model_path(tmp_path_factory, tokenizer),
+        tokenizer,
+        tmp_path,
+        peft_config=lora,
+        vllm_mode="server",
+        vllm_server_base_url=connection.base_url,
+        vllm_server_timeout=300,
+        vllm_group_port=free_port(),
+        vllm_lora_push="adapter",
+        async_grpo=True,
+        max_staleness=1,
+    )
+    weights = trainer._async.generation.weights
+    assert weights.version == 2  # pushed after each of the 2 steps
+    assert [a.version for a in weights.adapters.versions.loaded] == [1, 2]  # max_staleness + 1
+    base_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert 0 < weights.adapters.pushed_bytes < base_bytes / 20  # the adapter, not the model
+    steps = [e for e in trainer.state.log_history if "grad_norm" in e]
+    assert len(steps) == 2 and all("sample/staleness_max" in e for e in steps)
+    model, episodes = play_on_final_weights(trainer)  # through the served newest adapter
+    assert logprob_gap(model, episodes, temperature=1.0) < 1e-3
