@@ -22,7 +22,8 @@ own rows (`rollout.match`). A seat is played by the policy (``"policy"``: its tu
 trained), by another trained policy of the run (``"adapter:NAME"``, a LoRA adapter of the same
 base model: `seat_adapters`), by a frozen snapshot of the policy (``"snapshot"``,
 ``"snapshot:N"``, or one drawn per game from a pool of earlier snapshots, ``"league:N:K"``: a
-`Snapshot`, never trained), by ``"random"`` (a uniformly random legal move), or by a scripted
+`Snapshot`, never trained), by another model loaded from a folder (``"model:PATH"``: an
+`OtherModel`, never trained), by ``"random"`` (a uniformly random legal move), or by a scripted
 function ``(env, seat, rng) -> None`` that makes its move by calling the environment's tools.
 
 Illegal moves are data, with one penalty: the seat that breaks the rules (an illegal move, or
@@ -38,7 +39,8 @@ import importlib
 import inspect
 import random
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from environments.errors import EnvironmentSpecError
@@ -54,6 +56,9 @@ RANDOM = "random"
 SNAPSHOT = "snapshot"
 LEAGUE = "league"
 ADAPTER = "adapter"
+MODEL = "model"
+MODEL_FILES = ("config.json", "adapter_config.json")
+"""What a ``"model:PATH"`` folder holds: a saved model, or a PEFT adapter on a base model."""
 POLICY_ADAPTER = "default"
 """The name PEFT gives the run's own adapter (``"policy"``): no ``"adapter:NAME"`` may take it."""
 
@@ -69,7 +74,8 @@ class Snapshot:
     again every N optimizer steps) or ``"league:N:K"`` (league play: a pool of the K latest
     snapshots, one taken every N steps, each game drawing one of them). Whoever runs the match
     holds the copies and their generation backends (`rollout.match.MatchEngine`'s
-    ``seat_backends``).
+    ``seat_backends``): the match plays every `Snapshot` seat, an `OtherModel`'s too, with the
+    backends it is handed, and gives it no episode.
 
     Attributes:
         every: Optimizer steps between two snapshots; None: only the first is ever taken.
@@ -80,7 +86,24 @@ class Snapshot:
     pool: int = 1
 
 
-#: Who plays a seat: None for the policy (trained), a `Snapshot`, or a scripted player.
+@dataclass(frozen=True)
+class OtherModel(Snapshot):
+    """A seat played by another model, loaded from a folder: a snapshot that is never refreshed.
+
+    Named ``"model:PATH"``, PATH a folder saved with ``save_pretrained``: a model, or a PEFT
+    adapter on a base model (an earlier run's model, a run's warm start). It samples turns with
+    the run's tokenizer and chat template, so its vocabulary must be the policy's; whoever runs
+    the match loads it once and hands its backend on (``seat_backends``), as for a `Snapshot`.
+
+    Attributes:
+        path: The folder, as named (``~`` expanded); it exists and holds `MODEL_FILES`.
+    """
+
+    path: str = field(kw_only=True)
+
+
+#: Who plays a seat: None for the policy (trained), a `Snapshot` (an `OtherModel` among them),
+#: or a scripted player.
 SeatPlayer = ScriptedPlayer | Snapshot | None
 
 
@@ -273,6 +296,8 @@ def _player(seat: str, player: Any) -> SeatPlayer:
         return random_player
     if isinstance(player, str) and player.partition(":")[0] in (SNAPSHOT, LEAGUE):
         return _snapshot(seat, player)
+    if isinstance(player, str) and player.partition(":")[0] == MODEL:
+        return _other_model(seat, player)
     if isinstance(player, str) and ":" in player:
         module, _, name = player.partition(":")
         try:
@@ -286,8 +311,9 @@ def _player(seat: str, player: Any) -> SeatPlayer:
         f"seat_players[{seat!r}]={player!r} is not a player; use '{POLICY}' (trained), "
         f"'{SNAPSHOT}' or '{SNAPSHOT}:N' (a frozen copy of the policy, refreshed every N steps), "
         f"'{LEAGUE}:N:K' (one of its K latest snapshots, taken every N steps, drawn per game), "
-        f"'{ADAPTER}:NAME' (a trained LoRA adapter of its own), '{RANDOM}' (a random legal "
-        "move), 'module:function' or a callable (env, seat, rng)"
+        f"'{ADAPTER}:NAME' (a trained LoRA adapter of its own), '{MODEL}:PATH' (another model, "
+        f"saved in the folder PATH, never trained), '{RANDOM}' (a random legal move), "
+        "'module:function' or a callable (env, seat, rng)"
     )
 
 
@@ -346,3 +372,30 @@ def _snapshot(seat: str, player: str) -> Snapshot:
         f"'{SNAPSHOT}:10') or '{LEAGUE}:N:K' (K, the snapshots kept, 2 or more, e.g. "
         f"'{LEAGUE}:10:4')"
     )
+
+
+def _other_model(seat: str, player: str) -> OtherModel:
+    """``"model:PATH"`` as an `OtherModel`, its folder checked.
+
+    Raises:
+        ValueError: PATH is missing, is not a folder, or holds neither ``config.json`` nor
+            ``adapter_config.json``.
+    """
+    named = player.partition(":")[2]
+    path = Path(named).expanduser()
+    fix = (
+        f"use '{MODEL}:PATH', PATH a folder saved with save_pretrained (a model, or a PEFT "
+        f"adapter on one), e.g. '{MODEL}:runs/tictactoe/warm_start'"
+    )
+    if not named:
+        raise ValueError(f"seat_players[{seat!r}]={player!r} names no folder; {fix}")
+    if not path.is_dir():
+        raise ValueError(
+            f"seat_players[{seat!r}]={player!r}: there is no folder {path.resolve()}; {fix}"
+        )
+    if not any((path / name).is_file() for name in MODEL_FILES):
+        raise ValueError(
+            f"seat_players[{seat!r}]={player!r}: {path.resolve()} holds neither "
+            f"{' nor '.join(MODEL_FILES)}; {fix}"
+        )
+    return OtherModel(path=str(path))

@@ -24,6 +24,7 @@ import sys
 import typing
 from collections.abc import Callable, Sequence
 
+from agentgrpo.cli.lora import add_lora_options
 from agentgrpo.cli.options import (
     DEVICE_HELP,
     UsageError,
@@ -190,6 +191,7 @@ def _run_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse.
         "starts if it has none yet); --resume-from-checkpoint PATH names one instead, and "
         "without --output-dir writes beside it",
     )
+    add_lora_options(parser)
     add_config_options(parser)
     return parser
 

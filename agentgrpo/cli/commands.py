@@ -18,6 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from agentgrpo import run_folder
 from agentgrpo.cli import resume_check, sources
+from agentgrpo.cli.lora import (
+    LORA_KEY_TYPES,
+    LORA_KEYS,
+    adapter_settings,
+    lora_config,
+    naming_target_modules,
+)
 from agentgrpo.cli.options import (
     BUILTIN_TEMPLATE,
     CHECKPOINT_ABOVE_TOKENS,
@@ -48,12 +55,14 @@ RUN_KEYS = (
     "resume",
     "env_args",
     "device",
+    *LORA_KEYS,
 )
 _RUN_KEY_TYPES = {key: FieldType.of(str | None) for key in RUN_KEYS} | {
     "dataset_size": FieldType.of(int | None),
     "reward": FieldType.of(str | list[str] | None),
     "resume": FieldType.of(bool | None),
     "env_args": FieldType.of(dict | str | None),
+    **LORA_KEY_TYPES,
 }
 INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
 DEFAULT_WARM_START_STEPS = 24  # MODELS.md: enough for SmolLM2 to learn the call format
@@ -71,6 +80,7 @@ def run(namespace: argparse.Namespace) -> int:
     source = sources.task_source(namespace.env, env_args)
     settings = _run_settings(namespace, source)
     settings["config"] |= _device_fields(settings["device"], settings["config"])
+    settings["peft_config"] = lora_config(settings)
     config = grpo_config(settings["config"])
     sources.check_output_dir(config.output_dir)
     with run_folder.hold(config.output_dir) if config.should_save else contextlib.nullcontext():
@@ -86,7 +96,11 @@ def _run_in_folder(
     checkpoint = _resume_from(settings["resume"], config)
     model = sources.model_path(settings["model"])
     kept = resume_check.run_settings(
-        namespace.env, settings["env_args"], config, settings["reward"]
+        namespace.env,
+        settings["env_args"],
+        config,
+        settings["reward"],
+        adapter_settings(settings["peft_config"]),
     )
     if checkpoint is not None:
         for warning in resume_check.check_resume(checkpoint, _output_dir(config), kept, model):
@@ -99,14 +113,16 @@ def _run_in_folder(
     rewards = sources.reward_functions(settings["reward"])
     evaluates = config.eval_strategy != "no"  # held-out rows, as `agentgrpo eval` plays them
     eval_rows = sources.rows(source, settings["dataset"], "eval") if evaluates else None
-    trainer = GRPOTrainer(
-        model,
-        rewards,
-        args=config,
-        train_dataset=train_rows,
-        eval_dataset=eval_rows,
-        **sources.played_by(source),
-    )
+    with naming_target_modules(settings["peft_config"]):
+        trainer = GRPOTrainer(
+            model,
+            rewards,
+            args=config,
+            train_dataset=train_rows,
+            eval_dataset=eval_rows,
+            peft_config=settings["peft_config"],
+            **sources.played_by(source),
+        )
     try:
         return _train_and_save(trainer, namespace, settings, config, checkpoint, train_rows)
     finally:
@@ -405,6 +421,7 @@ def _print_start(
     lines = {
         "environment": f"{env} ({len(rows) if hasattr(rows, '__len__') else 'streamed'} rows)",
         "model": settings["model"] or sources.DEFAULT_MODEL,
+        "adapter": _adapter_line(trainer.model),
         "device": f"{describe_device(args.device, os.environ)} x {args.world_size} process(es)",
         "precision": describe_precision(weights, autocast),
         "generation": backend,
@@ -424,8 +441,17 @@ def _print_start(
         lines["resume from"] = checkpoint
     print("agentgrpo run")
     for name, value in lines.items():
-        print(f"  {name:<12} {value}")
+        if value is not None:  # an adapter line only where one trains
+            print(f"  {name:<12} {value}")
     print(flush=True)
+
+
+def _adapter_line(model: Any) -> str | None:
+    """The LoRA adapter the run trains (`--use-peft`); None where every weight trains."""
+    from agentgrpo.cli.lora import describe
+
+    configs = getattr(model, "peft_config", None)
+    return describe(configs[model.active_adapter]) if configs else None
 
 
 def _warm_start_line(args: GRPOConfig) -> str:

@@ -90,11 +90,12 @@ def _eval_engine(
     from transformers import AutoTokenizer
 
     from agentgrpo.doctor import startup_checks
-    from agentgrpo.generation.evaluation import evaluation_backend
+    from agentgrpo.generation.evaluation import adapter_seat_backends, evaluation_backend
     from agentgrpo.models.loading import is_vision_folder, load_tokenizer
     from agentgrpo.rewards.calls import reward_functions
     from agentgrpo.rounds.scoring import environment_reward_name
     from agentgrpo.rounds.wiring import build_parts
+    from agentgrpo.training.seat_models import model_seat_backends
     from rollout.images import load_processor
 
     rewards = reward_functions(sources.reward_functions(namespace.reward), None)
@@ -116,14 +117,20 @@ def _eval_engine(
         processor=processor,
     )
     config = eval_config(namespace, source)
+    factory = played_by.get("environment_factory")  # a game: its "model:PATH" seats load here
+    adapters = adapter_seat_backends(factory, config.seat_players, backend, namespace.seed)
+    seats = model_seat_backends(
+        config, factory, backend, tokenizer, device, namespace.seed, given=adapters
+    )
     parts = build_parts(
         config,
         backend,
         tokenizer if processor is None else processor,
-        played_by.get("environment_factory"),
+        factory,
         (),
         rewards,
         agent=played_by.get("agent"),
+        seat_backends=seats,
     )
     try:
         startup_checks(parts.engine)

@@ -109,6 +109,9 @@ LIMITS: dict[str, Limit] = {
     "num_episodes": _at_least(1),
     "generate": _at_least(1),
     "server_timeout": (lambda s: s > 0, "a number of seconds > 0"),
+    "lora_r": _at_least(1),
+    "lora_alpha": _at_least(1),
+    "lora_dropout": (lambda p: 0 <= p < 1, "a number in [0, 1)"),
 }
 
 # Fields where the text "none" is a value TrainingArguments reads, not "unset".

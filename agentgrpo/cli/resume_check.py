@@ -33,15 +33,29 @@ MAY_CHANGE = frozenset({"reward", "reward_weights"})
 
 
 def run_settings(
-    env: str, env_args: dict[str, Any] | None, config: GRPOConfig, rewards: list[str]
+    env: str,
+    env_args: dict[str, Any] | None,
+    config: GRPOConfig,
+    rewards: list[str],
+    adapter: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The settings a resumed run is compared on (`rewards`: the `--reward` specs as typed)."""
+    """The settings a resumed run is compared on.
+
+    Args:
+        env: The environment as typed.
+        env_args: Its `--env-args`.
+        config: The run's config (its learning rate and reward weights).
+        rewards: The `--reward` specs as typed.
+        adapter: The LoRA adapter `--use-peft` trains (`lora.adapter_settings`), None without
+            one: a checkpoint holds the adapter's weights alone, which fit no other.
+    """
     return {
         "environment": env,
         "env_args": env_args,
         "learning_rate": config.learning_rate,
         "reward": list(rewards),
         "reward_weights": config.reward_weights,
+        "lora": adapter,
     }
 
 

@@ -100,7 +100,8 @@ class EpisodeFields:
             "JSON object of seat to player: 'policy' (the model; its turns are trained), "
             "'snapshot' or 'snapshot:N' (a frozen copy of the policy, refreshed every N steps; "
             "transformers only), 'league:N:K' (one of its K latest snapshots, drawn per game), "
-            "'adapter:NAME' (a trained LoRA adapter of its own; needs peft_config), "
+            "'adapter:NAME' (a trained LoRA adapter of its own; needs peft_config), 'model:PATH' "
+            "(another model saved in the folder PATH, never trained; transformers only), "
             "'random' (a random legal move) or 'module:function' (a scripted player). Seats "
             'left out are the policy\'s. None: self-play, every seat trained. Example: {"o": '
             '"random"}.'

@@ -7,6 +7,10 @@ doctor checks the template against the stop ids a run stops on.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -14,6 +18,7 @@ import torch
 from agentgrpo.devices import describe_run_device
 from agentgrpo.models.loading import load_for_generation
 from agentgrpo.precision import autocast_kwargs
+from environments.seats import Snapshot, is_seated, seat_adapters, seat_players
 from rollout import GenerationBackend, TransformersBackend
 from rollout.backends.vllm_colocate import default_stop_token_ids
 from rollout.backends.vllm_server import ServerConnection, VLLMServerBackend
@@ -77,3 +82,71 @@ def evaluation_backend(
         model, tokenizer, seed=seed, **autocast_kwargs(autocast)
     )
     return backend, describe_run_device(device, autocast)
+
+
+def adapter_seat_backends(
+    environment: Any, players: dict[str, Any] | None, backend: GenerationBackend, seed: int
+) -> dict[str, GenerationBackend] | None:
+    """The backends of the seats that the policy's `backend` does not play as the policy.
+
+    For `agentgrpo eval` of a game whose `players` (`seat_players`) name ``"adapter:NAME"``
+    seats: each such seat is played by adapter NAME of the loaded `PeftModel` (saved beside
+    the policy's, as a run with adapter seats saves them; `models.load_for_generation`), through
+    a backend of its own that shares `backend`'s step lock and activates NAME for its steps
+    only, as a training run's `training.seat_policies` does; it samples from `seed` plus a
+    checksum of NAME. Snapshot seats are played by `backend` (evaluation's snapshot is the
+    policy itself).
+
+    Returns:
+        Seat to backend for the match engine's ``seat_backends``; None where no seat is an
+        adapter's (`rounds.wiring.build_engine` then gives the snapshot seats `backend`).
+
+    Raises:
+        ValueError: Adapter seats with a server generating, a model that is not a PEFT adapter
+            folder, or an adapter the folder does not hold.
+    """
+    seated = isinstance(environment, type) and is_seated(environment)
+    adapters = seat_adapters(environment, players) if seated else {}
+    if not adapters:
+        return None
+    if not isinstance(backend, TransformersBackend):
+        raise ValueError(
+            f"--seat-players plays seats by adapters {sorted(set(adapters.values()))}, which "
+            "load with the model here: leave out --server-url"
+        )
+    model: Any = backend.model  # a PeftModel where it holds the adapters
+    held = sorted(getattr(model, "peft_config", {}))
+    if missing := sorted(set(adapters.values()) - set(held)):
+        raise ValueError(
+            f"--seat-players names adapters {missing}, which --model does not hold (its "
+            f"adapters: {held or 'none, it is not a PEFT adapter folder'}); give the model "
+            "folder of a run that trained them (`agentgrpo run ... --use-peft --seat-players`)"
+        )
+    own: dict[str, GenerationBackend] = {
+        name: TransformersBackend(
+            model,
+            backend.stop_token_ids,
+            backend.pad_token_id,
+            seed=seed + zlib.crc32(name.encode()),
+            autocast_dtype=backend.autocast_dtype,
+            step_lock=backend.step_lock,
+            step_context=functools.partial(_adapter_active, model, name, model.active_adapter),
+        )
+        for name in dict.fromkeys(adapters.values())
+    }
+    snapshots = [
+        s for s, p in seat_players(environment, players).items() if isinstance(p, Snapshot)
+    ]
+    return {seat: backend for seat in snapshots} | {
+        seat: own[name] for seat, name in adapters.items()
+    }
+
+
+@contextlib.contextmanager
+def _adapter_active(model: Any, name: str, policy_adapter: str) -> Iterator[None]:
+    """`model` with adapter `name` active, the policy's again after."""
+    model.set_adapter(name)
+    try:
+        yield
+    finally:
+        model.set_adapter(policy_adapter)

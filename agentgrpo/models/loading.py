@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -159,14 +161,60 @@ def load_for_generation(path: str, device: torch.device) -> tuple[Any, torch.dty
     uses "sdpa". Returns the model (in eval mode) and the autocast dtype to generate under
     (`devices.inference_autocast`: bf16 on a GPU that supports it, None on a CPU). A
     vision-language model loads with `AutoModelForImageTextToText`.
+
+    A PEFT adapter folder (`adapter_base`) loads as a `PeftModel`: the base model its
+    adapter_config.json names, its adapter as PEFT's "default", and each named adapter saved
+    in a subfolder (`named_adapters`) under its folder's name, the default one active.
     """
     from transformers import AutoModelForImageTextToText
 
+    base = adapter_base(path)
     auto = AutoModelForImageTextToText if is_vision_folder(path) else AutoModelForCausalLM
-    model: Any = auto.from_pretrained(path, dtype=torch.float32)
+    model: Any = auto.from_pretrained(base or path, dtype=torch.float32)
+    if base is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, path)
+        for name in named_adapters(path):
+            model.load_adapter(str(Path(path) / name), adapter_name=name)
+        model.set_adapter("default")
     model = model.to(device).eval()
     use_grouped_query_sdpa(model)
     return model, inference_autocast(device)
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # what PEFT's save_pretrained writes beside an adapter
+
+
+def adapter_base(path: str) -> str | None:
+    """The base model of the PEFT adapter saved in folder `path`; None if `path` holds none.
+
+    The base is adapter_config.json's `base_model_name_or_path`, as GRPOTrainer's
+    `save_model` of a `peft_config` run writes it (the `--model` the run trained).
+
+    Raises:
+        ValueError: adapter_config.json names no base model.
+    """
+    config = Path(path) / ADAPTER_CONFIG
+    if not config.is_file():
+        return None
+    base = json.loads(config.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(
+            f"{config} names no base model (base_model_name_or_path); add the hub id or folder "
+            "of the model the adapter was trained on"
+        )
+    return str(base)
+
+
+def named_adapters(path: str) -> list[str]:
+    """The named adapters beside the "default" one in adapter folder `path`, sorted.
+
+    PEFT's `save_pretrained` writes each adapter but "default" to a subfolder of its name
+    (`training.seat_policies`' ``"adapter:NAME"`` seats).
+    """
+    folders = Path(path).iterdir() if Path(path).is_dir() else ()
+    return sorted(f.name for f in folders if (f / ADAPTER_CONFIG).is_file())
 
 
 def router_aux_loss_coef(model: Any, configured: float | None) -> float:
@@ -398,10 +446,14 @@ def is_vision_model(model: Any) -> bool:
 
 
 def is_vision_folder(path: str) -> bool:
-    """Whether the model saved at `path` (folder or hub id) has a vision tower."""
+    """Whether the model saved at `path` (folder or hub id) has a vision tower.
+
+    For a PEFT adapter folder, whether its base model has one (`adapter_base`).
+    """
     from transformers import AutoConfig
 
-    return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+    config = AutoConfig.from_pretrained(adapter_base(path) or path)
+    return getattr(config, "vision_config", None) is not None
 
 
 def tokenizer_and_processor(

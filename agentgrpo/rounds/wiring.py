@@ -17,7 +17,7 @@ from agentgrpo.learner.losses import LossConfig
 from agentgrpo.learner.objectives import VespoShape
 from agentgrpo.rewards.calls import RewardFunction
 from agentgrpo.rounds.scoring import Scorer, environment_reward_classes
-from environments.seats import Snapshot, is_seated, seat_players
+from environments.seats import OtherModel, Snapshot, is_seated, seat_players
 from rollout import EpisodeConfig, GenerationBackend, RolloutEngine
 from rollout.agents import Agent
 from rollout.match import MatchEngine
@@ -71,9 +71,10 @@ def build_parts(
             training).
         agent: An agent that plays each episode through the engine's chat endpoint, in place
             of an environment and tools; its returned rewards are reward columns of their own.
-        seat_backends: The backend (a league: its pool) of each seat a frozen snapshot plays
-            (`seat_players`); None: `backend` plays them, which is right where the policy does
-            not train (evaluation: its snapshot is itself).
+        seat_backends: The backend (a league: its pool) of each seat a frozen snapshot or
+            another model (``"model:PATH"``) plays (`seat_players`); None: `backend` plays the
+            snapshot seats, which is right where the policy does not train (evaluation: its
+            snapshot is itself), and a seat of another model is refused.
 
     Raises:
         ValueError: No reward at all, or `reward_weights` not matching the rewards (see
@@ -114,8 +115,9 @@ def build_engine(
     each seat).
 
     Raises:
-        ValueError: `seat_players` without a game with seats, or a game with seats played
-            asynchronously or beside several environments or an agent.
+        ValueError: `seat_players` without a game with seats, a game with seats played
+            asynchronously or beside several environments or an agent, or a seat of another
+            model without its backend in `seat_backends`.
     """
     options: dict[str, Any] = {}
     engine_class: type[RolloutEngine] = RolloutEngine
@@ -126,10 +128,8 @@ def build_engine(
                 "synchronously and without an agent; set async_grpo=False and drop the agent"
             )
         engine_class, options["players"] = MatchEngine, config.seat_players
-        players = seat_players(environment_factory, config.seat_players)
-        snapshots = [seat for seat, player in players.items() if isinstance(player, Snapshot)]
-        options["seat_backends"] = (
-            {seat: backend for seat in snapshots} if seat_backends is None else seat_backends
+        options["seat_backends"] = _seat_backends(
+            config, environment_factory, backend, seat_backends
         )
     elif config.seat_players:
         raise ValueError(
@@ -152,6 +152,31 @@ def build_engine(
         infra_retries=config.infra_retries,
         **options,
     )
+
+
+def _seat_backends(
+    config: GRPOConfig,
+    game: type,
+    backend: GenerationBackend,
+    given: Mapping[str, GenerationBackend | Sequence[GenerationBackend]] | None,
+) -> Mapping[str, GenerationBackend | Sequence[GenerationBackend]]:
+    """What plays `game`'s frozen seats: `given`, or `backend` for each snapshot seat.
+
+    Raises:
+        ValueError: A seat another model plays (``"model:PATH"``) and no backend given for it:
+            `backend` is not that model.
+    """
+    players = seat_players(game, config.seat_players)
+    if given is not None:
+        return given
+    models = {s: p.path for s, p in players.items() if isinstance(p, OtherModel)}
+    if models:
+        raise ValueError(
+            f"seat_players plays {models} (seat: folder) with other models, whose backends the "
+            "caller loads: pass seat_backends (agentgrpo.training.seat_models builds them; "
+            "`agentgrpo run`, `agentgrpo eval` and GRPOTrainer do this)"
+        )
+    return {seat: backend for seat, p in players.items() if isinstance(p, Snapshot)}
 
 
 def episode_config_of(config: GRPOConfig) -> EpisodeConfig:

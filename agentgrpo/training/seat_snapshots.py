@@ -13,8 +13,8 @@ a new one replacing the oldest once there are K, and each match draws one of the
 (`rollout.match`). A resumed run takes its copies afresh from the resumed policy: a league
 starts again from one. vLLM and sharded weights (DeepSpeed ZeRO-3, FSDP) cannot hold such a
 copy here, and are refused by `SeatSnapshots.of`. `choose_with_snapshots` is the trainer's one
-call for both: its generators, the rounds' one refreshing the copies first, and the seats that
-trained LoRA adapters play (`seat_policies`).
+call for both: its generators, the rounds' one refreshing the copies first, the seats that
+trained LoRA adapters play (`seat_policies`) and those other models play (`seat_models`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 from agentgrpo.generation.generator import Generator, Generators, choose_generators
 from agentgrpo.generation.local import CopiedWeights
 from agentgrpo.placement import Placement
+from agentgrpo.training.seat_models import SeatModels
 from agentgrpo.training.seat_policies import SeatPolicies
 from environments.seats import Snapshot, is_seated, seat_players
 from rollout import GenerationBackend
@@ -85,10 +86,13 @@ class SeatSnapshots:
         seats: Each snapshot seat's pool of copies (seats with one `Snapshot` share it).
         adapters: The backend of each seat a trained LoRA adapter plays
             (`seat_policies.SeatPolicies.seat_backends`), handed on with the snapshots'.
+        models: The other models that ``"model:PATH"`` seats play (`seat_models.SeatModels`),
+            their backends handed on with the snapshots'.
     """
 
     seats: dict[str, _Pool] = field(default_factory=dict)
     adapters: dict[str, GenerationBackend] = field(default_factory=dict)
+    models: SeatModels = field(default_factory=SeatModels)
 
     @classmethod
     def of(
@@ -114,7 +118,7 @@ class SeatSnapshots:
         if not (isinstance(environment, type) and is_seated(environment)):
             return cls()
         players = seat_players(environment, args.seat_players)
-        chosen = {s: p for s, p in players.items() if isinstance(p, Snapshot)}
+        chosen = {s: p for s, p in players.items() if type(p) is Snapshot}  # not OtherModel
         if not chosen:
             return cls()
         asked = {seat: args.seat_players[seat] for seat in chosen}  # type: ignore[index]
@@ -139,10 +143,11 @@ class SeatSnapshots:
         """Each snapshot seat's pool of backends, which the rounds fill and refresh in place.
 
         `rollout.match.MatchEngine`'s ``seat_backends``: each match draws one of its seat's.
-        Each seat a trained adapter plays has its adapter's backend, alone in its pool.
+        Each seat a trained adapter or another model plays has its backend, alone in its pool.
         """
-        adapters = {seat: [backend] for seat, backend in self.adapters.items()}
-        return {seat: pool.backends for seat, pool in self.seats.items()} | adapters
+        fixed = self.adapters | self.models.backends
+        own = {seat: [backend] for seat, backend in fixed.items()}
+        return {seat: pool.backends for seat, pool in self.seats.items()} | own
 
     def refresh(self, policy: torch.nn.Module, step: int) -> None:
         """Take a copy of `policy`'s weights into each pool due at optimizer step `step`."""
@@ -151,8 +156,11 @@ class SeatSnapshots:
                 pool.take(policy, step)
 
     def around(self, generator: Generator) -> Generator:
-        """`generator`, refreshing the copies (as due) at the start of each of its rounds."""
-        return _WithSnapshots(generator, self) if self.seats else generator
+        """`generator`, refreshing the copies (as due) at the start of each of its rounds.
+
+        Its rounds end by freeing the memory the copies' and other models' backends hold.
+        """
+        return _WithSnapshots(generator, self) if self.seats or self.models.backends else generator
 
 
 class _WithSnapshots:
@@ -183,6 +191,7 @@ class _WithSnapshots:
                 for pool in self.snapshots.seats.values():
                     for copied in pool.copies:
                         copied.backend.release_memory()
+                self.snapshots.models.release_memory()
 
 
 def _copied(policy: torch.nn.Module, tokenizer: Any, args: GRPOConfig) -> CopiedWeights:
@@ -202,14 +211,16 @@ def choose_with_snapshots(
     """`generation.generator.choose_generators`, with the seats' snapshots and trained adapters.
 
     The arguments are `choose_generators`'s, and the run's environment factory. The snapshot
-    seats are refused (`SeatSnapshots.of`) and the adapter seats' adapters added to `policy`
-    (`SeatPolicies.of`) before any generator starts; the rounds' generator refreshes the
-    snapshots and starts the adapters' backends afresh.
+    seats are refused (`SeatSnapshots.of`), the other models loaded (`SeatModels.of`) and the
+    adapter seats' adapters added to `policy` (`SeatPolicies.of`) before any generator starts;
+    the rounds' generator refreshes the snapshots and starts the adapters' backends afresh.
 
     Raises:
-        ValueError: As `SeatSnapshots.of`, `SeatPolicies.of` and `choose_generators`.
+        ValueError: As `SeatSnapshots.of`, `SeatModels.of`, `SeatPolicies.of` and
+            `choose_generators`.
     """
     snapshots = SeatSnapshots.of(args, placement, environment, policy, tokenizer)
+    snapshots.models = SeatModels.of(args, placement, environment, policy, tokenizer)
     policies = SeatPolicies.of(args, placement, accelerator, environment, policy)
     generators = choose_generators(args, placement, policy, tokenizer, accelerator, processor)
     policies.attach(generators.rounds.backend, tokenizer)
