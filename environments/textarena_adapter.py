@@ -6,8 +6,10 @@ its own loop (``reset(num_players, seed)``, ``step(action)``, ``get_observation(
 `TextArenaGame` makes one game a gymnasium env with `~gymnasium.spaces.Text` spaces, and
 `gym_environment` does the rest:
 
-- single-player games are played as they are; in a two-player game the model is player 0 and
-  the ``opponent`` option plays player 1: ``random`` (a random move among those the game shows
+- single-player games are played as they are. A two-player game without ``opponent`` is a
+  game with seats, ``player_0`` and ``player_1``, each played by any seat player
+  (`environments.textarena_seats`); with it, the model is player 0 and the ``opponent`` option
+  plays player 1 inside the tool: ``random`` (a random move among those the game shows
   in brackets, ``[4]``), ``first`` (the first such move, newest text first) or
   ``module:function`` / ``path/to/file.py:function``, a function from the opponent's new text
   to its move. Games for three or more players are refused;
@@ -48,7 +50,7 @@ import re
 import string
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium
 from gymnasium.spaces import Text
@@ -59,6 +61,9 @@ from environments.gym_ids import MAX_TURNS, parse_spec
 from environments.loading import load_attribute
 from tools.threads import describe_error
 
+if TYPE_CHECKING:
+    from environments.textarena_seats import TextArenaSeats
+
 TA_PREFIX = "ta:"
 INSTALL = "pip install 'agentgrpo[textarena]'"
 OPPONENTS = ("random", "first", "module:function")
@@ -66,10 +71,10 @@ _TOOL = "move"
 _ACTION_MAX = 1000
 _TEXT_MAX = 100_000
 _OPPONENT_TRIES = 200  # opponent moves in a row before the game is stopped (a game that loops)
-_GLOBAL_RANDOM = threading.Lock()  # TextArena seeds the global generator in reset
-_BRACKETED = re.compile(r"\[[^\[\]\n]{1,40}\]")
+GLOBAL_RANDOM = threading.Lock()  # TextArena seeds the global generator in reset
+BRACKETED = re.compile(r"\[[^\[\]\n]{1,40}\]")
 _MODEL = 0
-_CLASSES: dict[tuple[str, tuple[tuple[str, Any], ...]], type[GymEnvironment]] = {}
+_CLASSES: dict[tuple[str, tuple[tuple[str, Any], ...]], type[GymEnvironment | TextArenaSeats]] = {}
 
 Opponent = Callable[[str, list[str], random.Random], list[str]]
 """Proposes the opponent's moves in the order to try: (new text, candidates, rng) -> moves."""
@@ -106,7 +111,7 @@ class TextArenaGame(gymnasium.Env):
         self.illegal_moves = self.opponent_replaced = 0
         self._opponent_seen = []
         self._rng = random.Random(seed)
-        with _GLOBAL_RANDOM:
+        with GLOBAL_RANDOM:
             self.game.reset(num_players=self.players, seed=seed)
             text, _ = self._play_opponent()  # player 0 moves first in TextArena's games
             return text, {}
@@ -121,8 +126,8 @@ class TextArenaGame(gymnasium.Env):
 
         """
         move = action if "[" in action else f"[{action}]"
-        with _GLOBAL_RANDOM:
-            illegal = not _legal_step(self.game, _MODEL, move)
+        with GLOBAL_RANDOM:
+            illegal = not legal_step(self.game, _MODEL, move)
             self.illegal_moves += illegal
             text, stopped = self._play_opponent()
             state = self.game.state
@@ -159,17 +164,17 @@ class TextArenaGame(gymnasium.Env):
         candidates = [
             move
             for text in reversed(self._opponent_seen)
-            for move in dict.fromkeys(_BRACKETED.findall(text))
+            for move in dict.fromkeys(BRACKETED.findall(text))
         ]
         proposals = self.opponent(seen, list(dict.fromkeys(candidates)), self._rng)
         for index, move in enumerate(proposals):
-            if _accepts(self.game, player, move):
+            if accepts(self.game, player, move):
                 self.opponent_replaced += index > 0
-                return _legal_step(self.game, player, move)
+                return legal_step(self.game, player, move)
         return False
 
 
-def textarena_environment(spec: str) -> type[GymEnvironment]:
+def textarena_environment(spec: str) -> type[GymEnvironment | TextArenaSeats]:
     """The environment class for a TextArena game id, with optional options.
 
     Args:
@@ -179,13 +184,15 @@ def textarena_environment(spec: str) -> type[GymEnvironment]:
 
     Returns:
         A `GymEnvironment` subclass with the tool ``move``, ``dataset(split)`` and
-        ``episode_limits``; the same class for the same spec.
+        ``episode_limits``; for a two-player game without ``opponent``, a seated class
+        (`environments.textarena_seats`) with the same tool and rows. The same class for the
+        same spec.
 
     Raises:
         EnvironmentSpecError: textarena is not installed, the id is not in its registry (the
-            message lists close matches), the game has more than two players, a two-player
-            game has no ``opponent`` (or a single-player game has one), the opponent is none
-            of `OPPONENTS`, or the game fails to start.
+            message lists close matches), the game has more than two players, a
+            single-player game has an ``opponent``, the opponent is none of `OPPONENTS`, or
+            the game fails to start.
 
     """
     game_id, kwargs = parse_spec(spec, TA_PREFIX, "TicTacToe-v0,opponent=random")
@@ -195,15 +202,15 @@ def textarena_environment(spec: str) -> type[GymEnvironment]:
     return _CLASSES[key]
 
 
-def _build(game_id: str, kwargs: dict[str, Any]) -> type[GymEnvironment]:
+def _build(game_id: str, kwargs: dict[str, Any]) -> type[GymEnvironment | TextArenaSeats]:
     label = f"{TA_PREFIX}{game_id}"
     opponent_name = kwargs.pop("opponent", None)
     players = _players(game_id, kwargs)
     if players == 2 and opponent_name is None:
-        raise EnvironmentSpecError(
-            f"{label} is a two-player game: name player 1's opponent, e.g. "
-            f"{label},opponent=random (one of: {', '.join(OPPONENTS)})"
-        )
+        # imported here: textarena_seats builds on this module's helpers
+        from environments.textarena_seats import seated_textarena
+
+        return seated_textarena(game_id, kwargs)
     if players == 1 and opponent_name is not None:
         raise EnvironmentSpecError(
             f"{label} is a single-player game: it takes no opponent; drop opponent="
@@ -302,14 +309,19 @@ def final_reward(rewards: dict[int, float] | None, players: int) -> float:
 
 
 def new_text(state: Any, player: int) -> str:
-    """What `player` has been shown since it last read, taken from its queue.
+    """What `player` has been shown since it last read, taken from its queue (`shown_text`)."""
+    messages = list(state.observations[player])
+    state.observations[player] = []
+    return shown_text(messages, player)
+
+
+def shown_text(messages: list[Any], player: int) -> str:
+    """TextArena's `messages` for `player` as one text, as the model reads them.
 
     Its own echoed moves are left out, and of the boards only the last one is kept.
     """
     from textarena import GAME_ID, ObservationType
 
-    messages = list(state.observations[player])
-    state.observations[player] = []
     boards = [i for i, (_, _, kind) in enumerate(messages) if kind is ObservationType.GAME_BOARD]
     parts = []
     for index, (sender, text, kind) in enumerate(messages):
@@ -329,7 +341,7 @@ def _first_moves(seen: str, candidates: list[str], rng: random.Random) -> list[s
     return candidates
 
 
-def _legal_step(game: Any, player: int, move: str) -> bool:
+def legal_step(game: Any, player: int, move: str) -> bool:
     """Step `game` with `player`'s `move`; False when the game refused it as illegal.
 
     TextArena counts a turn only for a legal move, and marks a move that loses the game for
@@ -343,11 +355,11 @@ def _legal_step(game: Any, player: int, move: str) -> bool:
     return not (refused_again or state.game_info[player]["invalid_move"])
 
 
-def _accepts(game: Any, player: int, move: str) -> bool:
+def accepts(game: Any, player: int, move: str) -> bool:
     """Whether `game` takes `move` from `player`, tried on a copy (global generator kept)."""
     generator = random.getstate()
     try:
-        return _legal_step(copy.deepcopy(game), player, move)
+        return legal_step(copy.deepcopy(game), player, move)
     finally:
         random.setstate(generator)
 
@@ -358,7 +370,7 @@ def _players(game_id: str, kwargs: dict[str, Any]) -> int:
     failures = []
     for players in (1, 2):
         try:
-            with _GLOBAL_RANDOM:
+            with GLOBAL_RANDOM:
                 game.reset(num_players=players, seed=0)
             return players
         except Exception as error:

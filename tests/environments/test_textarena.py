@@ -103,7 +103,6 @@ def test_the_random_opponent_replays_for_the_same_seed():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("ta:TicTacToe-v0", "two-player game: name player 1's opponent"),
         ("ta:GuessTheNumber-v0,opponent=random", "single-player game: it takes no opponent"),
         ("ta:TicTacToe-v0,opponent=best", "opponent='best' is not an opponent; use one of"),
         ("ta:TicTacToo-v0", "close matches: TicTacToe-v0"),
