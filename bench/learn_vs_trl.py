@@ -109,8 +109,8 @@ SETUPS = {
     # docs/measurements.md and /work/shared/MODELS.md: the CPU recipe that learns Counter.
     "counter": Setup(TrlCounter, f"{__file__}:TrlCounter", 1, 64, 8, 1, 5e-5, 24),
     # Chain's own episode_limits and run_defaults (environments/chain.py): 16 episodes a step,
-    # learned 4 at a time, which keeps each trainer's peak memory near 5 GB, not 11-16 GB (three
-    # trainers side by side were killed for memory on 24 GB).
+    # learned 4 at a time. Side by side the peaks were then 5.8 (agentgrpo), 7.0 (with the
+    # options) and 11.2 GB (TRL); learned 16 at once, 11, 12 and 16.5 GB, killed on 24 GB.
     "chain": Setup(TrlChain, f"{__file__}:TrlChain", 4, 224, 4, 4, 3e-5, 96),
 }
 
