@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
@@ -98,6 +98,44 @@ class ConcurrentGenerator(Generator, Protocol):
     def take_paused_s(self) -> float:
         """Seconds generation waited for pushes since the last call."""
         ...
+
+
+class AroundRounds:
+    """A `Generator`: `generator`, calling `start` and `end` around each of its rounds.
+
+    `start(policy, step)` runs once `generator` holds step `step`'s weights; `end()` runs when
+    the round ends, however it ends.
+    """
+
+    def __init__(
+        self,
+        generator: Generator,
+        start: Callable[[torch.nn.Module, int], None],
+        end: Callable[[], None],
+    ):
+        self.generator = generator
+        self.start = start
+        self.end = end
+
+    @property
+    def version(self) -> int:
+        """`generator`'s version."""
+        return self.generator.version
+
+    @property
+    def backend(self) -> GenerationBackend:
+        """`generator`'s backend."""
+        return self.generator.backend
+
+    @contextlib.contextmanager
+    def generating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
+        """A round of `generator` at optimizer step `step`, between `start` and `end`."""
+        with self.generator.generating(policy, step):
+            try:
+                self.start(policy, step)
+                yield
+            finally:
+                self.end()
 
 
 class Generators(NamedTuple):

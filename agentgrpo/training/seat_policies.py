@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentgrpo.generation.generator import Generator
+from agentgrpo.generation.generator import AroundRounds, Generator
 from agentgrpo.generation.sampling import sampling_overrides
 from agentgrpo.learner.batch import TrainingBatch
 from agentgrpo.learner.logprobs import PolicyForward, batched_logprobs, completion_logprobs
@@ -146,7 +146,19 @@ class SeatPolicies:
 
     def around(self, generator: Generator) -> Generator:
         """`generator`, whose rounds also start and end the adapters' backends afresh."""
-        return _WithAdapters(generator, self) if self.backends else generator
+        if not self.backends:
+            return generator
+        return AroundRounds(generator, self._reset_prefix_caches, self._release_memory)
+
+    def _reset_prefix_caches(self, policy: torch.nn.Module, step: int) -> None:
+        """Drop what the adapters' backends cached of the weights before step `step`."""
+        for backend in self.backends.values():
+            backend.reset_prefix_cache()
+
+    def _release_memory(self) -> None:
+        """Free what the adapters' backends hold for generating."""
+        for backend in self.backends.values():
+            backend.release_memory()
 
     @contextlib.contextmanager
     def active(self, name: str) -> Iterator[None]:
@@ -330,36 +342,6 @@ class SeatPolicies:
         self.model.set_requires_grad([self.policy_adapter, *self.learning_rates], True)
 
 
-class _WithAdapters:
-    """A `Generator` whose rounds start the adapters' backends afresh and free them after."""
-
-    def __init__(self, generator: Generator, policies: SeatPolicies):
-        self.generator = generator
-        self.policies = policies
-
-    @property
-    def version(self) -> int:
-        """The optimizer step of the weights every adapter generates with."""
-        return self.generator.version
-
-    @property
-    def backend(self) -> GenerationBackend:
-        """The policy's backend."""
-        return self.generator.backend
-
-    @contextlib.contextmanager
-    def generating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
-        """A round of `generator`; the adapters' prefix caches are of the last weights."""
-        with self.generator.generating(policy, step):
-            for backend in self.policies.backends.values():
-                backend.reset_prefix_cache()
-            try:
-                yield
-            finally:
-                for backend in self.policies.backends.values():
-                    backend.release_memory()
-
-
 def _refuse(args: GRPOConfig, placement: Placement, policy: Any, seats: dict[str, str]) -> None:
     """Refuse the settings adapter seats cannot train under, naming what works."""
     asked = {seat: args.seat_players[seat] for seat in seats}  # type: ignore[index]
@@ -391,7 +373,7 @@ def _refuse(args: GRPOConfig, placement: Placement, policy: Any, seats: dict[str
         raise ValueError(
             f"seat_players {asked}: a seat played by a trained adapter needs the policy trained "
             "as a LoRA adapter: pass GRPOTrainer peft_config=LoraConfig(...) (or a PeftModel "
-            "with LoRA; `agentgrpo run` has no LoRA option yet), or let the seat be 'policy'"
+            "with LoRA; `agentgrpo run --use-peft`), or let the seat be 'policy'"
         )
 
 

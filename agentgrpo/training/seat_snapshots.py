@@ -19,15 +19,19 @@ trained LoRA adapters play (`seat_policies`) and those other models play (`seat_
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentgrpo.generation.generator import Generator, Generators, choose_generators
+from agentgrpo.generation.generator import (
+    AroundRounds,
+    Generator,
+    Generators,
+    choose_generators,
+)
 from agentgrpo.generation.local import CopiedWeights
 from agentgrpo.placement import Placement
 from agentgrpo.training.seat_models import SeatModels
@@ -160,38 +164,16 @@ class SeatSnapshots:
 
         Its rounds end by freeing the memory the copies' and other models' backends hold.
         """
-        return _WithSnapshots(generator, self) if self.seats or self.models.backends else generator
+        if not (self.seats or self.models.backends):
+            return generator
+        return AroundRounds(generator, self.refresh, self.release_memory)
 
-
-class _WithSnapshots:
-    """A `Generator` whose rounds first refresh the snapshot seats' copies, as due."""
-
-    def __init__(self, generator: Generator, snapshots: SeatSnapshots):
-        self.generator = generator
-        self.snapshots = snapshots
-
-    @property
-    def version(self) -> int:
-        """The optimizer step of the policy's weights (those the trained seats play)."""
-        return self.generator.version
-
-    @property
-    def backend(self) -> GenerationBackend:
-        """The policy's backend."""
-        return self.generator.backend
-
-    @contextlib.contextmanager
-    def generating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
-        """A round of `generator`, its snapshots refreshed first; their memory freed after."""
-        with self.generator.generating(policy, step):
-            self.snapshots.refresh(policy, step)
-            try:
-                yield
-            finally:
-                for pool in self.snapshots.seats.values():
-                    for copied in pool.copies:
-                        copied.backend.release_memory()
-                self.snapshots.models.release_memory()
+    def release_memory(self) -> None:
+        """Free what the copies' and the other models' backends hold for generating."""
+        for pool in self.seats.values():
+            for copied in pool.copies:
+                copied.backend.release_memory()
+        self.models.release_memory()
 
 
 def _copied(policy: torch.nn.Module, tokenizer: Any, args: GRPOConfig) -> CopiedWeights:
