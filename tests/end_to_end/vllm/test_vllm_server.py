@@ -1,10 +1,14 @@
 """A real vLLM server on CPU (`agentgrpo vllm-serve`'s command): episodes, pushes, failures.
 
-One server for the module; the last test stops it on purpose.
+One server for the module, with LoRA enabled; the last test stops it on purpose. Whole-weight
+pushes reach it, and so do a LoRA policy's adapter-only pushes: its limits are read, the adapter
+it serves gives the policy's logprobs, and a push loads a new version beside the old one (an
+episode started on the old version goes on with it; each token says which version drew it).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import itertools
 import json
@@ -19,8 +23,10 @@ import urllib.request
 import anyio
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 from agentgrpo import GRPOTrainer
+from agentgrpo.generation.adapters import AdapterPush, LoraLimits
 from agentgrpo.generation.vllm_serve import _parser, serve_command, serve_environment
 from agentgrpo.generation.weight_sync import ServedWeights, ServerPush, policy_weights
 from environments import Counter
@@ -60,6 +66,8 @@ from tests.support.vllm_support import (
 
 pytestmark = [*needs_vllm, pytest.mark.process]
 
+PROMPT = [1, 520, 33, 8, 1034, 77]
+
 
 @pytest.fixture(scope="module")
 def server_key():
@@ -71,12 +79,13 @@ def server_key():
 
 @pytest.fixture(scope="module")
 def server(policy_path, tmp_path_factory, server_key):
-    """`agentgrpo vllm-serve --model <tiny> ...` with a key, as a child process; yields it with
-    its URL."""
+    """`agentgrpo vllm-serve --model <tiny> --enable-lora ...` with a key, as a child process;
+    yields it with its URL."""
     port = free_port()
     options, passthrough = _parser().parse_known_args(
         ["--model", str(policy_path), "--port", str(port), "--dtype", "float32"]
         + ["--max-model-len", "2048", "--host", "127.0.0.1", "--disable-log-stats"]
+        + ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
     )
     environment = {**without_multiprocessing_flag(), **serve_environment(), **VLLM_CPU_ENVIRONMENT}
     environment["VLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("vllm-server-cache"))
@@ -151,6 +160,80 @@ def test_agentgrpo_eval_generates_through_the_server(
     figures = dict(line.split() for line in capsys.readouterr().out.splitlines()[1:8])
     assert figures["episodes"] == "1" and float(figures["success_rate"]) == 1.0
     assert float(figures["tool_call_rate"]) == 1.0 and float(figures["mean_turns"]) == 3.0
+
+
+@pytest.fixture(scope="module")
+def lora_policy(policy_path):
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(load_policy(policy_path), lora).eval()
+
+
+@pytest.fixture(scope="module")
+def served(vllm_environment, backend, tokenizer):
+    """The server's weights, taking a LoRA policy's pushes as adapters (2 versions kept).
+
+    Its own backend: the one it serves from asks for the newest adapter, the module's none.
+    """
+    own = VLLMServerBackend.connect(backend.connection, stop_token_ids={tokenizer.eos_token_id})
+    transport = ServerPush(backend.connection, free_port())
+    return ServedWeights(own, transport, SINGLE_PROCESS, AdapterPush(own, keep=2))
+
+
+def test_the_servers_lora_limits_are_read_from_its_workers(served):
+    assert served.transport.lora_limits() == LoraLimits(max_lora_rank=8, max_loras=2)
+
+
+def test_the_served_adapter_gives_the_trained_policys_logprobs(served, lora_policy, tokenizer):
+    with served.generating(lora_policy, 0):
+        engine = vllm_counter_engine(served.backend, tokenizer, temperature=0.7)
+        episodes = anyio.run(engine.run, [COUNTER_ROW], 4)
+    assert logprob_gap(lora_policy, episodes, temperature=0.7) < 1e-3
+    rows = [row for episode in episodes for row in episode.rows]
+    assert {v for row in rows for v in row.policy_versions or [] if v >= 0} == {0}
+
+
+def test_an_episode_started_before_a_push_finishes_on_its_version(served, lora_policy):
+    old = copy.deepcopy(lora_policy)
+    with torch.no_grad():  # the learner's next step
+        for name, parameter in lora_policy.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(-1.5)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    seen = {}
+
+    async def episode(name: str, started: anyio.Event, pushed: anyio.Event | None) -> None:
+        first = await served.backend.generate(PROMPT, params)
+        started.set()
+        if pushed is not None:
+            await pushed.wait()
+        second = await served.backend.generate(PROMPT, params)
+        seen[name] = (first, second)
+
+    async def main() -> None:
+        started, pushed = anyio.Event(), anyio.Event()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(episode, "old", started, pushed)
+            await started.wait()  # its first turn drawn with version 0
+            await served.push(lora_policy, 1)
+            pushed.set()
+            tasks.start_soon(episode, "new", anyio.Event(), None)
+
+    anyio.run(main)
+    assert [a.version for a in served.adapters.versions.loaded] == [0, 1]
+    for name, model, version in (("old", old, 0), ("new", lora_policy, 1)):
+        for completion in seen[name]:
+            assert completion.versions == [version] * len(completion.token_ids)
+            assert _gap(model, PROMPT, completion) < 1e-3
+
+
+def _gap(model, prompt: list[int], completion) -> float:
+    """Mean |sampled logprob - `model`'s| over a completion sampled at temperature 1."""
+    ids = torch.tensor([prompt + completion.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    forward = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+    return (forward - torch.tensor(completion.logprobs)).abs().mean().item()
 
 
 def test_a_pushed_training_step_reaches_the_server(backend, tokenizer, policy):
@@ -293,26 +376,34 @@ class TrainedVersions(GRPOTrainer):
         return batch
 
 
-def test_async_grpo_generates_on_the_server_and_pushes_between_its_requests(
-    server, backend, tokenizer, tmp_path_factory, tmp_path
+def test_async_grpo_of_a_lora_policy_pushes_only_its_adapter_between_its_requests(
+    server, backend, served, tokenizer, tmp_path_factory, tmp_path
 ):
-    untaught_path = untaught_model_path(tmp_path_factory, tokenizer)
+    # `served` first: the server holds another run's adapters, whose names must not clash.
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     trainer = train_two_steps(
-        untaught_path,
+        untaught_model_path(tmp_path_factory, tokenizer),
         tokenizer,
         tmp_path,
         trainer_class=TrainedVersions,
+        peft_config=lora,
         **served_by(server),
+        vllm_lora_push="adapter",
         async_grpo=True,
         max_staleness=1,
     )
-    assert trainer._async.generation.weights.version == 2  # pushed after each of the 2 steps
+    weights = trainer._async.generation.weights
+    assert weights.version == 2  # pushed after each of the 2 steps
+    assert [a.version for a in weights.adapters.versions.loaded] == [1, 2]  # max_staleness + 1
+    base_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert 0 < weights.adapters.pushed_bytes < base_bytes / 20  # the adapter, not the model
     assert {step for step, _ in trainer.trained} == {0, 1}
     for step, versions in trainer.trained:  # every trained token tagged, none too stale
         assert versions and all(v is not None and 0 <= step - v <= 1 for v in versions)
     steps = [e for e in trainer.state.log_history if "grad_norm" in e]
+    assert len(steps) == 2
     assert all(e["grad_norm"] > 0 and "sample/staleness_max" in e for e in steps)
-    model, episodes = play_on_final_weights(trainer)  # the server holds the final weights
+    model, episodes = play_on_final_weights(trainer)  # through the served newest adapter
     assert logprob_gap(model, episodes, temperature=1.0) < 1e-3
 
 
