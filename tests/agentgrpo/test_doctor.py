@@ -359,19 +359,25 @@ def doctor(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.process
-def test_the_command_passes_the_embedded_model_with_counter(smollm2_path):
-    result = doctor("env:Counter")
+def test_the_command_passes_the_embedded_model_with_counter_and_plays_sampled_episodes(
+    smollm2_path,
+):
+    result = doctor("--generate", "2", "env:Counter")
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "agentgrpo doctor: the embedded SmolLM2-135M-Instruct"
-    assert [line.split()[:2] for line in lines[1:]] == [
+    assert [line.split()[:2] for line in lines[1:6]] == [
         ["ok", "template"],
         ["ok", "parser"],
         ["ok", "history"],
         ["ok", "stop"],
         ["ok", "environment"],
     ]
+    [line] = [line for line in lines if line.split()[1:2] == ["generate"]]
+    assert line.split()[0] in ("ok", "warning")  # whether it calls a tool is sampling's
+    assert "2 episode(s):" in line and "parse failure(s)" in line
 
 
 @pytest.mark.process
@@ -410,13 +416,3 @@ def test_run_stops_at_start_up_when_a_check_fails(tiny_model_dir, tmp_path):
         result.stderr
     )
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
-
-
-@pytest.mark.slow
-@pytest.mark.process
-def test_generate_plays_sampled_episodes_with_the_embedded_model(smollm2_path):
-    result = doctor("--generate", "2", "env:Counter")
-    assert result.returncode == 0, result.stdout + result.stderr
-    [line] = [line for line in result.stdout.splitlines() if line.split()[1:2] == ["generate"]]
-    assert line.split()[0] in ("ok", "warning")  # whether it calls a tool is sampling's
-    assert "2 episode(s):" in line and "parse failure(s)" in line
