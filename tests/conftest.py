@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from agentgrpo.cli import main
 from agentgrpo.models.default_model import default_model_path
 from rollout import Episode
 from tests.support.episodes import COUNTER_TURNS, scripted_episode
+from tests.support.made_once import folder_made_once
 from tests.support.packages import Site
 from tests.support.teach import teach
 from tests.support.tiny_model import tiny_llama
@@ -91,11 +93,16 @@ def counter_episode(tokenizer) -> Episode:
 
 
 @pytest.fixture(scope="session")
-def tool_calling_tiny_model(tokenizer, counter_episode):
-    """The tiny Llama, taught to play `counter_episode` (about 10-20 s on 2 cores)."""
-    model = tiny_llama(tokenizer, seed=1)
-    teach(model, [counter_episode], lr=1e-2, steps=400, until_learned=True)
-    return model
+def tool_calling_tiny_model(tokenizer, counter_episode, tmp_path_factory):
+    """The tiny Llama, taught to play `counter_episode` (about 10-20 s on 2 cores, once a run)."""
+
+    def taught(folder: Path) -> None:
+        model = tiny_llama(tokenizer, seed=1)
+        teach(model, [counter_episode], lr=1e-2, steps=400, until_learned=True)
+        model.save_pretrained(folder)
+
+    folder = folder_made_once(tmp_path_factory, "tool-calling-tiny-llama", taught)
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from rollout import RolloutEngine
 from rollout.backends.vllm_colocate import INSTALL_HINT, VLLMColocateBackend
 from tests.support.episodes import counter_engine, single_row
+from tests.support.made_once import folder_made_once
 from tests.support.teach import teach
 from tests.support.tiny_model import tiny_llama
 
@@ -76,14 +77,15 @@ def vllm_tiny_llama(tokenizer, seed: int) -> LlamaForCausalLM:
 
 
 def taught_model_path(tmp_path_factory, tokenizer, counter_episode) -> Path:
-    """A saved tiny Llama that plays `counter_episode` greedily (taught once per session)."""
-    folder = tmp_path_factory.getbasetemp() / "vllm-tiny-counter"
-    if not (folder / "config.json").exists():
+    """A saved tiny Llama that plays `counter_episode` greedily (taught once per test run)."""
+
+    def taught(folder: Path) -> None:
         model = vllm_tiny_llama(tokenizer, seed=1)
         teach(model, [counter_episode], lr=1e-2, steps=400, until_learned=True)
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-    return folder
+
+    return folder_made_once(tmp_path_factory, "vllm-tiny-counter", taught)
 
 
 def untaught_model_path(tmp_path_factory, tokenizer) -> Path:
