@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 
 import pytest
@@ -33,6 +32,7 @@ from rollout import (
     load_template,
 )
 from rollout.parsers import get_parser, parse_hermes
+from tests.support.cli import agentgrpo_here
 from tests.support.episodes import counter_engine, scripted_backend, tool_call
 from tests.support.parsing import trl_template
 from tests.support.tiny_model import tiny_llama
@@ -350,17 +350,11 @@ def test_start_up_checks_print_a_fork_warning_and_go_on(tokenizer, capsys):
 
 
 def doctor(*args: str) -> subprocess.CompletedProcess:
-    """`python -m agentgrpo doctor ARGS`, as a user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "agentgrpo", "doctor", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """`agentgrpo doctor ARGS`, in this process."""
+    return agentgrpo_here("doctor", *args)
 
 
 @pytest.mark.slow
-@pytest.mark.process
 def test_the_command_passes_the_embedded_model_with_counter_and_plays_sampled_episodes(
     smollm2_path,
 ):
@@ -380,7 +374,6 @@ def test_the_command_passes_the_embedded_model_with_counter_and_plays_sampled_ep
     assert "2 episode(s):" in line and "parse failure(s)" in line
 
 
-@pytest.mark.process
 def test_the_command_fails_a_chat_template_file_that_ignores_tools(smollm2_path, tmp_path):
     template = tmp_path / "plain.jinja"
     template.write_text(IGNORES_TOOLS)
@@ -391,7 +384,6 @@ def test_the_command_fails_a_chat_template_file_that_ignores_tools(smollm2_path,
     assert "fix: pass --chat-template chatml_tools" in line
 
 
-@pytest.mark.process
 def test_the_command_fails_a_model_whose_own_template_cannot_show_tools(tiny_model_dir):
     result = doctor("--model", str(tiny_model_dir), "env:Counter")
     assert result.returncode == 1, result.stdout + result.stderr
@@ -403,13 +395,11 @@ def test_generate_without_an_environment_is_a_usage_error(capsys):
     assert "--generate plays episodes of ENV" in capsys.readouterr().err
 
 
-@pytest.mark.process
 def test_run_stops_at_start_up_when_a_check_fails(tiny_model_dir, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "agentgrpo", "run", "env:Counter", "--model", str(tiny_model_dir),
-         "--chat-template", WRONG_END_OF_TURN, "--output-dir", str(tmp_path / "out"),
-         "--max-steps", "1", "--warm-start-steps", "0"],
-        capture_output=True, text=True, timeout=600,
+    result = agentgrpo_here(
+        "run", "env:Counter", "--model", str(tiny_model_dir),
+        "--chat-template", WRONG_END_OF_TURN, "--output-dir", str(tmp_path / "out"),
+        "--max-steps", "1", "--warm-start-steps", "0",
     )  # fmt: skip
     assert result.returncode == 2, result.stdout + result.stderr
     assert "error: stop: the template ends an assistant tool-call turn with '<|endoftext|>'" in (

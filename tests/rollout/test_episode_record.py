@@ -6,8 +6,6 @@ import copy
 import dataclasses
 import json
 import math
-import subprocess
-import sys
 
 import anyio
 import numpy as np
@@ -29,6 +27,7 @@ from rollout import (
     record_to_dict,
 )
 from rollout.record import TAG
+from tests.support.cli import agentgrpo_here
 from tests.support.episodes import Workbench, chatml_engine, single_row, tool_call
 from tests.support.tiny_model import tiny_llama
 from tests.support.trainer import StopAfter, short_run_config
@@ -296,20 +295,13 @@ def test_log_episodes_off_writes_no_record(tokenizer, tmp_path):
     assert recorded_steps(tmp_path) == []
 
 
-@pytest.mark.process
 def test_the_cli_run_writes_the_record(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "agentgrpo", "run", "env:Counter",
-            "--model", str(tiny_model_dir), "--output-dir", str(out),
-            "--max-steps", "2", "--per-device-train-batch-size", "4", "--num-generations", "2",
-            "--max-completion-length", "16", "--warm-start-steps", "0",
-            "--chat-template", "chatml_tools", "--save-strategy", "no",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = agentgrpo_here(
+        "run", "env:Counter", "--model", str(tiny_model_dir), "--output-dir", str(out),
+        "--max-steps", "2", "--per-device-train-batch-size", "4", "--num-generations", "2",
+        "--max-completion-length", "16", "--warm-start-steps", "0",
+        "--chat-template", "chatml_tools", "--save-strategy", "no",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert recorded_steps(out) == [1, 2]

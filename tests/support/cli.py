@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +26,28 @@ def agentgrpo(
         cwd=cwd,
         timeout=timeout,
     )
+
+
+def agentgrpo_here(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`agentgrpo ARGS` by `agentgrpo.cli.main` in this process, its output captured, as `agentgrpo`
+    returns it.
+
+    For tests of what a command does, not of its process (signals, exit, start-up): no
+    interpreter starts and nothing is imported again, which saves a launch 5-10 s on 2 cores.
+    """
+    from agentgrpo.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        contextlib.chdir(cwd or os.getcwd()),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        try:
+            status = main(list(args))
+        except SystemExit as exit_:  # argparse's usage errors
+            status = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(["agentgrpo", *args], status, out.getvalue(), err.getvalue())
 
 
 def tiny_run(spec: str, model_dir: Path, out: Path, *options: str) -> subprocess.CompletedProcess:

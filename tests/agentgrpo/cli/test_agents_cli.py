@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.agents import assert_replies_were_trained_on
-from tests.support.cli import agentgrpo
+from tests.support.cli import agentgrpo_here
 from tests.support.paths import REPO
 
 # An agent with its own loop and tool, on the openai client; it logs each reply it gets.
@@ -106,7 +106,6 @@ def task(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("source", [OPENAI_AGENT, SDK_AGENT], ids=["openai", "agents-sdk"])
-@pytest.mark.process
 def test_a_short_run_trains_on_exactly_what_the_endpoint_sampled(
     source, task, tiny_model_dir, tmp_path, monkeypatch
 ):
@@ -114,7 +113,7 @@ def test_a_short_run_trains_on_exactly_what_the_endpoint_sampled(
     replies = tmp_path / "replies.jsonl"
     monkeypatch.setenv("REPLIES", str(replies))
     out = tmp_path / "out"
-    result = agentgrpo(
+    result = agentgrpo_here(
         "run", "agent:my_agent.py:solve", "--dataset", str(task), "--model", str(tiny_model_dir),
         "--chat-template", "chatml_tools", "--output-dir", str(out), "--max-steps", "2",
         "--per-device-train-batch-size", "4", "--num-generations", "2",
@@ -130,7 +129,7 @@ def test_a_short_run_trains_on_exactly_what_the_endpoint_sampled(
     assert assert_replies_were_trained_on(replies, out / "episodes") >= 8
 
     replies.unlink()
-    result = agentgrpo(
+    result = agentgrpo_here(
         "eval", "agent:my_agent.py:solve", "--dataset", str(task), "--model", str(out / "model"),
         "--chat-template", "chatml_tools", "--num-episodes", "3", "--max-completion-length", "48",
         cwd=tmp_path,
@@ -157,11 +156,10 @@ def test_an_agent_run_without_rows(user_error, tmp_path):
     assert "agent solve has no task rows of its own; pass --dataset" in message
 
 
-@pytest.mark.process
 def test_the_example_agent_brings_its_own_rows(tiny_model_dir):
     """examples/calculator_agent.py: eval takes the held-out rows of its module's dataset()."""
     root = REPO
-    result = agentgrpo(
+    result = agentgrpo_here(
         "eval", "agent:examples/calculator_agent.py:solve", "--model", str(tiny_model_dir),
         "--chat-template", "chatml_tools", "--num-episodes", "2", "--max-completion-length", "32",
         cwd=root,

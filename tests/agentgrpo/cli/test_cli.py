@@ -14,12 +14,11 @@ from agentgrpo.cli import main
 from agentgrpo.cli.commands import _run_settings
 from agentgrpo.cli.options import RUN_DEFAULTS
 from environments import Counter
-from tests.support.cli import agentgrpo, eval_figures, tiny_run
+from tests.support.cli import agentgrpo, agentgrpo_here, eval_figures
 
 
-@pytest.mark.process
 def test_envs_lists_every_builtin_with_one_line_each_then_the_environment_sources():
-    result = agentgrpo("envs")
+    result = agentgrpo_here("envs")
     assert result.returncode == 0, result.stderr
     builtins, installed, sources = result.stdout.strip().split("\n\n")
     assert installed.startswith("installed environment packages")  # test_init_command's
@@ -49,9 +48,8 @@ def test_envs_lists_every_builtin_with_one_line_each_then_the_environment_source
     assert "rg:TASK" in sources  # reasoning-gym's tasks, or how to install them
 
 
-@pytest.mark.process
 def test_run_help_documents_every_option():
-    result = agentgrpo("run", "--help")
+    result = agentgrpo_here("run", "--help")
     assert result.returncode == 0
     for option in ("--model", "--config", "--dataset", "--reward", "--max-steps", "--use-vllm"):
         assert option in result.stdout
@@ -307,11 +305,11 @@ def test_long_episodes_turn_gradient_checkpointing_on_unless_told_otherwise():
 # ---------------------------------------------------------------------- end to end
 
 
-@pytest.mark.process
 def test_run_then_eval_on_the_tiny_model(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    result = tiny_run(
-        "env:Counter", tiny_model_dir, out,
+    result = agentgrpo_here(
+        "run", "env:Counter", "--model", str(tiny_model_dir), "--output-dir", str(out),
+        "--chat-template", "chatml_tools",
         "--max-steps", "2", "--per-device-train-batch-size", "4", "--num-generations", "2",
         "--max-completion-length", "24", "--warm-start-steps", "2", "--save-steps", "1",
     )  # fmt: skip
@@ -337,7 +335,7 @@ def test_run_then_eval_on_the_tiny_model(tiny_model_dir, tmp_path):
     )
 
     episodes_file = tmp_path / "eval.txt"
-    result = agentgrpo(
+    result = agentgrpo_here(
         "eval", "env:Counter", "--model", str(out / "model"), "--num-episodes", "4",
         "--max-completion-length", "24", "--episodes-file", str(episodes_file),
     )  # fmt: skip
