@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import anyio
 import gymnasium
 import pytest
@@ -21,19 +18,12 @@ from environments import (
 from environments.contract import episode_limits
 from environments.gym_ids import MAX_TURNS, parse_spec
 from rollout import Finish
-from tests.support.cli import eval_figures, tiny_run
+from tests.support.cli import agentgrpo_here, eval_figures
 from tests.support.episodes import chatml_engine, scripted_backend, tool_call
 
 TOY_TEXT = ["gym:FrozenLake-v1", "gym:Taxi-v4", "gym:CliffWalking-v1", "gym:FrozenLake8x8-v1"]
 FROZEN = "gym:FrozenLake-v1,is_slippery=false"
 TO_THE_GOAL = [2, 2, 1, 1, 1, 2]  # right, right, down, down, down, right: around the holes
-
-
-def agentgrpo(*args: str) -> subprocess.CompletedProcess:
-    """Run `python -m agentgrpo ARGS` as a user would, capturing its output."""
-    return subprocess.run(
-        [sys.executable, "-m", "agentgrpo", *args], capture_output=True, text=True, timeout=600
-    )
 
 
 def action_doc(cls: type) -> str:
@@ -237,18 +227,18 @@ def test_a_gym_id_the_cli_cannot_play_is_one_error_line(capsys, spec, expected):
 
 
 @pytest.mark.slow
-@pytest.mark.process
 def test_run_and_eval_take_a_gym_id(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    result = tiny_run(
-        "gym:FrozenLake-v1", tiny_model_dir, out,
+    result = agentgrpo_here(
+        "run", "gym:FrozenLake-v1", "--model", str(tiny_model_dir), "--output-dir", str(out),
+        "--chat-template", "chatml_tools",
         "--max-steps", "1", "--per-device-train-batch-size", "2", "--num-generations", "2",
         "--max-completion-length", "24", "--max-turns", "2", "--warm-start-steps", "0",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "gym:FrozenLake-v1" in result.stdout
     assert (out / "model" / "config.json").is_file()
-    result = agentgrpo(
+    result = agentgrpo_here(
         "eval", "gym:FrozenLake-v1,is_slippery=false", "--model", str(out / "model"),
         "--num-episodes", "2", "--max-completion-length", "24", "--max-turns", "2",
     )  # fmt: skip

@@ -28,7 +28,7 @@ from rollout import EpisodeConfig, Finish, RolloutEngine, read_records
 from rollout.agents import AgentError
 from rollout.agents.verifiers_env import verifiers_agent
 from tests.support.agents import assert_replies_were_trained_on
-from tests.support.cli import agentgrpo
+from tests.support.cli import agentgrpo_here
 from tests.support.episodes import TOOL_TURN, scripted_backend, scripted_episode
 
 # What every harness here shares: write each reply the endpoint sent to $REPLIES.
@@ -352,12 +352,11 @@ COUNTER_SCRIPT = [
 # ---------------------------------------------------------------------- the command line
 
 
-@pytest.mark.process
 def test_run_and_eval_a_single_turn_environment(env_dir, tiny_model_dir, tmp_path, monkeypatch):
     replies = tmp_path / "replies.jsonl"
     monkeypatch.setenv("REPLIES", str(replies))
     out = tmp_path / "out"
-    result = agentgrpo(
+    result = agentgrpo_here(
         "run", "vf:sum_vf", "--model", str(tiny_model_dir), "--chat-template", "chatml_tools",
         "--output-dir", str(out), "--max-steps", "2", "--per-device-train-batch-size", "4",
         "--num-generations", "2", "--max-completion-length", "24",
@@ -382,7 +381,7 @@ def test_run_and_eval_a_single_turn_environment(env_dir, tiny_model_dir, tmp_pat
     assert assert_replies_were_trained_on(replies, out / "episodes") == 8
 
     replies.unlink()
-    result = agentgrpo(
+    result = agentgrpo_here(
         "eval", "vf:sum_vf", "--model", str(out / "model"), "--chat-template", "chatml_tools",
         "--max-completion-length", "24",
         cwd=env_dir,
@@ -394,7 +393,6 @@ def test_run_and_eval_a_single_turn_environment(env_dir, tiny_model_dir, tmp_pat
     assert reply["choices"][0]["token_ids"]  # the integration asked for the token ids
 
 
-@pytest.mark.process
 def test_run_and_eval_a_tool_environment_with_the_taught_tiny_model(
     env_dir, tool_calling_tiny_model, tokenizer, tmp_path, monkeypatch
 ):
@@ -405,7 +403,7 @@ def test_run_and_eval_a_tool_environment_with_the_taught_tiny_model(
     replies = tmp_path / "replies.jsonl"
     monkeypatch.setenv("REPLIES", str(replies))
     out = tmp_path / "out"
-    result = agentgrpo(
+    result = agentgrpo_here(
         "run", "vf:counter_vf", "--model", str(model_dir), "--chat-template", "chatml_tools",
         "--output-dir", str(out), "--max-steps", "1", "--per-device-train-batch-size", "4",
         "--num-generations", "2", "--max-completion-length", "160", "--max-turns", "3",
@@ -428,7 +426,7 @@ def test_run_and_eval_a_tool_environment_with_the_taught_tiny_model(
         assert record.reward == pytest.approx(1.0 * 1.0 + 0.25 * 0.5)
     assert assert_replies_were_trained_on(replies, out / "episodes") == 4 * 3
 
-    result = agentgrpo(
+    result = agentgrpo_here(
         "eval", "vf:counter_vf", "--model", str(model_dir), "--chat-template", "chatml_tools",
         "--max-completion-length", "160", "--max-turns", "3", "--temperature", "0",
         cwd=env_dir,
