@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from agentgrpo.reporting.run_log import episode_file, read_episodes, recorded_steps
+from tests.support.cli import agentgrpo_here
 from tests.support.episodes import COUNTER_ROW
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -38,12 +39,6 @@ pytestmark = [
 ]
 
 
-def agentgrpo(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "agentgrpo", *args], capture_output=True, text=True, timeout=timeout
-    )
-
-
 @pytest.fixture(scope="module")
 def real_run(tool_calling_tiny_model, tokenizer, tmp_path_factory) -> Path:
     """The output folder of a real two-step `agentgrpo run` of a tiny model that calls tools."""
@@ -53,7 +48,7 @@ def real_run(tool_calling_tiny_model, tokenizer, tmp_path_factory) -> Path:
     rows = model_dir / "rows.jsonl"
     rows.write_text((json.dumps(COUNTER_ROW) + "\n") * 4)
     out = tmp_path_factory.mktemp("view") / "run"
-    result = agentgrpo(
+    result = agentgrpo_here(
         "run", "env:Counter", "--model", str(model_dir), "--output-dir", str(out),
         "--dataset", str(rows), "--temperature", "0", "--max-steps", "2",
         "--per-device-train-batch-size", "4", "--num-generations", "2",
@@ -198,7 +193,7 @@ def test_the_html_file_opens_filters_and_compares_steps(real_run, browser, token
     from selenium.webdriver.support.ui import Select
 
     page = tmp_path / "page.html"
-    result = agentgrpo("view", str(real_run), "--html", str(page))
+    result = agentgrpo_here("view", str(real_run), "--html", str(page))
     assert result.returncode == 0, result.stdout + result.stderr
     browser.get(page.as_uri())
     wait_for(lambda: table_episodes(browser))
