@@ -223,37 +223,30 @@ def test_run_and_eval_use_the_environments_limits_unless_told_otherwise(tmp_path
     assert counter.max_completion_length == RUN_DEFAULTS["max_completion_length"]
 
 
-def tiny_run_here(capsys, spec: str, model_dir, out, *options: str) -> str:
-    """`agentgrpo run SPEC` of the tiny model into `out`, in this process; what it printed."""
-    from agentgrpo.cli import main
+def test_the_start_up_summary_shows_the_limits_and_where_they_came_from(tiny_model_dir, tmp_path):
+    from tests.support.cli import tiny_run
 
-    argv = ["run", spec, "--model", str(model_dir), "--output-dir", str(out)]
-    status = main([*argv, "--chat-template", "chatml_tools", *options])
-    printed = capsys.readouterr()
-    assert status == 0, printed.out + printed.err
-    return printed.out
-
-
-def test_the_start_up_summary_shows_the_limits_and_where_they_came_from(
-    tiny_model_dir, tmp_path, capsys
-):
     out = tmp_path / "out"
-    printed = tiny_run_here(
-        capsys, "env:Arithmetic", tiny_model_dir, out,
+    result = tiny_run(
+        "env:Arithmetic", tiny_model_dir, out,
         "--max-steps", "1", "--per-device-train-batch-size", "2", "--num-generations", "2",
         "--max-turns", "2", "--save-steps", "1",
     )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
     line = "episodes     up to 192 tokens, 2 turns (the environment's max_completion_length)"
-    assert line in printed
+    assert line in result.stdout
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("reward" in entry for entry in logged)
 
 
-def test_the_start_up_summary_names_the_environments_run_defaults(tiny_model_dir, tmp_path, capsys):
-    printed = tiny_run_here(
-        capsys, "env:Chain", tiny_model_dir, tmp_path / "o",
+def test_the_start_up_summary_names_the_environments_run_defaults(tiny_model_dir, tmp_path):
+    from tests.support.cli import tiny_run
+
+    result = tiny_run(
+        "env:Chain", tiny_model_dir, tmp_path / "o",
         "--max-steps", "1", "--per-device-train-batch-size", "2", "--num-generations", "2",
         "--max-turns", "1", "--max-completion-length", "16", "--save-strategy", "no",
     )  # fmt: skip
-    assert "lr 3e-05" in printed  # no warm start for a model of one's own: only the lr
-    assert "defaults     learning_rate 3e-05 (the environment's run_defaults)" in printed
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "lr 3e-05" in result.stdout  # no warm start for a model of one's own: only the lr
+    assert "defaults     learning_rate 3e-05 (the environment's run_defaults)" in result.stdout

@@ -18,7 +18,7 @@ from environments import (
 from environments.contract import episode_limits
 from environments.gym_ids import MAX_TURNS, parse_spec
 from rollout import Finish
-from tests.support.cli import agentgrpo_here, eval_figures
+from tests.support.cli import agentgrpo_here, eval_figures, tiny_run
 from tests.support.episodes import chatml_engine, scripted_backend, tool_call
 
 TOY_TEXT = ["gym:FrozenLake-v1", "gym:Taxi-v4", "gym:CliffWalking-v1", "gym:FrozenLake8x8-v1"]
@@ -229,9 +229,8 @@ def test_a_gym_id_the_cli_cannot_play_is_one_error_line(capsys, spec, expected):
 @pytest.mark.slow
 def test_run_and_eval_take_a_gym_id(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    result = agentgrpo_here(
-        "run", "gym:FrozenLake-v1", "--model", str(tiny_model_dir), "--output-dir", str(out),
-        "--chat-template", "chatml_tools",
+    result = tiny_run(
+        "gym:FrozenLake-v1", tiny_model_dir, out,
         "--max-steps", "1", "--per-device-train-batch-size", "2", "--num-generations", "2",
         "--max-completion-length", "24", "--max-turns", "2", "--warm-start-steps", "0",
     )  # fmt: skip

@@ -126,22 +126,19 @@ def test_envs_lists_the_tasks():
 
 
 @pytest.mark.slow
-def test_run_and_eval_a_task_on_the_tiny_model(tiny_model_dir, tmp_path, capsys):
-    from agentgrpo.cli import main
+def test_run_and_eval_a_task_on_the_tiny_model(tiny_model_dir, tmp_path):
+    from tests.support.cli import agentgrpo_here, tiny_run
 
-    status = main([
-        "run", "rg:basic_arithmetic", "--model", str(tiny_model_dir), "--max-steps", "1",
-        "--output-dir", str(tmp_path / "out"), "--dataset-size", "8",
-        "--per-device-train-batch-size", "2", "--num-generations", "2",
-        "--max-completion-length", "16", "--chat-template", "chatml_tools",
-    ])  # fmt: skip
-    printed = capsys.readouterr()
-    assert status == 0, printed.out + printed.err
-    assert "rg:basic_arithmetic (8 rows)" in printed.out
-    status = main([
+    result = tiny_run(
+        "rg:basic_arithmetic", tiny_model_dir, tmp_path / "out", "--max-steps", "1",
+        "--dataset-size", "8", "--per-device-train-batch-size", "2", "--num-generations", "2",
+        "--max-completion-length", "16",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rg:basic_arithmetic (8 rows)" in result.stdout
+    result = agentgrpo_here(
         "eval", "rg:basic_arithmetic", "--model", str(tiny_model_dir), "--dataset-size", "2",
         "--max-completion-length", "16", "--chat-template", "chatml_tools",
-    ])  # fmt: skip
-    printed = capsys.readouterr()
-    assert status == 0, printed.out + printed.err
-    assert "episodes" in printed.out
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "episodes" in result.stdout

@@ -51,7 +51,8 @@ def agentgrpo_here(*args: str, cwd: Path | None = None) -> subprocess.CompletedP
 
 
 def tiny_run(spec: str, model_dir: Path, out: Path, *options: str) -> subprocess.CompletedProcess:
-    """`agentgrpo run SPEC OPTIONS` of the model in `model_dir` into `out`, in chatml_tools."""
+    """`agentgrpo run SPEC OPTIONS` of the model in `model_dir` into `out`, in chatml_tools, in
+    this process (`agentgrpo_here`)."""
     common = (
         "--model",
         str(model_dir),
@@ -60,4 +61,4 @@ def tiny_run(spec: str, model_dir: Path, out: Path, *options: str) -> subprocess
         "--chat-template",
         "chatml_tools",
     )
-    return agentgrpo("run", spec, *common, *options)
+    return agentgrpo_here("run", spec, *common, *options)

@@ -14,7 +14,7 @@ from agentgrpo.cli import main
 from agentgrpo.cli.commands import _run_settings
 from agentgrpo.cli.options import RUN_DEFAULTS
 from environments import Counter
-from tests.support.cli import agentgrpo, agentgrpo_here, eval_figures
+from tests.support.cli import agentgrpo, agentgrpo_here, eval_figures, tiny_run
 
 
 def test_envs_lists_every_builtin_with_one_line_each_then_the_environment_sources():
@@ -307,9 +307,8 @@ def test_long_episodes_turn_gradient_checkpointing_on_unless_told_otherwise():
 
 def test_run_then_eval_on_the_tiny_model(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    result = agentgrpo_here(
-        "run", "env:Counter", "--model", str(tiny_model_dir), "--output-dir", str(out),
-        "--chat-template", "chatml_tools",
+    result = tiny_run(
+        "env:Counter", tiny_model_dir, out,
         "--max-steps", "2", "--per-device-train-batch-size", "4", "--num-generations", "2",
         "--max-completion-length", "24", "--warm-start-steps", "2", "--save-steps", "1",
     )  # fmt: skip
