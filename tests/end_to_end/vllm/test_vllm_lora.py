@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 
 from agentgrpo.generation.adapters import AdapterPush, colocate_limits
 from agentgrpo.generation.weight_sync import ColocatedPush, colocated_vllm
@@ -22,14 +22,6 @@ from tests.support.vllm_support import (
 )
 
 pytestmark = [*needs_vllm, pytest.mark.process, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def lora_policy(policy_path):
-    """The taught tiny Llama with a LoRA adapter whose B is random: it changes the outputs."""
-    torch.manual_seed(0)
-    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    return get_peft_model(load_policy(policy_path), lora).eval()
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import urllib.request
 import anyio
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 
 from agentgrpo import GRPOTrainer
 from agentgrpo.generation.adapters import AdapterPush, LoraLimits
@@ -160,13 +160,6 @@ def test_agentgrpo_eval_generates_through_the_server(
     figures = dict(line.split() for line in capsys.readouterr().out.splitlines()[1:8])
     assert figures["episodes"] == "1" and float(figures["success_rate"]) == 1.0
     assert float(figures["tool_call_rate"]) == 1.0 and float(figures["mean_turns"]) == 3.0
-
-
-@pytest.fixture(scope="module")
-def lora_policy(policy_path):
-    torch.manual_seed(0)
-    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    return get_peft_model(load_policy(policy_path), lora).eval()
 
 
 @pytest.fixture(scope="module")
