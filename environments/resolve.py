@@ -11,8 +11,9 @@ Eight forms, told apart by the part before the last ``:`` (``gym:``, ``gem:``, `
 - ``gem:ENV_ID``: an environment of GEM's registry (`gem_environment`; needs gem-llm), such as
   ``gem:game:GuessTheNumber-v0-easy``;
 - ``ta:GAME_ID``: a TextArena game (`textarena_environment`; needs textarena), such as
-  ``ta:GuessTheNumber-v0``; a two-player game is a game with seats (``ta:TicTacToe-v0``) or,
-  with ``opponent=``, one the option plays a seat of (``ta:TicTacToe-v0,opponent=random``);
+  ``ta:GuessTheNumber-v0``; a game of two or more players is a game with seats
+  (``ta:TicTacToe-v0``, ``ta:ThreePlayerTicTacToe-v0``) or, with ``opponent=`` (two players
+  only), one the option plays a seat of (``ta:TicTacToe-v0,opponent=random``);
 - ``openenv:module:Class`` or ``openenv:http://host:port``: an OpenEnv environment, in this
   process or served (`openenv_environment`; needs openenv-core), such as
   ``openenv:my_envs:Maze`` or ``openenv:http://127.0.0.1:8000``;

@@ -6,13 +6,14 @@ its own loop (``reset(num_players, seed)``, ``step(action)``, ``get_observation(
 `TextArenaGame` makes one game a gymnasium env with `~gymnasium.spaces.Text` spaces, and
 `gym_environment` does the rest:
 
-- single-player games are played as they are. A two-player game without ``opponent`` is a
-  game with seats, ``player_0`` and ``player_1``, each played by any seat player
-  (`environments.textarena_seats`); with it, the model is player 0 and the ``opponent`` option
-  plays player 1 inside the tool: ``random`` (a random move among those the game shows
-  in brackets, ``[4]``), ``first`` (the first such move, newest text first) or
+- single-player games are played as they are. A game of two or more players without
+  ``opponent`` is a game with seats, ``player_0``, ``player_1``, ..., each played by any seat
+  player (`environments.textarena_seats`); it is played by the fewest players it starts with,
+  or by ``players=N``. With ``opponent`` (two-player games only), the model is player 0 and
+  the option plays player 1 inside the tool: ``random`` (a random move among those the game
+  shows in brackets, ``[4]``), ``first`` (the first such move, newest text first) or
   ``module:function`` / ``path/to/file.py:function``, a function from the opponent's new text
-  to its move. Games for three or more players are refused;
+  to its move;
 - the move is one tool, ``move(action: str)``, rather than the model's reply: a tool call is
   parsed by the engine already, and its text is exactly the move. TextArena's games read the
   move inside ``[...]``, so an action without ``[`` is bracketed for the model (as TextArena's
@@ -74,6 +75,7 @@ _OPPONENT_TRIES = 200  # opponent moves in a row before the game is stopped (a g
 GLOBAL_RANDOM = threading.Lock()  # TextArena seeds the global generator in reset
 BRACKETED = re.compile(r"\[[^\[\]\n]{1,40}\]")
 _MODEL = 0
+MAX_PLAYERS = 8  # the most players a ``ta:`` game is tried with when ``players=`` is not given
 _CLASSES: dict[tuple[str, tuple[tuple[str, Any], ...]], type[GymEnvironment | TextArenaSeats]] = {}
 
 Opponent = Callable[[str, list[str], random.Random], list[str]]
@@ -180,19 +182,20 @@ def textarena_environment(spec: str) -> type[GymEnvironment | TextArenaSeats]:
     Args:
         spec: ``GAME_ID`` or ``GAME_ID,key=value,...`` (the part after ``ta:``), e.g.
             ``TicTacToe-v0,opponent=random``; ``opponent`` picks player 1's moves in a
-            two-player game (`OPPONENTS`), the other keys go to ``textarena.make``.
+            two-player game (`OPPONENTS`), ``players`` the number of players (default: the
+            fewest the game starts with), the other keys go to ``textarena.make``.
 
     Returns:
         A `GymEnvironment` subclass with the tool ``move``, ``dataset(split)`` and
-        ``episode_limits``; for a two-player game without ``opponent``, a seated class
-        (`environments.textarena_seats`) with the same tool and rows. The same class for the
-        same spec.
+        ``episode_limits``; for a game of two or more players without ``opponent``, a
+        seated class (`environments.textarena_seats`) with the same tool and rows. The same
+        class for the same spec.
 
     Raises:
         EnvironmentSpecError: textarena is not installed, the id is not in its registry (the
-            message lists close matches), the game has more than two players, a
-            single-player game has an ``opponent``, the opponent is none of `OPPONENTS`, or
-            the game fails to start.
+            message lists close matches), a single-player game or one of more than two
+            players has an ``opponent``, the opponent is none of `OPPONENTS`, ``players`` is
+            not a number the game starts with, or the game fails to start.
 
     """
     game_id, kwargs = parse_spec(spec, TA_PREFIX, "TicTacToe-v0,opponent=random")
@@ -205,15 +208,21 @@ def textarena_environment(spec: str) -> type[GymEnvironment | TextArenaSeats]:
 def _build(game_id: str, kwargs: dict[str, Any]) -> type[GymEnvironment | TextArenaSeats]:
     label = f"{TA_PREFIX}{game_id}"
     opponent_name = kwargs.pop("opponent", None)
-    players = _players(game_id, kwargs)
-    if players == 2 and opponent_name is None:
+    players = _players(game_id, kwargs, kwargs.pop("players", None))
+    if players >= 2 and opponent_name is None:
         # imported here: textarena_seats builds on this module's helpers
         from environments.textarena_seats import seated_textarena
 
-        return seated_textarena(game_id, kwargs)
+        return seated_textarena(game_id, kwargs, players)
     if players == 1 and opponent_name is not None:
         raise EnvironmentSpecError(
             f"{label} is a single-player game: it takes no opponent; drop opponent="
+        )
+    if players > 2:
+        raise EnvironmentSpecError(
+            f"{label} is played by {players} players; opponent= plays player 1 of a two-player "
+            "game only: drop opponent= to play it with seats (player_0 ... "
+            f"player_{players - 1}) and choose who plays each with --seat-players"
         )
     opponent = None if opponent_name is None else opponent_from_option(opponent_name, label)
     probe = TextArenaGame(game_id, kwargs, players, opponent)
@@ -364,20 +373,36 @@ def accepts(game: Any, player: int, move: str) -> bool:
         random.setstate(generator)
 
 
-def _players(game_id: str, kwargs: dict[str, Any]) -> int:
-    """1 or 2: the number of players the game resets with; more are refused."""
+def _players(game_id: str, kwargs: dict[str, Any], asked: Any = None) -> int:
+    """How many players play the game: `asked` (``players=``), else the fewest it starts with.
+
+    Without `asked`, the counts from 1 to `MAX_PLAYERS` are tried in turn.
+
+    Raises:
+        EnvironmentSpecError: `asked` is not a whole number of at least 1, or the game does
+            not start with it (or, when not asked, with any count up to `MAX_PLAYERS`).
+    """
+    label = f"{TA_PREFIX}{game_id}"
+    if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
+        raise EnvironmentSpecError(
+            f"{label},players={asked!r}: players= must be a whole number >= 1"
+        )
     game = make_textarena(game_id, kwargs)
     failures = []
-    for players in (1, 2):
+    for players in range(1, MAX_PLAYERS + 1) if asked is None else (asked,):
         try:
             with GLOBAL_RANDOM:
                 game.reset(num_players=players, seed=0)
             return players
         except Exception as error:
-            failures.append(describe_error(error))
+            failures.append(f"{players}: {describe_error(error)}")
+    if asked is not None:
+        raise EnvironmentSpecError(
+            f"{label} does not start with players={asked} ({failures[0]}); ask for a number "
+            "of players the game takes, or drop players= to play the fewest it takes"
+        )
     raise EnvironmentSpecError(
-        f"{TA_PREFIX}{game_id} resets with neither 1 nor 2 players ({'; '.join(failures)}); "
-        "only single-player and two-player TextArena games are supported"
+        f"{label} starts with no number of players from 1 to {MAX_PLAYERS} ({'; '.join(failures)})"
     )
 
 

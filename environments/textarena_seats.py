@@ -1,10 +1,11 @@
-r"""TextArena's two-player games with seats: ``ta:TicTacToe-v0`` (no ``opponent=``).
+r"""TextArena's games of two or more players, with seats: ``ta:TicTacToe-v0`` (no ``opponent=``).
 
 `seated_textarena(game_id, kwargs)` builds an environment class that meets the seat contract
 (`environments.seats`), so any seat player plays either side: the policy (self-play),
 ``"random"``, a snapshot, another model, a scripted function or a trained adapter.
 
-- ``seats`` is ``("player_0", "player_1")``: TextArena's player 0 and player 1;
+- ``seats`` is ``("player_0", "player_1", ...)``: TextArena's player 0, player 1, ..., as many
+  as the game is reset with (`seated_textarena`'s `players`);
 - ``to_move()`` is TextArena's current player as a seat, None once the game is done;
 - ``observe(seat)`` is what TextArena has shown that player since it last read (its prompt and
   the first board at its first turn), as the ``ta:`` adapter shows it: the player's own echoed
@@ -17,10 +18,10 @@ r"""TextArena's two-player games with seats: ``ta:TicTacToe-v0`` (no ``opponent=
   so ``"random"`` stops there with an error: give such a seat another player;
 - an illegal move is handled as TextArena handles it: the mover is told (``Illegal move.``,
   then the reason) and moves again while the game's ``error_allowance`` lasts (one retry);
-  then the game ends, and instead of TextArena's win for the other player the mover gets
-  `ILLEGAL_MOVE_REWARD` and the other seat 0.0;
+  then the game ends, and instead of TextArena's win for the other players the mover gets
+  `ILLEGAL_MOVE_REWARD` and every other seat 0.0;
 - ``reward(seat)`` is the player's final TextArena reward (1 won, 0 draw, -1 lost in the
-  two-player games), 0.0 before the end.
+  two-player games; each game's own scale beyond), 0.0 before the end.
 
 Rows are one prompt per seed, as for every ``ta:`` game (`PromptRows`).
 """
@@ -42,37 +43,36 @@ from environments.textarena_adapter import (
     shown_text,
 )
 
-SEATS = ("player_0", "player_1")
-"""The seats of a two-player ``ta:`` game: TextArena's player 0 and player 1."""
 _TOOL = "move"
 
 
 class TextArenaSeats(PromptRows):
-    """A two-player TextArena game with a seat per player; subclassed per game id.
+    """A TextArena game with a seat per player; subclassed per game id and player count.
 
-    Subclasses set ``_game_id`` and ``_kwargs`` (for ``textarena.make``) and ``prompt``.
+    Subclasses set ``seats`` (``player_0``, ``player_1``, ...), ``_game_id`` and ``_kwargs``
+    (for ``textarena.make``) and ``prompt``.
     """
 
-    seats = SEATS
+    seats: ClassVar[tuple[str, ...]]
     _game_id: ClassVar[str]
     _kwargs: ClassVar[dict[str, Any]]
 
     def reset(self, seed: int | None = None) -> None:
         """A new game for `seed` (the members of a group share one, hence one game)."""
         self._game = make_textarena(self._game_id, self._kwargs)
-        self._unread: list[list[Any]] = [[], []]  # messages each player has not been shown
-        self._history: list[list[str]] = [[], []]  # texts each player was shown, oldest first
+        self._unread: list[list[Any]] = [[] for _ in self.seats]  # not yet shown, per player
+        self._history: list[list[str]] = [[] for _ in self.seats]  # shown, oldest first
         with GLOBAL_RANDOM:
-            self._game.reset(num_players=len(SEATS), seed=seed)
+            self._game.reset(num_players=len(self.seats), seed=seed)
 
     def to_move(self) -> str | None:
         """The seat of TextArena's current player; None once the game is done."""
         state = self._game.state
-        return None if state.done else SEATS[state.current_player_id]
+        return None if state.done else self.seats[state.current_player_id]
 
     def observe(self, seat: str) -> str | None:
         """What `seat`'s player has been shown since it last read; None when nothing."""
-        player = SEATS.index(seat)
+        player = self.seats.index(seat)
         self._collect(player)
         text = shown_text(self._unread[player], player)
         self._unread[player] = []
@@ -129,8 +129,8 @@ class TextArenaSeats(PromptRows):
         state = self._game.state
         if not state.done:
             return 0.0
-        player = SEATS.index(seat)
-        breaker = [p for p in range(len(SEATS)) if state.game_info[p].get("invalid_move")]
+        player = self.seats.index(seat)
+        breaker = [p for p in range(len(self.seats)) if state.game_info[p].get("invalid_move")]
         if breaker:
             return ILLEGAL_MOVE_REWARD if player in breaker else 0.0
         return float((state.rewards or {}).get(player, 0.0))
@@ -143,19 +143,23 @@ class TextArenaSeats(PromptRows):
         self._history[player].extend(text for _, text, _ in messages)
 
 
-def seated_textarena(game_id: str, kwargs: dict[str, Any]) -> type[TextArenaSeats]:
-    """The seated class of the two-player TextArena game `game_id` (`textarena.make` `kwargs`).
+def seated_textarena(
+    game_id: str, kwargs: dict[str, Any], players: int = 2
+) -> type[TextArenaSeats]:
+    """The seated class of TextArena's `game_id` (`textarena.make` `kwargs`) for `players` seats.
 
     Raises:
         EnvironmentSpecError: As `environments.textarena_adapter.make_textarena`.
     """
+    seats = tuple(f"player_{p}" for p in range(players))
     cls: type[TextArenaSeats] = type(
         "TextArena" + re.sub(r"\W", "_", game_id),
         (TextArenaSeats,),
         {
-            "__doc__": f"The TextArena game {game_id} for two seats ({', '.join(SEATS)}), "
+            "__doc__": f"The TextArena game {game_id} for {players} seats ({', '.join(seats)}), "
             f"played with {_TOOL}; reward: each player's final result (1 won, 0 draw, -1 lost).",
             "__module__": __name__,
+            "seats": seats,
             "_game_id": game_id,
             "_kwargs": dict(kwargs),
             "prompt": f"Play the TextArena game {game_id} with the {_TOOL} tool: each call makes "
@@ -164,6 +168,6 @@ def seated_textarena(game_id: str, kwargs: dict[str, Any]) -> type[TextArenaSeat
     )
     probe = cls()
     probe.reset(seed=0)
-    first = probe.observe(SEATS[0]) or ""
+    first = probe.observe(seats[0]) or ""
     cls.episode_limits = step_limits(MAX_TURNS, first)  # type: ignore[attr-defined]
     return cls

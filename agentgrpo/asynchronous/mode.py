@@ -12,6 +12,7 @@ then plays on the server through the producer (`AsyncGeneration.generating`). Wi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback
 
-from agentgrpo.asynchronous.rounds import AsyncGeneration, asynchronous_round_parts
+from agentgrpo.asynchronous.rounds import AsyncGeneration
 from agentgrpo.generation.generator import ConcurrentGenerator
+from agentgrpo.learner.batch import TrainingBatch
 from agentgrpo.rounds.dynamic_sampling import GroupFilter
 from agentgrpo.rounds.pipeline import RoundParts, RoundPlan
 from agentgrpo.rounds.scoring import Scorer
@@ -155,3 +157,27 @@ class WeightPushes(TrainerCallback):
         if state.global_step % self.every == 0:
             seconds = self.generation.push(state.global_step)
             self.record({"perf/weight_sync_s": seconds})
+
+
+def asynchronous_round_parts(
+    generation: AsyncGeneration, parts: RoundParts, step: Callable[[], int]
+) -> RoundParts:
+    """`parts` whose rounds take `generation`'s played groups at the learner's `step()`.
+
+    The loss's old logprobs are the sampler's: the weights that drew each token, which the
+    importance-sampling correction needs once the learner has moved on.
+    """
+    collate = parts.collate
+    return dataclasses.replace(
+        parts,
+        play=lambda rows, n, seed: generation.take_round(rows, n, seed, step=step()),
+        dynamic=None,  # the producer drops uninformative groups itself (`GroupFilter`)
+        curriculum=None,  # the producer draws its rows itself (`RowStream`)
+        collate=lambda episodes, advantages_N: _sampler_as_old(collate(episodes, advantages_N)),
+        old_logprobs=lambda batch: batch.sampler_logprobs_B_C,
+    )
+
+
+def _sampler_as_old(batch: TrainingBatch) -> TrainingBatch:
+    """`batch` with the sampler's logprobs as the old ones."""
+    return dataclasses.replace(batch, old_logprobs_B_C=batch.sampler_logprobs_B_C)

@@ -45,10 +45,9 @@ import torch
 from agentgrpo.asynchronous.buffer import GroupBuffer, PlayedGroup, RowStream
 from agentgrpo.asynchronous.queue import QueueFolder
 from agentgrpo.generation.generator import ConcurrentGenerator
-from agentgrpo.learner.batch import TrainingBatch
 from agentgrpo.rounds.curriculum import Curriculum
 from agentgrpo.rounds.dynamic_sampling import GroupFilter
-from agentgrpo.rounds.pipeline import RoundParts, RoundPlan
+from agentgrpo.rounds.pipeline import RoundPlan
 from agentgrpo.rounds.scoring import RewardLogs, Scorer, play_round
 from rollout import Episode, EpisodeRecord, GenerationBackend, RolloutEngine
 
@@ -96,6 +95,9 @@ class AsyncGeneration:
             None to keep every group.
         reward_weights: Column count -> the run's reward weights: with a curriculum (`rows.
             curriculum`), what a group's results are added to it with.
+        seats: Groups one row gives: the policy's seats in a game (`rollout.match`), else 1.
+            A played row is then a `PlayedGroup` of `seats` groups of `num_generations`
+            episodes, one per seat, taken and dropped together.
     """
 
     def __init__(
@@ -114,8 +116,10 @@ class AsyncGeneration:
         queue: QueueFolder | None = None,
         group_filter: GroupFilter | None = None,
         reward_weights: RewardWeights = lambda columns: [1.0] * columns,
+        seats: int = 1,
     ):
         self.policy, self.rows_per_step, self.queue = policy, rows_per_step, queue
+        self.seats = seats
         self.reward_weights = reward_weights
         self.group_filter = group_filter
         self._rows_dropped = 0  # rows whose groups `group_filter` dropped since the start
@@ -179,6 +183,7 @@ class AsyncGeneration:
             queue=QueueFolder(str(args.output_dir), scorer.names),  # TrainingArguments sets it
             group_filter=group_filter,
             reward_weights=reward_weights,
+            seats=plan.seats,
         )
 
     # ------------------------------------------------------------------ producer
@@ -299,13 +304,14 @@ class AsyncGeneration:
             PlayedGroup([r.episode for r in g.records], g.rewards_G_F, g.version, g.path)
             for g in self.queue.read()
         ]
-        if sizes := sorted({len(g.episodes) for g in stored} - {self.num_generations}):
+        size = self.num_generations * self.seats
+        if sizes := sorted({len(g.episodes) for g in stored} - {size}):
+            seats = f" x {self.seats} seats" if self.seats > 1 else ""
             raise ValueError(
                 f"the queue folder {self.queue.folder} holds groups of "
-                f"{', '.join(map(str, sizes))} episodes, played "
-                f"with another num_generations than this run's {self.num_generations}: resume "
-                "with the num_generations that played them, or remove the folder to start the "
-                "queue afresh"
+                f"{', '.join(map(str, sizes))} episodes, played with another num_generations "
+                f"(or seats) than this run's {self.num_generations}{seats}: resume with the "
+                "settings that played them, or remove the folder to start the queue afresh"
             )
         kept = [g for g in stored if oldest <= g.version <= step]
         dropped = [g for g in stored if not oldest <= g.version <= step]
@@ -353,28 +359,30 @@ class AsyncGeneration:
     def take_round(
         self, rows: Sequence[Mapping[str, Any]], num_generations: int, seed: int, *, step: int
     ) -> tuple[list[Episode], torch.Tensor]:
-        """A `round.Play` for the learner at optimizer step `step`: `len(rows)` fresh groups.
+        """A `round.Play` for the learner at optimizer step `step`: `len(rows)` fresh played rows.
 
-        `rows` give only the count (the producer plays its own rows), `seed` is unused. A group
-        is fresh when the round's last optimizer step is at most `max_staleness` steps after
-        its version. Episodes are renumbered into this round's groups, and what the reward
-        functions logged for each group joins the scorer's logs as that group's.
+        `rows` give only the count (the producer plays its own rows), `seed` is unused. A
+        played row is one group, or one per seat in a game (`seats`). It is fresh when the
+        round's last optimizer step is at most `max_staleness` steps after its version.
+        Episodes are renumbered into this round's groups, and what the reward functions
+        logged for each group joins the scorer's logs as that group's.
         """
         self.start(step)
         oldest = step + self.round_steps - 1 - self.max_staleness
         started = time.perf_counter()
         groups = self.buffer.take(len(rows), oldest)
         self._waits.learner_s += time.perf_counter() - started
+        size = num_generations * self.seats  # a played row's episodes
         episodes = [
-            dataclasses.replace(e, group=g, index=g * num_generations + k)
+            dataclasses.replace(e, group=g * self.seats + e.group, index=g * size + e.index)
             for g, group in enumerate(groups)
-            for k, e in enumerate(group.episodes)
+            for e in group.episodes
         ]
         self.last_versions_N = [
             episode_version(e, group.version) for group in groups for e in group.episodes
         ]
         for g, group in enumerate(groups):
-            self.scorer.logs.add_group(g, group.logs)
+            self.scorer.logs.add_group(g * self.seats, group.logs)
         self.consumed += [(step, g.path) for g in groups if g.path is not None]
         self._waits.staleness += [step - version for version in self.last_versions_N]
         return episodes, torch.cat([group.rewards_G_F for group in groups])
@@ -473,27 +481,3 @@ def episode_version(episode: Episode, default: int) -> int:
         if version >= 0
     ]
     return min(versions, default=default)
-
-
-def asynchronous_round_parts(
-    generation: AsyncGeneration, parts: RoundParts, step: Callable[[], int]
-) -> RoundParts:
-    """`parts` whose rounds take `generation`'s played groups at the learner's `step()`.
-
-    The loss's old logprobs are the sampler's: the weights that drew each token, which the
-    importance-sampling correction needs once the learner has moved on.
-    """
-    collate = parts.collate
-    return dataclasses.replace(
-        parts,
-        play=lambda rows, n, seed: generation.take_round(rows, n, seed, step=step()),
-        dynamic=None,  # the producer drops uninformative groups itself (`GroupFilter`)
-        curriculum=None,  # the producer draws its rows itself (`RowStream`)
-        collate=lambda episodes, advantages_N: _sampler_as_old(collate(episodes, advantages_N)),
-        old_logprobs=lambda batch: batch.sampler_logprobs_B_C,
-    )
-
-
-def _sampler_as_old(batch: TrainingBatch) -> TrainingBatch:
-    """`batch` with the sampler's logprobs as the old ones."""
-    return dataclasses.replace(batch, old_logprobs_B_C=batch.sampler_logprobs_B_C)

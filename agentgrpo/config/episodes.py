@@ -170,11 +170,26 @@ def check_episode_values(config: "GRPOConfig") -> None:
         f"('adapter:NAME'; named here: {sorted(_adapters_named(players))}) to positive "
         "learning rates, e.g. {'solver': 1e-5}.",
     )
+    frozen = _frozen_players(players)
     require(
-        not (players and config.async_grpo),
-        "seat_players (a game with seats) does not work with async_grpo yet; play it "
-        "synchronously (async_grpo=False).",
+        not (frozen and config.async_grpo),
+        f"seat_players={players!r} has seats played by {', '.join(frozen)}: "
+        "with async_grpo a game's seats are played by the policy (self-play), 'random' or a "
+        "scripted 'module:function' only; drop async_grpo (async_grpo=False) to play these.",
     )
+
+
+# Players whose weights the trainer holds beside the policy's: not with `async_grpo`, whose
+# producer plays on its own generator (they would need their copies refreshed, or shared,
+# across its thread).
+_NOT_ASYNC = ("snapshot", "league", "model", "adapter")
+
+
+def _frozen_players(players: object) -> list[str]:
+    """The `seat_players` values that `async_grpo` cannot play (`_NOT_ASYNC`), in order."""
+    if not isinstance(players, dict):
+        return []
+    return [repr(p) for p in players.values() if str(p).partition(":")[0] in _NOT_ASYNC]
 
 
 def _adapters_named(players: object) -> set[str]:

@@ -91,8 +91,11 @@ class GroupFilter:
         return cls(weighted, num_generations, args.max_resample_rounds * groups)
 
     def drops(self, rewards_G_F: torch.Tensor) -> bool:
-        """Whether to drop the group scored `rewards_G_F` (counted), and play another row."""
-        [informs] = informative_groups(self.combine(rewards_G_F), self.num_generations).tolist()
+        """Whether to drop the row scored `rewards_G_F` (counted), and play another row.
+
+        A game's row is a group per seat (its rows in order): it is kept if any of them informs.
+        """
+        informs = bool(informative_groups(self.combine(rewards_G_F), self.num_generations).any())
         if informs or self.in_a_row >= self.max_in_a_row:
             self.in_a_row = 0
             return False

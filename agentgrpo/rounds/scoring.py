@@ -85,17 +85,18 @@ class RewardLogs:
         self.metrics = {}
         return taken
 
-    def add_group(self, group: int, logs: RewardLogs) -> None:
-        """Add `logs`, kept while one group was scored alone, as group `group` of this round.
+    def add_group(self, first: int, logs: RewardLogs) -> None:
+        """Add `logs`, kept while one row was scored alone, as this round's groups from `first`.
 
-        The asynchronous producer scores each group into its own `RewardLogs` (as group 0 of a
-        one-row round) and the learner adds them to its round's logs when it trains the group.
+        The asynchronous producer scores each row's group (one per seat in a game) into its own
+        `RewardLogs`, as groups 0, 1, ... of a one-row round, and the learner adds them to its
+        round's logs when it trains them: group g becomes group `first + g`.
         """
         for name, values in logs.metrics.items():
             self.metrics.setdefault(name, []).extend(values)
         for column, by_group in logs.extra.items():
-            if 0 in by_group:
-                self.extra.setdefault(column, {})[group] = by_group[0]
+            for group, values in by_group.items():
+                self.extra.setdefault(column, {})[first + group] = values
 
     def take_extra(self, num_groups: int, num_generations: int) -> dict[str, list[Any]]:
         """Each extra column over a round's episodes in group order (None where not logged)."""

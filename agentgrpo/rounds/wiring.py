@@ -116,16 +116,16 @@ def build_engine(
 
     Raises:
         ValueError: `seat_players` without a game with seats, a game with seats played
-            asynchronously or beside several environments or an agent, or a seat of another
-            model without its backend in `seat_backends`.
+            beside several environments or an agent, or a seat of another model without its
+            backend in `seat_backends`.
     """
     options: dict[str, Any] = {}
     engine_class: type[RolloutEngine] = RolloutEngine
     if isinstance(environment_factory, type) and is_seated(environment_factory):
-        if config.async_grpo or agent is not None:
+        if agent is not None:
             raise ValueError(
-                f"{environment_factory.__qualname__} is a game with seats, which plays only "
-                "synchronously and without an agent; set async_grpo=False and drop the agent"
+                f"{environment_factory.__qualname__} is a game with seats, which plays "
+                "without an agent: drop the agent"
             )
         engine_class, options["players"] = MatchEngine, config.seat_players
         options["seat_backends"] = _seat_backends(

@@ -21,7 +21,7 @@ name (the run's own random draws untouched); all of them stay trainable.
   the optimizer's state holds every group, so a resumed run continues exactly.
 
 vLLM, sharded weights (ZeRO-3, FSDP), gradient checkpointing and models without a LoRA
-`peft_config` are refused here; `async_grpo` is refused with every game with seats
+`peft_config` are refused here; `async_grpo` is refused with adapter seats
 (`GRPOConfig`).
 """
 

@@ -184,6 +184,13 @@ def test_the_producers_filter_drops_flat_groups_and_keeps_one_past_its_budget():
     assert drops.dropped == 4
 
 
+def test_a_games_row_is_dropped_only_when_no_seats_group_informs():
+    drops = GroupFilter(lambda r: r[:, 0], 2, max_in_a_row=9)
+    x_ties_o_differs = torch.tensor([[1.0], [1.0], [-1.0], [0.0]])  # seat x's group, then o's
+    both_tie = torch.tensor([[1.0], [1.0], [-1.0], [-1.0]])
+    assert [drops.drops(x_ties_o_differs), drops.drops(both_tie)] == [False, True]
+
+
 def test_an_async_run_trains_only_on_groups_whose_rewards_differ(tokenizer, tmp_path):
     """Half the rows score every completion alike; the producer drops their groups and plays
     the next rows, so the learner never takes one (`frac_reward_zero_std` is 0)."""

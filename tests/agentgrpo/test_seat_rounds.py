@@ -83,8 +83,11 @@ def test_seat_players_need_a_game_with_seats(tmp_path, tokenizer):
     backend = seat_script(tokenizer, {"x": marks(1)})
     with pytest.raises(ValueError, match="needs one environment class with seats"):
         build_parts(args, backend, tokenizer, Counter)
-    with pytest.raises(ValueError, match="does not work with async_grpo"):
-        config(tmp_path, seat_players={"o": "random"}, async_grpo=True)
+    config(tmp_path, seat_players={"o": "random"}, async_grpo=True)  # played asynchronously
+    for frozen in ("snapshot:2", "league:2:2", "model:runs/old/model", "adapter:solver"):
+        expected = f"has seats played by '{frozen}': with async_grpo"
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            config(tmp_path, seat_players={"o": frozen}, async_grpo=True)
 
 
 def test_self_play_trains_two_steps_in_process_with_a_tiny_model(tmp_path, tokenizer):
@@ -106,6 +109,33 @@ def test_self_play_trains_two_steps_in_process_with_a_tiny_model(tmp_path, token
     views = [view_data.episode_view(record) for record in records]
     assert not problems and [v["seat"] for v in views] == ["x", "x", "o", "o"]
     assert [v["row_kinds"][0] for v in views] == ["seat x's side"] * 2 + ["seat o's side"] * 2
+
+
+def test_asynchronous_self_play_trains_a_group_per_seat_of_each_row(tmp_path, tokenizer):
+    args = short_run_config(
+        tmp_path, num_generations=2, per_device_train_batch_size=8, max_completion_length=96,
+        max_turns=5, chat_template="chatml_tools", log_episodes=True, async_grpo=True,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer),
+        None,
+        args,
+        TicTacToe.dataset("train").select(range(8)),
+        processing_class=tokenizer,
+        environment_factory=TicTacToe,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    for step in (1, 2):  # 2 rows a step: the producer's played rows, renumbered in order
+        records, problems = view_data.read_step(tmp_path, step)
+        episodes = [record.episode for record in records]
+        assert not problems and [e.index for e in episodes] == list(range(8))
+        assert [(e.group, e.row["seat"]) for e in episodes] == [
+            (0, "x"), (0, "x"), (1, "o"), (1, "o"), (2, "x"), (2, "x"), (3, "o"), (3, "o")
+        ]  # fmt: skip
+        openings = [e.row["opening"] for e in episodes]
+        assert openings[:4] == [openings[0]] * 4 and openings[4:] == [openings[4]] * 4
+    assert trainer._async.generation.seats == 2
 
 
 def test_doctor_says_who_moves_first_and_fails_a_game_over_before_it_starts(tokenizer):

@@ -107,7 +107,7 @@ def test_the_random_opponent_replays_for_the_same_seed():
         ("ta:TicTacToe-v0,opponent=best", "opponent='best' is not an opponent; use one of"),
         ("ta:TicTacToo-v0", "close matches: TicTacToe-v0"),
         ("ta:", "names no environment id"),
-        ("ta:SecretMafia-v0", "only single-player and two-player TextArena games"),
+        ("ta:SecretMafia-v0,opponent=random", "is played by 6 players; opponent= plays"),
     ],
 )
 def test_bad_textarena_specs_are_spec_errors(spec, message):

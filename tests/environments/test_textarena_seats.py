@@ -1,4 +1,5 @@
-"""TextArena's two-player games with seats (`ta:GAME_ID`, no ``opponent=``), on real games."""
+"""TextArena's games of two or more players with seats (`ta:GAME_ID`, no ``opponent=``), on real
+games."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from agentgrpo import GRPOTrainer
 from agentgrpo.doctor import Setup, Status, check_environment_runs
 from agentgrpo.reporting import view_data
-from environments import check_environment, resolve_environment
+from environments import EnvironmentSpecError, check_environment, resolve_environment
 from environments.gym_adapter import GymEnvironment
 from environments.seats import ILLEGAL_MOVE_REWARD
 from rollout import EpisodeConfig, Finish, ScriptedBackend, load_template
@@ -21,6 +22,7 @@ from tests.support.trainer import short_run_config
 
 pytest.importorskip("textarena")
 SEATED = "ta:TicTacToe-v0"
+THREE = "ta:ThreePlayerTicTacToe-v0"  # 5x5, four in a row, players 0, 1 and 2
 FIRST = "first free"  # a scripted turn: the lowest cell the seat was last shown as available
 
 
@@ -44,8 +46,8 @@ def ta_script(tokenizer, moves: dict[str, list[str]]) -> ScriptedBackend:
     return ScriptedBackend(respond, [eos])
 
 
-def play(tokenizer, moves, players=None, seat_backends=None) -> list:
-    cls = resolve_environment(SEATED)
+def play(tokenizer, moves, players=None, seat_backends=None, spec=SEATED) -> list:
+    cls = resolve_environment(spec)
     engine = MatchEngine(
         ta_script(tokenizer, moves),
         tokenizer,
@@ -121,6 +123,42 @@ def test_an_illegal_move_costs_the_mover_and_never_wins_the_other_seat(tokenizer
     retry, lost = (m["content"] for m in one.messages if m["role"] == "tool")
     assert retry.startswith("Illegal move.\n") and "cell 4 is already occupied" in retry
     assert lost.startswith("Illegal move. The game is over")
+
+
+def test_a_three_player_game_has_three_seats_each_with_its_own_reward(tokenizer):
+    cls = resolve_environment(THREE)
+    check_environment(cls)
+    assert cls.seats == ("player_0", "player_1", "player_2")
+    assert resolve_environment(f"{THREE},players=3") is not cls  # its own spec, same seats
+    # player_0 fills row 0 (cells 0-3: four in a row) while the others play rows 1 and 2
+    moves = {
+        "player_0": ["0", "1", "2", "3"],
+        "player_1": ["5", "6", "7"],
+        "player_2": ["10", "11", "12"],
+    }
+    episodes = play(tokenizer, moves, spec=THREE)
+    assert [e.row["seat"] for e in episodes] == ["player_0", "player_1", "player_2"]
+    state = episodes[0].environment._game.state
+    assert state.done and all(e.finish is Finish.ENV_DONE for e in episodes)
+    assert [e.env_reward for e in episodes] == [float(state.rewards[p]) for p in range(3)]
+    assert episodes[0].env_reward == 1.0 > max(e.env_reward for e in episodes[1:])
+    assert [e.stats.turns for e in episodes] == [4, 3, 3]
+    cells = {"player_0": [str(cell) for cell in range(25)]}  # turn k: cell k, taken or not
+    [zero] = play(tokenizer, cells, {"player_1": "random", "player_2": "random"}, spec=THREE)
+    info = zero.environment._game.state.game_info  # cut off at max_turns=6, or over before
+    assert zero.row["seat"] == "player_0" and zero.finish in (Finish.ENV_DONE, Finish.MAX_TURNS)
+    assert info[1]["turn_count"] >= 1 and info[2]["turn_count"] >= 1  # the random seats moved
+
+
+def test_players_picks_the_count_and_an_opponent_needs_two_players():
+    assert resolve_environment("ta:Poker-v0").seats == ("player_0", "player_1")  # the fewest
+    assert len(resolve_environment("ta:Poker-v0,players=12").seats) == 12  # past the 8 tried
+    with pytest.raises(EnvironmentSpecError, match="does not start with players=3"):
+        resolve_environment(f"{SEATED},players=3")
+    with pytest.raises(EnvironmentSpecError, match="must be a whole number >= 1"):
+        resolve_environment(f"{SEATED},players=two")
+    with pytest.raises(EnvironmentSpecError, match="is played by 3 players; opponent= plays"):
+        resolve_environment(f"{THREE},opponent=random")
 
 
 def test_one_grpo_step_trains_player_0_against_random_moves(tmp_path, tokenizer):
