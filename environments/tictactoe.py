@@ -47,7 +47,8 @@ class TicTacToe:
     """
 
     seats = ("x", "o")
-    episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 512, "max_turns": 5}
+    # x moves at most 5 times; a sixth turn leaves room for one failed call (`rollout.match`)
+    episode_limits: ClassVar[dict[str, int]] = {"max_completion_length": 512, "max_turns": 6}
     run_defaults: ClassVar[dict[str, float]] = {"warm_start_steps": 32, "max_steps": 8}
 
     def reset(self, opening: list[int] | None = None) -> None:

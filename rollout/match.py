@@ -14,7 +14,9 @@ snapshot's side is not trained, and not returned), each with that seat's reward
 
 A model seat's turn that makes no tool call forfeits the game: it ends there, that seat gets
 `ILLEGAL_MOVE_REWARD` and the other seats 0.0. A seat that runs out of tokens or turns cuts
-the game off for every seat (LENGTH or MAX_TURNS); the rewards are then the game's. A policy
+the game off for every seat (LENGTH or MAX_TURNS); the rewards are then the game's, unless
+that seat wasted a turn (one cut off mid-text, or whose every tool call failed): then it
+forfeits, so stalling a lost game with broken calls never earns the unfinished game's 0. A policy
 seat whose game ended before its first turn sampled nothing: its episode `sat_out`, and the
 round leaves it out of its group's baseline and of training, as an infrastructure failure.
 `MatchEngine` plays a round of matches in place of `RolloutEngine`'s episodes, with groups
@@ -91,6 +93,7 @@ class _Seat:
     pending: list[dict[str, Any]] = field(default_factory=list)  # its last turn's results
     stop_text: str = ""
     finish: Finish | None = None
+    wasted_turns: int = 0  # turns that made no move: cut off mid-text, or every call failed
 
 
 @dataclass
@@ -207,10 +210,17 @@ async def _play(match: _Match) -> Finish:
             continue
         side = match.sides[seat]
         if side.state is not None and side.state.turns >= match.ctx.config.max_turns:
-            return Finish.MAX_TURNS
+            return _cut_off(match, side, Finish.MAX_TURNS)
         finish = await _model_turn(match, side)
         if finish is not None:
-            return finish
+            return _cut_off(match, side, finish)
+
+
+def _cut_off(match: _Match, side: _Seat, finish: Finish) -> Finish:
+    """`finish`; a seat cut off (LENGTH, MAX_TURNS) after wasting a turn forfeits the game."""
+    if finish in (Finish.LENGTH, Finish.MAX_TURNS) and side.wasted_turns:
+        match.forfeit = side.name
+    return finish
 
 
 async def _model_turn(match: _Match, side: _Seat) -> Finish | None:
@@ -231,6 +241,7 @@ async def _model_turn(match: _Match, side: _Seat) -> Finish | None:
     state.turns += 1
     if not completion.stopped:
         state.messages.append({"role": "assistant", "content": ctx.decode(completion.token_ids)})
+        side.wasted_turns += 1
         return Finish.LENGTH
     text = ctx.decode(completion.token_ids[:-1])
     side.stop_text = ctx.decode(completion.token_ids[-1:])
@@ -247,6 +258,7 @@ async def _model_turn(match: _Match, side: _Seat) -> Finish | None:
     state.tool_errors.update(str(r.error) for r in results if r.error is not None)
     state.tool_errors["parse"] += len(parsed.errors)
     state.calls.extend(call_records(parsed, results, side.pending))
+    side.wasted_turns += not any(r.error is None for r in results)
     return None
 
 

@@ -104,6 +104,26 @@ def test_a_turn_without_a_move_forfeits_the_game(tokenizer):
     assert (x.finish, o.finish) == (Finish.ENV_DONE, Finish.STOP)
 
 
+def test_a_seat_cut_off_after_broken_calls_forfeits_and_one_that_moved_draws(tokenizer):
+    broken = '<tool_call>{"name": "mark", "arguments": {"cell": 1</tool_call>'  # bad JSON
+    x, o = play(tokenizer, {"x": marks(1) + [broken] * 4, "o": marks(5)})
+    assert x.stats.tool_errors["parse"] == 4 and x.finish is o.finish is Finish.MAX_TURNS
+    assert (x.env_reward, o.env_reward) == (ILLEGAL_MOVE_REWARD, 0.0)  # stalling forfeits
+    unknown = tool_call("pass_turn")  # parsed, but no such tool: not a move either
+    x, o = play(tokenizer, {"x": marks(1) + [unknown] * 4, "o": marks(5)})
+    assert (x.env_reward, o.env_reward) == (ILLEGAL_MOVE_REWARD, 0.0)
+    # Every turn a move, cut off by max_turns=1: the unfinished game's rewards, no forfeit.
+    engine = MatchEngine(
+        seat_script(tokenizer, {"x": marks(1, 2), "o": marks(5)}),
+        tokenizer,
+        environment_factory=TicTacToe,
+        chat_template="chatml_tools",
+        config=EpisodeConfig(max_completion_length=512, max_turns=1),
+    )
+    x, o = anyio.run(engine.run, [ROW], 1)
+    assert x.finish is o.finish is Finish.MAX_TURNS and (x.env_reward, o.env_reward) == (0.0, 0.0)
+
+
 def test_a_seat_that_never_moved_still_has_its_prompt_row(tokenizer):
     x, o = play(tokenizer, {"x": ["No."], "o": marks(1)})
     assert (x.env_reward, o.env_reward) == (ILLEGAL_MOVE_REWARD, 0.0)
