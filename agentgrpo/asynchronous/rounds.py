@@ -98,6 +98,9 @@ class AsyncGeneration:
         seats: Groups one row gives: the policy's seats in a game (`rollout.match`), else 1.
             A played row is then a `PlayedGroup` of `seats` groups of `num_generations`
             episodes, one per seat, taken and dropped together.
+
+    Raises:
+        ValueError: `max_episodes` cannot hold one played row.
     """
 
     def __init__(
@@ -118,6 +121,12 @@ class AsyncGeneration:
         reward_weights: RewardWeights = lambda columns: [1.0] * columns,
         seats: int = 1,
     ):
+        if max_episodes < num_generations * seats:  # a played row would never fit: a hang
+            raise ValueError(
+                f"queue_maxsize={max_episodes} cannot hold one row's games: num_generations="
+                f"{num_generations} x {seats} seats trained = {num_generations * seats} "
+                "episodes; raise it"
+            )
         self.policy, self.rows_per_step, self.queue = policy, rows_per_step, queue
         self.seats = seats
         self.reward_weights = reward_weights

@@ -136,6 +136,12 @@ def test_asynchronous_self_play_trains_a_group_per_seat_of_each_row(tmp_path, to
         openings = [e.row["opening"] for e in episodes]
         assert openings[:4] == [openings[0]] * 4 and openings[4:] == [openings[4]] * 4
     assert trainer._async.generation.seats == 2
+    args.queue_maxsize = 3  # holds a group, but not a row's two seats' groups: refused, no hang
+    with pytest.raises(ValueError, match=re.escape("queue_maxsize=3 cannot hold one row's games")):
+        GRPOTrainer(
+            tiny_llama(tokenizer), None, args, TicTacToe.dataset("train").select(range(8)),
+            processing_class=tokenizer, environment_factory=TicTacToe,
+        )  # fmt: skip
 
 
 def test_doctor_says_who_moves_first_and_fails_a_game_over_before_it_starts(tokenizer):
