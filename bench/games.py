@@ -3,21 +3,22 @@
 The warm start is `agentgrpo run env:TicTacToe`'s own: 32 steps of TicTacToe's demonstrations,
 seed 0, made once by `agentgrpo run env:TicTacToe --max-steps 1` and cached (`--warm-start DIR`
 reuses an earlier run's `warm_start` folder instead). Each configuration then trains from it for
-`--budget-minutes` of wall-clock time per seed, in its own process (`--side-by-side`: a seed's
-configurations at the same time, each with `--threads` torch threads, so they share whatever
-load the machine has); `bench/learn_vs_trl.py`'s clock saves the model every
+`--budget-minutes` of wall-clock time per seed, in its own process (`--side-by-side`: every
+seed and configuration asked for at the same time, each with `--threads` torch threads, so they
+share whatever load the machine has); `bench/learn_vs_trl.py`'s clock saves the model every
 `--eval-every-minutes` of training time and at the end of the budget.
 
-Configurations (`--configs`), all on the same settings (below):
+Configurations (`--configs`), all with 8 trained episodes a step in groups of 4, TicTacToe's
+episode limits, temperature 1, a constant `--learning-rate` (5e-5), beta 0 and the DAPO loss:
 - `vs-warm-start`: x is trained against the frozen warm start playing o (`"model:WARM"`).
 - `vs-good`: x is trained against `environments.tictactoe:good_player` playing o.
 - `self-play`: both seats are the policy, both trained.
 
-Every save, and the warm start at 0 minutes, then plays x on the first `--eval-rows` held-out
-rows (`agentgrpo eval`, greedy, seed 0) against each opponent: `good`
-(`environments.tictactoe:good_player`) and `warm-start` (the warm start, greedy). The win rate
-is eval's `success_rate` (x's reward reached 1.0: a win); the mean reward counts a win 1, a
-draw 0 and a loss or an illegal move -1.
+Every save (`--last-save-only`: each run's last), and the warm start at 0 minutes, then plays
+x on the first `--eval-rows` held-out rows (`agentgrpo eval`, greedy, seed 0) against each
+opponent: `good` (`environments.tictactoe:good_player`) and `warm-start` (the warm start,
+greedy). The win rate is eval's `success_rate` (x's reward reached 1.0: a win); the mean reward
+counts a win 1, a draw 0 and a loss, an illegal move or a forfeit -1.
 
 Run: `python bench/games.py --seeds 0 1 2 --budget-minutes 30 --side-by-side`.
 `--results DIR` keeps every run and evaluation (one already there is reused, not redone).
@@ -58,6 +59,9 @@ def main() -> None:
     runs = _train(warm, results, args)
     if args.train_only:
         return
+    for by_config in runs.values():
+        for run in by_config.values():
+            run["saves"] = run["saves"][-1:] if args.last_save_only else run["saves"]
     models = [warm] + [
         s["folder"] for r in runs.values() for run in r.values() for s in run["saves"]
     ]
@@ -83,6 +87,7 @@ def _parse_args() -> argparse.Namespace:
     add("--threads", type=int, default=1, help="torch threads in each child")
     add("--side-by-side", action="store_true", help="train every seed and configuration at once")
     add("--train-only", action="store_true", help="train (or reuse) the runs; no evaluation")
+    add("--last-save-only", action="store_true", help="evaluate each run's last save only")
     add("--eval-workers", type=int, default=2, help="evaluations run at the same time")
     add("--warm-start", help="a run's warm_start folder to start from (default: made once)")
     add("--results", default=str(Path(tempfile.gettempdir()) / "agentgrpo-games"))
