@@ -174,15 +174,16 @@ def check_episode_values(config: "GRPOConfig") -> None:
     require(
         not (frozen and config.async_grpo),
         f"seat_players={players!r} has seats played by {', '.join(frozen)}: "
-        "with async_grpo a game's seats are played by the policy (self-play), 'random' or a "
-        "scripted 'module:function' only; drop async_grpo (async_grpo=False) to play these.",
+        "with async_grpo a game's seats are played by the policy (self-play), another model "
+        "('model:PATH'), 'random' or a scripted 'module:function' only; drop async_grpo "
+        "(async_grpo=False) to play these.",
     )
 
 
-# Players whose weights the trainer holds beside the policy's: not with `async_grpo`, whose
-# producer plays on its own generator (they would need their copies refreshed, or shared,
-# across its thread).
-_NOT_ASYNC = ("snapshot", "league", "model", "adapter")
+# Players made of the policy's own weights: not with `async_grpo`, whose producer plays on a
+# generator of its own (a snapshot would be refreshed on the learner's schedule, an adapter
+# trained there, neither across the producer's thread yet).
+_NOT_ASYNC = ("snapshot", "league", "adapter")
 
 
 def _frozen_players(players: object) -> list[str]:

@@ -59,10 +59,12 @@ class SeatModels:
     Attributes:
         models: Each folder's model, loaded once (frozen, in eval mode).
         backends: Each such seat's backend (seats naming one folder share it).
+        folders: Each such seat's folder.
     """
 
     models: dict[str, torch.nn.Module] = field(default_factory=dict)
     backends: dict[str, TransformersBackend] = field(default_factory=dict)
+    folders: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -106,7 +108,17 @@ class SeatModels:
         folders = dict.fromkeys(chosen.values())  # each loaded once
         models = {path: load_seat_model(path, policy, tokenizer) for path in folders}
         backends = {path: transformers_backend(m, tokenizer, args) for path, m in models.items()}
-        return cls(models, {seat: backends[path] for seat, path in chosen.items()})
+        return cls(models, {seat: backends[path] for seat, path in chosen.items()}, chosen)
+
+    def producer_backends(self, tokenizer: Any, args: GRPOConfig) -> dict[str, TransformersBackend]:
+        """Each seat's backend for `async_grpo`'s producer: new ones over the same models.
+
+        The producer plays on its own thread while the learner's rounds (evaluation) play on
+        `backends`; a backend's caches serve one loop, while the frozen model's forward passes
+        (no gradients, weights never written) are safe from both threads.
+        """
+        own = {path: transformers_backend(m, tokenizer, args) for path, m in self.models.items()}
+        return {seat: own[path] for seat, path in self.folders.items()}
 
     def release_memory(self) -> None:
         """Free what each backend holds for generating (as the policy's, after each round)."""

@@ -247,15 +247,20 @@ class GRPOTrainer(TRLAttributes):
             self._wire_async(generators, tools, factory)
 
     def _wire_async(self, generators: Generators, tools: Sequence[Callable], factory: Any) -> None:
-        """The producer and the rounds it feeds; with a server, evaluation plays through it."""
+        """The producer and the rounds it feeds; with a server, evaluation plays through it.
+
+        Seats of other models (``"model:PATH"``) play in the producer through backends of its
+        own over the same frozen models (`SeatModels.producer_backends`).
+        """
         check_async_players(self.rollout_func, self.agent)
         assert generators.producer is not None
+        seats = self.snapshots.models.producer_backends(self.processing_class, self.args)
         self._async = AsyncRounds.build(
             self.args,
             self.plan,
             generators.producer,
             lambda: self.accelerator.unwrap_model(self.model),
-            lambda backend: self._build_parts(backend, tools, factory, None).engine,
+            lambda backend: self._build_parts(backend, tools, factory, None, seats).engine,
             self.scorer,
             self.train_dataset,
             self._round_parts,
@@ -266,10 +271,16 @@ class GRPOTrainer(TRLAttributes):
         if generators.producer is generators.rounds:  # one server: evaluation plays through it
             self.generator = self._async.generation
 
-    def _build_parts(self, backend: Any, tools: Sequence[Callable], factory: Any, agent: Any):
-        """`wiring.build_parts` for this run over `backend`; a VLM's processor renders images."""
+    def _build_parts(
+        self, backend: Any, tools: Sequence[Callable], factory: Any, agent: Any, seats: Any = None
+    ):
+        """`wiring.build_parts` for this run over `backend`; a VLM's processor renders images.
+
+        `seats`: the frozen seats' backends, when not the rounds' (`self.snapshots.backends`).
+        """
         renderer = self.processing_class if self.processor is None else self.processor
-        parts = (self._reward_functions, lambda: self.state, agent, self.snapshots.backends)
+        seats = self.snapshots.backends if seats is None else seats
+        parts = (self._reward_functions, lambda: self.state, agent, seats)
         return build_parts(self.args, backend, renderer, factory, tools, *parts)
 
     @property

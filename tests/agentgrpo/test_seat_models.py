@@ -150,6 +150,34 @@ def test_a_run_trains_the_policy_seat_against_a_frozen_other_model(other_dir, tm
     assert not problems and [view_data.episode_view(r)["seat"] for r in records] == ["x"] * 4
 
 
+def test_an_async_run_plays_the_other_model_in_the_producer_with_its_own_backend(
+    other_dir, tmp_path, tokenizer
+):
+    args = short_run_config(
+        tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=64,
+        max_turns=5, chat_template="chatml_tools", log_episodes=True, max_steps=2,
+        seat_players={"o": f"model:{other_dir}"}, async_grpo=True,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        tiny_llama(tokenizer),
+        None,
+        args,
+        TicTacToe.dataset("train").select([0, 2]),
+        processing_class=tokenizer,
+        environment_factory=TicTacToe,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    [model] = trainer.snapshots.models.models.values()
+    [learners] = trainer.engine.seat_backends["o"]
+    [producers] = trainer._async.generation.engine.seat_backends["o"]
+    assert producers is not learners  # one backend per thread, over one frozen model
+    assert producers.model is learners.model is model
+    for step in (1, 2):
+        records, problems = view_data.read_step(tmp_path, step)
+        assert not problems and [view_data.episode_view(r)["seat"] for r in records] == ["x"] * 4
+
+
 def test_eval_plays_the_model_against_the_other_model(
     other_dir, tiny_model_dir, tmp_path, monkeypatch, capsys
 ):

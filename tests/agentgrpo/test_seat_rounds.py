@@ -84,7 +84,8 @@ def test_seat_players_need_a_game_with_seats(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="needs one environment class with seats"):
         build_parts(args, backend, tokenizer, Counter)
     config(tmp_path, seat_players={"o": "random"}, async_grpo=True)  # played asynchronously
-    for frozen in ("snapshot:2", "league:2:2", "model:runs/old/model", "adapter:solver"):
+    config(tmp_path, seat_players={"o": "model:runs/old/model"}, async_grpo=True)
+    for frozen in ("snapshot:2", "league:2:2", "adapter:solver"):
         expected = f"has seats played by '{frozen}': with async_grpo"
         with pytest.raises(ValueError, match=re.escape(expected)):
             config(tmp_path, seat_players={"o": frozen}, async_grpo=True)
