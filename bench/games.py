@@ -17,8 +17,9 @@ episode limits, temperature 1, a constant `--learning-rate` (5e-5), beta 0 and t
 Every save (`--last-save-only`: each run's last), and the warm start at 0 minutes, then plays
 x on the first `--eval-rows` held-out rows (`agentgrpo eval`, greedy, seed 0) against each
 opponent: `good` (`environments.tictactoe:good_player`) and `warm-start` (the warm start,
-greedy). The win rate is eval's `success_rate` (x's reward reached 1.0: a win); the mean reward
-counts a win 1, a draw 0 and a loss, an illegal move or a forfeit -1.
+greedy; `--eval-temperature 1` samples both seats as training does, seed 0). The win rate is
+eval's `success_rate` (x's reward reached 1.0: a win); the mean reward counts a win 1, a draw
+0 and a loss, an illegal move or a forfeit -1. `--opponents` picks which of them to play.
 
 Run: `python bench/games.py --seeds 0 1 2 --budget-minutes 30 --side-by-side`.
 `--results DIR` keeps every run and evaluation (one already there is reused, not redone).
@@ -65,7 +66,7 @@ def main() -> None:
     models = [warm] + [
         s["folder"] for r in runs.values() for run in r.values() for s in run["saves"]
     ]
-    jobs = [(model, opponent) for model in models for opponent in OPPONENTS]
+    jobs = [(model, opponent) for model in models for opponent in args.opponents]
     with ThreadPoolExecutor(args.eval_workers) as pool:
         scores = dict(
             zip(jobs, pool.map(lambda job: _evaluate(*job, warm, args), jobs), strict=True)
@@ -88,6 +89,13 @@ def _parse_args() -> argparse.Namespace:
     add("--side-by-side", action="store_true", help="train every seed and configuration at once")
     add("--train-only", action="store_true", help="train (or reuse) the runs; no evaluation")
     add("--last-save-only", action="store_true", help="evaluate each run's last save only")
+    add("--opponents", nargs="+", choices=list(OPPONENTS), default=list(OPPONENTS))
+    add(
+        "--eval-temperature",
+        type=float,
+        default=0.0,
+        help="both seats' sampling temperature in evaluation (0: greedy; 1: as in training)",
+    )
     add("--eval-workers", type=int, default=2, help="evaluations run at the same time")
     add("--warm-start", help="a run's warm_start folder to start from (default: made once)")
     add("--results", default=str(Path(tempfile.gettempdir()) / "agentgrpo-games"))
@@ -188,12 +196,14 @@ def _wait(child: subprocess.Popen, out: Path) -> None:
 
 def _evaluate(model: str, opponent: str, warm: str, args: argparse.Namespace) -> dict[str, float]:
     """x's greedy win rate and mean reward against `opponent` on the held-out rows; cached."""
-    cached = Path(model) / f"eval-{opponent}-{args.eval_rows}.json"
+    sampled = f"-t{args.eval_temperature:g}" if args.eval_temperature else ""  # greedy: none
+    cached = Path(model) / f"eval-{opponent}-{args.eval_rows}{sampled}.json"
     if cached.exists():
         return json.loads(cached.read_text())
     players = json.dumps({"o": OPPONENTS[opponent].format(warm=warm)})
     command = ["agentgrpo", "eval", "env:TicTacToe", "--model", model, "--seat-players", players]
-    command += ["--temperature", "0", "--num-episodes", str(args.eval_rows), "--seed", "0"]
+    command += ["--temperature", str(args.eval_temperature)]
+    command += ["--num-episodes", str(args.eval_rows), "--seed", "0"]
     done = subprocess.run(command, capture_output=True, text=True, env=_child_env(args))
     figures = {
         name: re.search(rf"^{name}\s+(-?[0-9.]+)", done.stdout, re.MULTILINE)
@@ -215,13 +225,14 @@ def _report(
     args: argparse.Namespace,
 ) -> None:
     """One seed's markdown table: win rate (mean reward) at each save, against each opponent."""
-    print(f"\nseed {seed}: x's greedy win rate (mean reward) on {args.eval_rows} held-out rows")
+    how = f"T={args.eval_temperature:g}" if args.eval_temperature else "greedy"
+    print(f"\nseed {seed}: x's {how} win rate (mean reward) on {args.eval_rows} held-out rows")
     print("at the warm start and each save (training minutes in brackets)")
     print("| config | steps | opponent | at each save | load |")
     print("|---|---|---|---|---|")
     for config, run in runs.items():
         points = [(0.0, warm)] + [(s["trained_s"], s["folder"]) for s in run["saves"]]
-        for opponent in OPPONENTS:
+        for opponent in args.opponents:
             text = ", ".join(
                 f"{scores[(m, opponent)]['success_rate']:.3f} "
                 f"({scores[(m, opponent)]['mean_reward']:+.2f}) [{s / 60:.0f}]"
