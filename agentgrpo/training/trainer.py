@@ -69,8 +69,7 @@ from agentgrpo.training.trl_attributes import TRLAttributes
 from rollout import Episode
 from rollout.agents import Agent
 
-# Where `save_warm_start` puts the warm-started model, in the output folder.
-WARM_START_DIR = "warm_start"
+WARM_START_DIR = "warm_start"  # where `save_warm_start` puts the model, in the output folder
 
 
 class GRPOTrainer(TRLAttributes):
@@ -247,11 +246,7 @@ class GRPOTrainer(TRLAttributes):
             self._wire_async(generators, tools, factory)
 
     def _wire_async(self, generators: Generators, tools: Sequence[Callable], factory: Any) -> None:
-        """The producer and the rounds it feeds; with a server, evaluation plays through it.
-
-        Seats of other models (``"model:PATH"``) play in the producer through backends of its
-        own over the same frozen models (`SeatModels.producer_backends`).
-        """
+        """The producer and its rounds (model seats: its own backends); a server: evaluation too."""
         check_async_players(self.rollout_func, self.agent)
         assert generators.producer is not None
         seats = self.snapshots.models.producer_backends(self.processing_class, self.args)
@@ -272,12 +267,9 @@ class GRPOTrainer(TRLAttributes):
             self.generator = self._async.generation
 
     def _build_parts(
-        self, backend: Any, tools: Sequence[Callable], factory: Any, agent: Any, seats: Any = None
+        self, backend: Any, tools: Sequence[Callable], factory: Any, agent: Any, seats=None
     ):
-        """`wiring.build_parts` for this run over `backend`; a VLM's processor renders images.
-
-        `seats`: the frozen seats' backends, when not the rounds' (`self.snapshots.backends`).
-        """
+        """`wiring.build_parts` over `backend` (frozen `seats`, else the rounds'); VLMs: images."""
         renderer = self.processing_class if self.processor is None else self.processor
         seats = self.snapshots.backends if seats is None else seats
         parts = (self._reward_functions, lambda: self.state, agent, seats)
