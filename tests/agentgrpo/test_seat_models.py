@@ -23,7 +23,7 @@ from tests.agentgrpo.test_seat_rounds import config
 from tests.agentgrpo.test_seat_snapshots import sampled
 from tests.support.cli import eval_figures
 from tests.support.tiny_model import tiny_llama, tiny_model
-from tests.support.trainer import short_run_config
+from tests.support.trainer import short_run_config, tiny_trainer
 
 
 @pytest.fixture(scope="module")
@@ -158,14 +158,8 @@ def test_an_async_run_plays_the_other_model_in_the_producer_with_its_own_backend
         max_turns=5, chat_template="chatml_tools", log_episodes=True, max_steps=2,
         seat_players={"o": f"model:{other_dir}"}, async_grpo=True,
     )  # fmt: skip
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer),
-        None,
-        args,
-        TicTacToe.dataset("train").select([0, 2]),
-        processing_class=tokenizer,
-        environment_factory=TicTacToe,
-    )
+    rows = TicTacToe.dataset("train").select([0, 2])
+    trainer = tiny_trainer(tokenizer, None, args, rows, environment_factory=TicTacToe)
     trainer.train()
     assert trainer.state.global_step == 2
     [model] = trainer.snapshots.models.models.values()

@@ -28,7 +28,7 @@ from rollout import load_template
 from rollout.match import MatchEngine
 from tests.rollout.test_match import ROW, marks, seat_script
 from tests.support.tiny_model import tiny_llama
-from tests.support.trainer import short_run_config
+from tests.support.trainer import short_run_config, tiny_trainer
 
 
 def config(tmp_path, **fields) -> GRPOConfig:
@@ -117,14 +117,8 @@ def test_asynchronous_self_play_trains_a_group_per_seat_of_each_row(tmp_path, to
         tmp_path, num_generations=2, per_device_train_batch_size=8, max_completion_length=96,
         max_turns=5, chat_template="chatml_tools", log_episodes=True, async_grpo=True,
     )  # fmt: skip
-    trainer = GRPOTrainer(
-        tiny_llama(tokenizer),
-        None,
-        args,
-        TicTacToe.dataset("train").select(range(8)),
-        processing_class=tokenizer,
-        environment_factory=TicTacToe,
-    )
+    rows = TicTacToe.dataset("train").select(range(8))
+    trainer = tiny_trainer(tokenizer, None, args, rows, environment_factory=TicTacToe)
     trainer.train()
     assert trainer.state.global_step == 2
     for step in (1, 2):  # 2 rows a step: the producer's played rows, renumbered in order
@@ -139,10 +133,7 @@ def test_asynchronous_self_play_trains_a_group_per_seat_of_each_row(tmp_path, to
     assert trainer._async.generation.seats == 2
     args.queue_maxsize = 3  # holds a group, but not a row's two seats' groups: refused, no hang
     with pytest.raises(ValueError, match=re.escape("queue_maxsize=3 cannot hold one row's games")):
-        GRPOTrainer(
-            tiny_llama(tokenizer), None, args, TicTacToe.dataset("train").select(range(8)),
-            processing_class=tokenizer, environment_factory=TicTacToe,
-        )  # fmt: skip
+        tiny_trainer(tokenizer, None, args, rows, environment_factory=TicTacToe)
 
 
 def test_doctor_says_who_moves_first_and_fails_a_game_over_before_it_starts(tokenizer):
