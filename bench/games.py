@@ -11,6 +11,8 @@ share whatever load the machine has); `bench/learn_vs_trl.py`'s clock saves the 
 Configurations (`--configs`), all with 8 trained episodes a step in groups of 4, TicTacToe's
 episode limits, temperature 1, a constant `--learning-rate` (5e-5), beta 0 and the DAPO loss:
 - `vs-warm-start`: x is trained against the frozen warm start playing o (`"model:WARM"`).
+- `vs-greedy-warm-start`: the same, the warm start playing greedily (`seat_temperatures`
+  ``{"o": 0}``), as it plays in the greedy evaluation; x still samples at temperature 1.
 - `vs-good`: x is trained against `environments.tictactoe:good_player` playing o.
 - `self-play`: both seats are the policy, both trained.
 
@@ -44,7 +46,13 @@ _HERE = os.path.dirname(os.path.realpath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _HERE]  # bench/rollout.py
 
 GOOD = "environments.tictactoe:good_player"
-CONFIGS = {"vs-warm-start": "model:{warm}", "vs-good": GOOD, "self-play": None}
+CONFIGS = {
+    "vs-warm-start": "model:{warm}",
+    "vs-greedy-warm-start": "model:{warm}",
+    "vs-good": GOOD,
+    "self-play": None,
+}
+GREEDY_OPPONENT = {"vs-greedy-warm-start"}  # its o samples at temperature 0 in training
 OPPONENTS = {"good": GOOD, "warm-start": "model:{warm}"}
 
 
@@ -259,6 +267,7 @@ def _run_child(args: argparse.Namespace) -> None:
     config = GRPOConfig(
         output_dir=str(Path(args.out) / "output"),
         seat_players=None if opponent is None else {"o": opponent.format(warm=args.model_dir)},
+        seat_temperatures={"o": 0.0} if args.child in GREEDY_OPPONENT else None,
         per_device_train_batch_size=8,  # 8 trained episodes a step in every configuration
         num_generations=4,
         **TicTacToe.episode_limits,

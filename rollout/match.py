@@ -84,11 +84,13 @@ class _Seat:
     Attributes:
         backend: What samples its turns: the policy's backend, or its snapshot's.
         trained: The policy plays it (its episode is returned); False for a snapshot.
+        temperature: Its own sampling temperature (a snapshot's); None: the run's.
     """
 
     name: str
     backend: GenerationBackend
     trained: bool
+    temperature: float | None = None
     state: EpisodeState | None = None
     pending: list[dict[str, Any]] = field(default_factory=list)  # its last turn's results
     stop_text: str = ""
@@ -122,6 +124,7 @@ async def play_match(
     players: Mapping[str, SeatPlayer],
     place: Callable[[str], tuple[int, int]],
     snapshots: Mapping[str, Sequence[GenerationBackend]],
+    temperatures: Mapping[str, float] | None = None,
 ) -> dict[str, Episode]:
     """Play one match of `row`; return the episode of each policy seat (None in `players`).
 
@@ -133,6 +136,8 @@ async def play_match(
         place: A policy seat's (group, index) in the round.
         snapshots: The backends of each seat a `Snapshot` plays: the match draws one from its
             seed (a league's pool holds several).
+        temperatures: The sampling temperature of `Snapshot` seats that have their own
+            (None or left out: the run's).
 
     Raises:
         PromptTooLongError: A seat's first prompt leaves no room to generate.
@@ -146,6 +151,7 @@ async def play_match(
             seat,
             _drawn(snapshots, seat, sample_seed, players) if seat in snapshots else ctx.backend,
             player is None,
+            (temperatures or {}).get(seat),
         )
         for seat, player in players.items()
         if player is None or isinstance(player, Snapshot)
@@ -236,6 +242,8 @@ async def _model_turn(match: _Match, side: _Seat) -> Finish | None:
     if budget < 1:
         return Finish.LENGTH
     params = ctx.config.sampling(budget, hash((state.sample_seed, state.turns)) % 2**62)
+    if side.temperature is not None:
+        params = dataclasses.replace(params, temperature=side.temperature)
     completion = await side.backend.generate(state.tokens.context_ids, params)
     state.add_sampled(completion)
     state.turns += 1
@@ -374,11 +382,14 @@ class MatchEngine(RolloutEngine):
             draws one. One entry per such seat; a policy seat may have one too (its turns,
             still trained, sample from it: a LoRA adapter of its own). Whoever holds a
             snapshot's keeps its weights frozen.
+        seat_temperatures: The sampling temperature of `Snapshot` seats that sample at their
+            own (0: greedy), e.g. an opponent that always plays its likeliest move; the
+            others sample at the config's.
         **options: `RolloutEngine`'s other keyword arguments.
 
     Raises:
-        ValueError: As `seat_players`, the class has no seats, or `seat_backends` does not
-            match the `Snapshot` seats.
+        ValueError: As `seat_players`, the class has no seats, `seat_backends` does not
+            match the `Snapshot` seats, or `seat_temperatures` names another seat.
     """
 
     plays_seats = True
@@ -391,6 +402,7 @@ class MatchEngine(RolloutEngine):
         environment_factory: type,
         players: Mapping[str, Any] | None = None,
         seat_backends: Mapping[str, GenerationBackend | Sequence[GenerationBackend]] | None = None,
+        seat_temperatures: Mapping[str, float] | None = None,
         **options: Any,
     ):
         if not seats_of(environment_factory):
@@ -408,6 +420,13 @@ class MatchEngine(RolloutEngine):
                 f"seats a snapshot plays are {snapshots}: give one backend per snapshot seat, "
                 "and optionally one per policy seat that samples from its own "
                 "(`agentgrpo run` and GRPOTrainer build them; see docs/several-players.md)"
+            )
+        self.seat_temperatures = dict(seat_temperatures or {})
+        if not set(self.seat_temperatures) <= set(snapshots):
+            raise ValueError(
+                f"seat_temperatures names seats {sorted(self.seat_temperatures)}, but only the "
+                f"seats a snapshot or another model plays ({snapshots}) sample at their own "
+                "temperature: a policy seat's turns are trained at the run's"
             )
         super().__init__(backend, tokenizer, environment_factory=environment_factory, **options)
 
@@ -438,7 +457,13 @@ class MatchEngine(RolloutEngine):
             async with limiter:
                 where = functools.partial(place, r, k)
                 sides = await play_match(
-                    self.context, rows[r], seed + r, self.players, where, self.seat_backends
+                    self.context,
+                    rows[r],
+                    seed + r,
+                    self.players,
+                    where,
+                    self.seat_backends,
+                    self.seat_temperatures,
                 )
             played.update({episode.index: episode for episode in sides.values()})
             unfinished[r] -= 1

@@ -204,6 +204,11 @@ def _eval_parser(sub: argparse._SubParsersAction, handler: Callable) -> argparse
     add_mcp_server_option(parser)
     add = parser.add_argument
     add("--seat-players", type=value_parser("seat_players"), help="as for `agentgrpo run`")
+    add(
+        "--seat-temperatures",
+        type=value_parser("seat_temperatures"),
+        help="as for `agentgrpo run`: a frozen seat's own temperature, e.g. '{\"o\": 0}'",
+    )
     add("--model", help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
     add("--dataset", help="rows file or datasets name (default: the environment's dataset())")
     add("--split", default="eval", help="split of the rows to play (default: eval)")

@@ -168,6 +168,7 @@ def eval_config(namespace: argparse.Namespace, source: Any) -> Any:
             "tool_call_parser": namespace.tool_call_parser,
             "mcp_servers": getattr(namespace, "mcp_servers", None),  # --mcp-server, as in run
             "seat_players": getattr(namespace, "seat_players", None),  # a game: its other seats
+            "seat_temperatures": getattr(namespace, "seat_temperatures", None),
             "seed": namespace.seed,
             "report_to": "none",
         }

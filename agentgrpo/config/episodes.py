@@ -116,6 +116,16 @@ class EpisodeFields:
             'schedule. Example: {"solver": 1e-5}.'
         },
     )
+    seat_temperatures: dict[str, float] | None = field(
+        default=None,
+        metadata={
+            "help": "Sampling temperature of seats a frozen player plays ('snapshot', "
+            "'league:N:K', 'model:PATH' in seat_players), as a JSON object of seat to "
+            "temperature; 0: greedy. Seats left out sample at temperature. A trained seat "
+            'samples at temperature (its logprobs are the policy\'s). Example: {"o": 0} for '
+            "an opponent that always plays its most likely move."
+        },
+    )
     log_episodes: bool = field(
         default=True,
         metadata={
@@ -170,20 +180,20 @@ def check_episode_values(config: "GRPOConfig") -> None:
         f"('adapter:NAME'; named here: {sorted(_adapters_named(players))}) to positive "
         "learning rates, e.g. {'solver': 1e-5}.",
     )
+    _check_seat_temperatures(config.seat_temperatures, players)
     frozen = _frozen_players(players)
     require(
         not (frozen and config.async_grpo),
         f"seat_players={players!r} has seats played by {', '.join(frozen)}: "
-        "with async_grpo a game's seats are played by the policy (self-play), another model "
-        "('model:PATH'), 'random' or a scripted 'module:function' only; drop async_grpo "
-        "(async_grpo=False) to play these.",
+        "with async_grpo a game's seats are played by the policy (self-play), snapshots "
+        "('snapshot:N', 'league:N:K'), another model ('model:PATH'), 'random' or a scripted "
+        "'module:function' only; drop async_grpo (async_grpo=False) to play these.",
     )
 
 
-# Players made of the policy's own weights: not with `async_grpo`, whose producer plays on a
-# generator of its own (a snapshot would be refreshed on the learner's schedule, an adapter
-# trained there, neither across the producer's thread yet).
-_NOT_ASYNC = ("snapshot", "league", "adapter")
+# Players that `async_grpo`'s producer cannot play: a trained adapter's weights are not pushed
+# to its generator yet.
+_NOT_ASYNC = ("adapter",)
 
 
 def _frozen_players(players: object) -> list[str]:
@@ -191,6 +201,31 @@ def _frozen_players(players: object) -> list[str]:
     if not isinstance(players, dict):
         return []
     return [repr(p) for p in players.values() if str(p).partition(":")[0] in _NOT_ASYNC]
+
+
+def _check_seat_temperatures(temperatures: object, players: object) -> None:
+    """Each `seat_temperatures` entry: a seat a frozen player plays, a temperature >= 0."""
+    frozen = {
+        seat
+        for seat, player in (players.items() if isinstance(players, dict) else ())
+        if str(player).partition(":")[0] in _SAMPLED_FROZEN
+    }
+    require(
+        temperatures is None
+        or (
+            isinstance(temperatures, dict)
+            and all(isinstance(t, int | float) and t >= 0 for t in temperatures.values())
+            and set(temperatures) <= frozen
+        ),
+        f"seat_temperatures={temperatures!r} must map seats that a frozen player plays in "
+        f"seat_players ('snapshot', 'league:N:K' or 'model:PATH'; here: {sorted(frozen)}) to "
+        "temperatures of 0 (greedy) or more, e.g. {'o': 0}: a trained seat samples at "
+        "temperature, and a random or scripted player samples nothing.",
+    )
+
+
+# Players that sample from frozen weights: a sampling temperature of their own fits them.
+_SAMPLED_FROZEN = ("snapshot", "league", "model")
 
 
 def _adapters_named(players: object) -> set[str]:

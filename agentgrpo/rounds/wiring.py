@@ -128,6 +128,7 @@ def build_engine(
                 "without an agent: drop the agent"
             )
         engine_class, options["players"] = MatchEngine, config.seat_players
+        options["seat_temperatures"] = config.seat_temperatures
         options["seat_backends"] = _seat_backends(
             config, environment_factory, backend, seat_backends
         )

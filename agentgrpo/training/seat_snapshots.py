@@ -11,7 +11,9 @@ A copy is taken at the first round the run plays (after the warm start), then, f
 ``"snapshot"`` is never taken again. A league (``"league:N:K"``) keeps its K latest copies,
 a new one replacing the oldest once there are K, and each match draws one of them
 (`rollout.match`). A resumed run takes its copies afresh from the resumed policy: a league
-starts again from one. vLLM and sharded weights (DeepSpeed ZeRO-3, FSDP) cannot hold such a
+starts again from one. With `async_grpo` the producer plays from pools of its own, which
+its generator fills as it is loaded and pushed new weights (`SeatSnapshots.producer`,
+`RefreshedOnPush`). vLLM and sharded weights (DeepSpeed ZeRO-3, FSDP) cannot hold such a
 copy here, and are refused by `SeatSnapshots.of`. `choose_with_snapshots` is the trainer's one
 call for both: its generators, the rounds' one refreshing the copies first, the seats that
 trained LoRA adapters play (`seat_policies`) and those other models play (`seat_models`).
@@ -19,8 +21,10 @@ trained LoRA adapters play (`seat_policies`) and those other models play (`seat_
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +32,7 @@ import torch
 
 from agentgrpo.generation.generator import (
     AroundRounds,
+    ConcurrentGenerator,
     Generator,
     Generators,
     choose_generators,
@@ -80,6 +85,22 @@ class _Pool:
         self.copies[oldest].load(policy, step)
         self.copies[oldest].backend.reset_prefix_cache()  # its keys are the old weights'
         self.taken_at[oldest] = step
+
+    async def push(self, policy: torch.nn.Module, step: int) -> None:
+        """`take`, while the copies generate: over the oldest copy between two of its steps.
+
+        Its games in play go on with the new weights (an opponent's turns, never trained).
+        """
+        if len(self.copies) < self.size:
+            self.take(policy, step)  # a new copy: nothing generates with it yet
+            return
+        oldest = self.taken_at.index(min(self.taken_at))
+        await self.copies[oldest].push(policy, step)  # empties its prefix cache too
+        self.taken_at[oldest] = step
+
+    def emptied(self) -> _Pool:
+        """A pool of the same settings that holds no copy yet."""
+        return dataclasses.replace(self, copies=[], backends=[], taken_at=[])
 
 
 @dataclass
@@ -159,6 +180,31 @@ class SeatSnapshots:
             if pool.due(step):
                 pool.take(policy, step)
 
+    async def push(self, policy: torch.nn.Module, step: int) -> None:
+        """`refresh`, while the copies generate (`_Pool.push`)."""
+        for pool in {id(p): p for p in self.seats.values()}.values():
+            if pool.due(step):
+                await pool.push(policy, step)
+
+    def producer(
+        self, generator: ConcurrentGenerator | None, tokenizer: Any, args: GRPOConfig
+    ) -> tuple[ConcurrentGenerator, dict[str, list[GenerationBackend]]]:
+        """`async_grpo`'s producer: its generator, and what plays its frozen seats (`backends`).
+
+        The producer plays on a thread of its own, beside the learner's rounds (evaluation),
+        which keep these pools and backends. So its snapshot seats draw from pools of their own,
+        of the same settings, which the returned generator fills and refreshes
+        (`RefreshedOnPush`): its copies are of the weights the producer generates with, taken
+        as they are loaded or pushed. Each other model's seat gets a backend of its own over
+        the same frozen model (`SeatModels.producer_backends`).
+        """
+        assert generator is not None  # `async_grpo` has a producer
+        pools = {id(p): p.emptied() for p in self.seats.values()}
+        own = SeatSnapshots({seat: pools[id(p)] for seat, p in self.seats.items()})
+        models = self.models.producer_backends(tokenizer, args)
+        seats = own.backends | {seat: [backend] for seat, backend in models.items()}
+        return (RefreshedOnPush(generator, own) if own.seats else generator), seats
+
     def around(self, generator: Generator) -> Generator:
         """`generator`, refreshing the copies (as due) at the start of each of its rounds.
 
@@ -174,6 +220,50 @@ class SeatSnapshots:
             for copied in pool.copies:
                 copied.backend.release_memory()
         self.models.release_memory()
+
+
+class RefreshedOnPush:
+    """A `ConcurrentGenerator`: `generator`, taking `snapshots`' copies as due with its weights.
+
+    Each `load` and `push` of step N's weights also refreshes the pools due at step N
+    (`SeatSnapshots.refresh`, `SeatSnapshots.push`): the producer's snapshots are of the weights
+    it has generated with, refreshed at the first push at least ``every`` steps after the last.
+    """
+
+    def __init__(self, generator: ConcurrentGenerator, snapshots: SeatSnapshots):
+        self.generator = generator
+        self.snapshots = snapshots
+
+    @property
+    def version(self) -> int:
+        """`generator`'s version."""
+        return self.generator.version
+
+    @property
+    def backend(self) -> GenerationBackend:
+        """`generator`'s backend."""
+        return self.generator.backend
+
+    @contextlib.contextmanager
+    def generating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
+        """`generator`'s round at step `step`, the snapshots refreshed as due first."""
+        with self.generator.generating(policy, step):
+            self.snapshots.refresh(policy, step)
+            yield
+
+    def load(self, policy: torch.nn.Module, version: int) -> None:
+        """`generator.load`, then the copies due at `version` (nothing generates)."""
+        self.generator.load(policy, version)
+        self.snapshots.refresh(policy, version)
+
+    async def push(self, policy: torch.nn.Module, version: int) -> None:
+        """`generator.push`, then the copies due at `version`, between their own steps."""
+        await self.generator.push(policy, version)
+        await self.snapshots.push(policy, version)
+
+    def take_paused_s(self) -> float:
+        """`generator`'s."""
+        return self.generator.take_paused_s()
 
 
 def _copied(policy: torch.nn.Module, tokenizer: Any, args: GRPOConfig) -> CopiedWeights:

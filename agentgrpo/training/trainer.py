@@ -248,12 +248,12 @@ class GRPOTrainer(TRLAttributes):
     def _wire_async(self, generators: Generators, tools: Sequence[Callable], factory: Any) -> None:
         """The producer and its rounds (model seats: its own backends); a server: evaluation too."""
         check_async_players(self.rollout_func, self.agent)
-        assert generators.producer is not None
-        seats = self.snapshots.models.producer_backends(self.processing_class, self.args)
+        args, tokenizer = self.args, self.processing_class
+        producer, seats = self.snapshots.producer(generators.producer, tokenizer, args)
         self._async = AsyncRounds.build(
             self.args,
             self.plan,
-            generators.producer,
+            producer,
             lambda: self.accelerator.unwrap_model(self.model),
             lambda backend: self._build_parts(backend, tools, factory, None, seats).engine,
             self.scorer,

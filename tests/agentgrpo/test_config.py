@@ -111,6 +111,7 @@ AGENTGRPO_DEFAULTS = [
     ("infra_retries", 2),
     ("seat_players", None),
     ("adapter_learning_rates", None),
+    ("seat_temperatures", None),
     ("log_episodes", True),
     ("warm_start_steps", 0),
     ("warm_start_learning_rate", 5e-5),

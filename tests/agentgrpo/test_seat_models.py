@@ -42,6 +42,22 @@ def logprobs_of(model: torch.nn.Module, prompt: list[int], ids: list[int]) -> to
     return logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
 
 
+def test_only_a_frozen_seat_samples_at_a_temperature_of_its_own(other_dir, tmp_path):
+    model = f"model:{other_dir}"
+    for players in ({"o": model}, {"o": "snapshot:2"}, {"o": "league:2:3"}):
+        assert config(tmp_path, seat_players=players, seat_temperatures={"o": 0}).seat_temperatures
+    for players, temperatures in (
+        ({"o": model}, {"x": 0}),  # the policy's seat
+        ({"o": model}, {"o": -0.5}),
+        ({"o": "random"}, {"o": 0}),
+        ({"o": "adapter:solver"}, {"o": 0}),  # trained
+        (None, {"o": 0}),
+    ):
+        with pytest.raises(ValueError, match=re.escape("seat_temperatures=")) as error:
+            config(tmp_path, seat_players=players, seat_temperatures=temperatures)
+        assert "'snapshot', 'league:N:K' or 'model:PATH'" in str(error.value)
+
+
 def test_a_model_player_names_a_saved_folder(other_dir, tmp_path):
     players = seat_players(TicTacToe, {"o": f"model:{other_dir}"})
     assert players == {"x": None, "o": OtherModel(path=str(other_dir))}
@@ -130,7 +146,7 @@ def test_a_run_trains_the_policy_seat_against_a_frozen_other_model(other_dir, tm
     args = short_run_config(
         tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=64,
         max_turns=5, chat_template="chatml_tools", log_episodes=True, max_steps=1,
-        seat_players={"o": f"model:{other_dir}"},
+        seat_players={"o": f"model:{other_dir}"}, seat_temperatures={"o": 0},
     )  # fmt: skip
     trainer = GRPOTrainer(
         tiny_llama(tokenizer),
@@ -144,6 +160,7 @@ def test_a_run_trains_the_policy_seat_against_a_frozen_other_model(other_dir, tm
     assert trainer.state.global_step == 1
     [model] = trainer.snapshots.models.models.values()
     assert trainer.engine.seat_backends["o"] == [trainer.snapshots.models.backends["o"]]
+    assert trainer.engine.seat_temperatures == {"o": 0}  # a greedy opponent
     saved = AutoModelForCausalLM.from_pretrained(other_dir).state_dict()
     assert all(torch.equal(t, saved[name]) for name, t in model.state_dict().items())
     records, problems = view_data.read_step(tmp_path, 1)
@@ -156,7 +173,7 @@ def test_an_async_run_plays_the_other_model_in_the_producer_with_its_own_backend
     args = short_run_config(
         tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=64,
         max_turns=5, chat_template="chatml_tools", log_episodes=True, max_steps=2,
-        seat_players={"o": f"model:{other_dir}"}, async_grpo=True,
+        seat_players={"o": f"model:{other_dir}"}, seat_temperatures={"o": 0}, async_grpo=True,
     )  # fmt: skip
     rows = TicTacToe.dataset("train").select([0, 2])
     trainer = tiny_trainer(tokenizer, None, args, rows, environment_factory=TicTacToe)
@@ -167,6 +184,7 @@ def test_an_async_run_plays_the_other_model_in_the_producer_with_its_own_backend
     [producers] = trainer._async.generation.engine.seat_backends["o"]
     assert producers is not learners  # one backend per thread, over one frozen model
     assert producers.model is learners.model is model
+    assert trainer._async.generation.engine.seat_temperatures == {"o": 0}
     for step in (1, 2):
         records, problems = view_data.read_step(tmp_path, step)
         assert not problems and [view_data.episode_view(r)["seat"] for r in records] == ["x"] * 4
@@ -178,8 +196,10 @@ def test_eval_plays_the_model_against_the_other_model(
     monkeypatch.chdir(tmp_path)
     options = ["eval", "env:TicTacToe", "--model", str(tiny_model_dir), "--chat-template",
                "chatml_tools", "--max-completion-length", "8", "--num-episodes", "2",
-               "--seat-players", f'{{"o": "model:{other_dir}"}}']  # fmt: skip
+               "--seat-players", f'{{"o": "model:{other_dir}"}}',
+               "--seat-temperatures", '{"o": 0}']  # fmt: skip
     engine, *_ = _eval_engine(build_parser()[0].parse_args(options), TicTacToe, torch.device("cpu"))
+    assert engine.seat_temperatures == {"o": 0.0}
     [seat] = engine.seat_backends["o"]
     saved = AutoModelForCausalLM.from_pretrained(other_dir).state_dict()
     assert seat is not engine.context.backend and seat.model is not engine.context.backend.model

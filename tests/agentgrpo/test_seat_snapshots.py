@@ -11,21 +11,21 @@ import pytest
 import torch
 
 from agentgrpo import GRPOTrainer
-from agentgrpo.generation.local import SharedWeights, transformers_backend
+from agentgrpo.generation.local import CopiedWeights, SharedWeights, transformers_backend
 from agentgrpo.learner.batch import collate_episodes
 from agentgrpo.placement import Placement
 from agentgrpo.reporting import view_data
 from agentgrpo.rounds.pipeline import RewardShaping, RoundParts, RoundPlan, play_and_batch
 from agentgrpo.rounds.scoring import play_round
 from agentgrpo.rounds.wiring import build_parts
-from agentgrpo.training.seat_snapshots import SeatSnapshots
+from agentgrpo.training.seat_snapshots import RefreshedOnPush, SeatSnapshots
 from environments.tictactoe import TicTacToe
 from rollout import SamplingParams, ScriptedBackend
 from rollout.match import MatchEngine, sat_out
 from tests.agentgrpo.test_seat_rounds import config
 from tests.rollout.test_match import ROW, marks, play, seat_script
 from tests.support.tiny_model import tiny_llama
-from tests.support.trainer import short_run_config
+from tests.support.trainer import short_run_config, tiny_trainer
 
 
 def test_a_seat_that_sat_out_is_left_out_of_its_groups_baseline(tmp_path, tokenizer):
@@ -169,3 +169,50 @@ def test_a_league_keeps_its_latest_snapshots_and_replaces_the_oldest(tmp_path, t
     assert torch.equal(weights(pool.copies[0].model), taken[2])  # step 0's copy replaced
     assert torch.equal(weights(pool.copies[1].model), taken[1])
     assert not torch.equal(taken[1], taken[2])
+
+
+def test_the_producer_takes_its_own_snapshots_of_the_weights_it_is_pushed(tmp_path, tokenizer):
+    args = config(tmp_path, seat_players={"o": "league:1:2"}, async_grpo=True)
+    policy = tiny_llama(tokenizer).eval()
+    snapshots = SeatSnapshots.of(args, Placement(), TicTacToe, policy, tokenizer)
+    weights = CopiedWeights(policy, tokenizer, args)
+    producer, seats = snapshots.producer(weights, tokenizer, args)
+    assert isinstance(producer, RefreshedOnPush) and producer.backend is weights.backend
+    [pool] = producer.snapshots.seats.values()
+    assert seats["o"] is pool.backends and pool.backends == []  # live: the engine draws from it
+    first = lambda model: next(model.parameters()).detach().clone()  # noqa: E731
+    taken = []
+    for step in range(3):  # loaded at step 0, then pushed while it could be generating
+        if step == 0:
+            producer.load(policy, 0)
+        else:
+            anyio.run(producer.push, policy, step)
+        taken.append(first(policy))
+        train_step(policy, tokenizer.encode("You play o."))
+    assert producer.version == 2 and pool.taken_at == [2, 1]  # step 0's copy replaced
+    copied = [first(copy.model) for copy in pool.copies]
+    assert torch.equal(copied[0], taken[2]) and torch.equal(copied[1], taken[1])
+    assert pool.copies[0].backend.weights_version == 2  # pushed between two of its steps
+    assert snapshots.backends["o"] == []  # the learner's pool is its own, untouched
+    plain = SeatSnapshots.of(config(tmp_path), Placement(), TicTacToe, policy, tokenizer)
+    assert plain.producer(weights, tokenizer, args) == (weights, {})
+
+
+def test_an_async_run_trains_against_snapshots_the_producer_refreshes(tmp_path, tokenizer):
+    args = short_run_config(
+        tmp_path, per_device_train_batch_size=2, num_generations=2, max_completion_length=64,
+        max_turns=5, chat_template="chatml_tools", log_episodes=True,
+        seat_players={"o": "snapshot:1"}, async_grpo=True,
+    )  # fmt: skip
+    rows = TicTacToe.dataset("train").select(range(4))
+    trainer = tiny_trainer(tokenizer, None, args, rows, environment_factory=TicTacToe)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    producer = trainer._async.generation.weights
+    [pool] = producer.snapshots.seats.values()
+    assert pool.taken_at == [2]  # taken at step 0, again at the pushes of steps 1 and 2
+    assert trainer._async.generation.engine.seat_backends["o"] is pool.backends
+    assert pool.copies[0].model is not producer.generator.model  # its own copy
+    for step in (1, 2):
+        records, problems = view_data.read_step(tmp_path, step)
+        assert not problems and [view_data.episode_view(r)["seat"] for r in records] == ["x", "x"]

@@ -14,12 +14,13 @@ from rollout.match import MatchEngine, sat_out
 from tests.rollout.test_match import ROW, marks, play, seat_script
 
 
-def snapshot_engine(tokenizer, policy, seat_backends, players=None) -> MatchEngine:
+def snapshot_engine(tokenizer, policy, seat_backends, players=None, **options) -> MatchEngine:
     return MatchEngine(
         policy, tokenizer, environment_factory=TicTacToe, chat_template="chatml_tools",
         players={"o": "snapshot"} if players is None else players,
         seat_backends=seat_backends,
-        config=EpisodeConfig(max_completion_length=512, max_turns=5),
+        config=EpisodeConfig(max_completion_length=512, max_turns=5, temperature=0.7),
+        **options,
     )  # fmt: skip
 
 
@@ -43,6 +44,19 @@ def test_a_snapshot_seat_samples_from_its_own_backend_and_gives_no_episode(token
     [x] = anyio.run(engine.run, [ROW], 1)
     assert x.row["seat"] == "x" and x.env_reward == 1.0
     assert "o marked 4." in str(x.messages) and "o marked 5." in str(x.messages)
+
+
+def test_a_snapshot_seat_samples_at_its_own_temperature_and_the_policy_at_the_runs(tokenizer):
+    policy = seat_script(tokenizer, {"x": marks(1, 2, 3)})
+    snapshot = seat_script(tokenizer, {"o": marks(4, 5)})
+    engine = snapshot_engine(tokenizer, policy, {"o": snapshot}, seat_temperatures={"o": 0})
+    [x] = anyio.run(engine.run, [ROW], 1)
+    assert x.env_reward == 1.0
+    assert [params.temperature for _, params in policy.requests] == [0.7] * 3
+    assert [params.temperature for _, params in snapshot.requests] == [0.0] * 2
+    for seats in ({"x": 0.0}, {"o": 0.0, "x": 1.0}):
+        with pytest.raises(ValueError, match=re.escape("a policy seat's turns are trained")):
+            snapshot_engine(tokenizer, policy, {"o": snapshot}, seat_temperatures=seats)
 
 
 def test_each_snapshot_seat_needs_its_backend_and_no_other_seat_has_one(tokenizer):
