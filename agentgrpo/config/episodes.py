@@ -181,26 +181,6 @@ def check_episode_values(config: "GRPOConfig") -> None:
         "learning rates, e.g. {'solver': 1e-5}.",
     )
     _check_seat_temperatures(config.seat_temperatures, players)
-    frozen = _frozen_players(players)
-    require(
-        not (frozen and config.async_grpo),
-        f"seat_players={players!r} has seats played by {', '.join(frozen)}: "
-        "with async_grpo a game's seats are played by the policy (self-play), snapshots "
-        "('snapshot:N', 'league:N:K'), another model ('model:PATH'), 'random' or a scripted "
-        "'module:function' only; drop async_grpo (async_grpo=False) to play these.",
-    )
-
-
-# Players that `async_grpo`'s producer cannot play: a trained adapter's weights are not pushed
-# to its generator yet.
-_NOT_ASYNC = ("adapter",)
-
-
-def _frozen_players(players: object) -> list[str]:
-    """The `seat_players` values that `async_grpo` cannot play (`_NOT_ASYNC`), in order."""
-    if not isinstance(players, dict):
-        return []
-    return [repr(p) for p in players.values() if str(p).partition(":")[0] in _NOT_ASYNC]
 
 
 def _check_seat_temperatures(temperatures: object, players: object) -> None:

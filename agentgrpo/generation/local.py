@@ -83,6 +83,9 @@ class CopiedWeights:
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, args: GRPOConfig):
         self.model = copy.deepcopy(policy).eval().requires_grad_(False)
         self.backend = transformers_backend(self.model, tokenizer, args)
+        # Other backends over `model`, under `backend`'s step lock (a trained adapter's):
+        # each copy in empties their prefix caches and tags their tokens too.
+        self.siblings: list[TransformersBackend] = []
         self.version = 0
         self.paused_s = 0.0  # generation paused for pushes since the last `take_paused_s`
 
@@ -113,6 +116,9 @@ class CopiedWeights:
             targets = self.model.state_dict()
             for name, tensor in policy.state_dict().items():
                 targets[name].copy_(tensor)
+        for sibling in self.siblings:  # nothing generates, or the shared step lock is held
+            sibling.reset_prefix_cache()
+            sibling.set_weights_version(version)
         self.version = version
 
     def take_paused_s(self) -> float:

@@ -324,6 +324,8 @@ class RoundParts:
             None to train on every group.
         curriculum: Draws a training round's rows in place of the sampler's (`curriculum`),
             or None to play the rows given.
+        observe: Receives each round's episodes and their combined rewards_N, as trained
+            (after dynamic sampling), wherever they were played; None: nothing does.
     """
 
     play: Play
@@ -335,6 +337,7 @@ class RoundParts:
     process_index: int = 0
     dynamic: DynamicSampling | None = None
     curriculum: Curriculum | None = None
+    observe: Callable[[Sequence[Episode], torch.Tensor], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -384,6 +387,8 @@ def play_and_batch(parts: RoundParts, plan: RoundPlan, rows: Rows, seed: int) ->
         )
         episodes, rewards_N_F = resampled.episodes, resampled.rewards_N_F
     rewards_N = parts.shaping.combine(rewards_N_F, plan.num_generations)
+    if parts.observe is not None:
+        parts.observe(episodes, rewards_N)
     advantages_N = local_advantages(parts, rewards_N, plan.num_generations)
     batch = parts.collate(episodes, advantages_N)
     if parts.shaping.turns is not None and plan.train:

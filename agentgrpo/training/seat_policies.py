@@ -20,9 +20,12 @@ name (the run's own random draws untouched); all of them stay trainable.
   its name); `load` reads the named ones back on resume (transformers reads the policy's), and
   the optimizer's state holds every group, so a resumed run continues exactly.
 
+- **Asynchronous.** With `async_grpo` the producer's copy of the model holds every adapter,
+  each push copies them all, and each adapter seat samples through a backend of its own over
+  that copy (`producer_backends`).
+
 vLLM, sharded weights (ZeRO-3, FSDP), gradient checkpointing and models without a LoRA
-`peft_config` are refused here; `async_grpo` is refused with adapter seats
-(`GRPOConfig`).
+`peft_config` are refused here.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from agentgrpo.generation.generator import AroundRounds, Generator
+from agentgrpo.generation.local import CopiedWeights
 from agentgrpo.generation.sampling import sampling_overrides
 from agentgrpo.learner.batch import TrainingBatch
 from agentgrpo.learner.logprobs import PolicyForward, batched_logprobs, completion_logprobs
@@ -48,7 +52,7 @@ from rollout import Episode, GenerationBackend, TransformersBackend
 
 if TYPE_CHECKING:
     from agentgrpo.config import GRPOConfig
-    from agentgrpo.rounds.pipeline import RoundParts, Rows
+    from agentgrpo.rounds.pipeline import RoundParts
     from agentgrpo.training.loss_step import LossStep
 
 
@@ -129,15 +133,39 @@ class SeatPolicies:
             return
         assert isinstance(policy_backend, TransformersBackend)  # vLLM is refused by `of`
         for name in self.learning_rates:
-            self.backends[name] = TransformersBackend.from_tokenizer(
-                self.model,
-                tokenizer,
-                seed=self.args.seed + zlib.crc32(name.encode()),
-                sampling_overrides=sampling_overrides(self.args),
-                step_lock=policy_backend.step_lock,
-                step_context=lambda name=name: self.active(name),
-                **autocast_kwargs(mixed_precision_dtype(self.args)),
-            )
+            self.backends[name] = self._backend(self.model, tokenizer, policy_backend, name)
+
+    def _backend(
+        self, model: Any, tokenizer: Any, beside: TransformersBackend, name: str
+    ) -> TransformersBackend:
+        """A backend generating with `model`'s adapter `name`, under `beside`'s step lock."""
+        return TransformersBackend.from_tokenizer(
+            model,
+            tokenizer,
+            seed=self.args.seed + zlib.crc32(name.encode()),
+            sampling_overrides=sampling_overrides(self.args),
+            step_lock=beside.step_lock,
+            step_context=lambda: self.active(name, model),
+            **autocast_kwargs(mixed_precision_dtype(self.args)),
+        )
+
+    def producer_backends(self, weights: Any, tokenizer: Any) -> dict[str, GenerationBackend]:
+        """Each adapter seat's backend for `async_grpo`'s producer, over its copy `weights`.
+
+        The producer's copy (`generation.local.CopiedWeights`) is of the whole `PeftModel`,
+        every adapter in it, and each push copies them all. Each named adapter generates
+        through a backend of its own over that copy, its adapter active, sharing the copy's
+        step lock; the copy tags their tokens with each version it is pushed (its
+        ``siblings``), so an adapter seat's episodes are checked for staleness as the
+        policy's are.
+        """
+        if self.model is None:
+            return {}
+        assert isinstance(weights, CopiedWeights)  # vLLM is refused by `of`
+        backends = {name: self._backend(weights.model, tokenizer, weights.backend, name)
+                    for name in self.learning_rates}  # fmt: skip
+        weights.siblings.extend(backends.values())
+        return {seat: backends[name] for seat, name in self.seats.items()}
 
     @property
     def seat_backends(self) -> dict[str, GenerationBackend]:
@@ -161,15 +189,22 @@ class SeatPolicies:
             backend.release_memory()
 
     @contextlib.contextmanager
-    def active(self, name: str) -> Iterator[None]:
-        """`name`'s adapter active (the policy's again after), every adapter still trainable."""
-        model = self.model
+    def active(self, name: str, model: Any = None) -> Iterator[None]:
+        """`name`'s adapter active (the policy's again after), every adapter still trainable.
+
+        `model`: the policy (None), or the producer's copy of it, which stays frozen.
+        """
+        policy = model is None or model is self.model
+        model = self.model if model is None else model
         model.set_adapter(name)
         try:
             yield
         finally:
             model.set_adapter(self.policy_adapter)
-            model.set_requires_grad([self.policy_adapter, *self.learning_rates], True)
+            if policy:
+                model.set_requires_grad([self.policy_adapter, *self.learning_rates], True)
+            else:
+                model.requires_grad_(False)
 
     # ------------------------------------------------------------------ learning
 
@@ -179,8 +214,9 @@ class SeatPolicies:
         """`parts` and `loss_step` scoring each row under its episode's adapter (see the module).
 
         The parts' `collate` records each episode's adapter (its seat's) for the logprobs of
-        its rows, and their `play` queues each adapter's metrics in `metrics` (the trainer's,
-        by mode; `round_metrics`). Nothing changes without a named adapter.
+        its rows, and their `observe` queues each adapter's metrics in `metrics` (the
+        trainer's, by mode; `round_metrics`), however the round was played (`async_grpo`'s
+        come from its queue). Nothing changes without a named adapter.
         """
         if self.model is None:
             return parts
@@ -192,16 +228,13 @@ class SeatPolicies:
             self.episode_adapters[self.model.training] = adapters
             return parts.collate(episodes, advantages_N)
 
-        def play(rows: Rows, G: int, seed: int) -> tuple[list[Episode], torch.Tensor]:
-            episodes, rewards_N_F = parts.play(rows, G, seed)
-            rewards_N = parts.shaping.combine(rewards_N_F, G)
+        def observe(episodes: Sequence[Episode], rewards_N: torch.Tensor) -> None:
             mode = metrics["train" if self.model.training else "eval"]
             for name, value in self.round_metrics(episodes, rewards_N).items():
                 mode[name].append(value)
-            return episodes, rewards_N_F
 
         loss_step.policies = self
-        return replace(parts, collate=collate, play=play)
+        return replace(parts, collate=collate, observe=observe)
 
     def forward(
         self, model: torch.nn.Module, batch: TrainingBatch, *args, **kwargs

@@ -109,14 +109,14 @@ class SeatSnapshots:
 
     Attributes:
         seats: Each snapshot seat's pool of copies (seats with one `Snapshot` share it).
-        adapters: The backend of each seat a trained LoRA adapter plays
-            (`seat_policies.SeatPolicies.seat_backends`), handed on with the snapshots'.
+        policies: The trained LoRA adapters some seats play (`seat_policies.SeatPolicies`):
+            their backends are handed on with the snapshots'.
         models: The other models that ``"model:PATH"`` seats play (`seat_models.SeatModels`),
             their backends handed on with the snapshots'.
     """
 
     seats: dict[str, _Pool] = field(default_factory=dict)
-    adapters: dict[str, GenerationBackend] = field(default_factory=dict)
+    policies: SeatPolicies | None = None
     models: SeatModels = field(default_factory=SeatModels)
 
     @classmethod
@@ -170,7 +170,8 @@ class SeatSnapshots:
         `rollout.match.MatchEngine`'s ``seat_backends``: each match draws one of its seat's.
         Each seat a trained adapter or another model plays has its backend, alone in its pool.
         """
-        fixed = self.adapters | self.models.backends
+        adapters = self.policies.seat_backends if self.policies is not None else {}
+        fixed = adapters | self.models.backends
         own = {seat: [backend] for seat, backend in fixed.items()}
         return {seat: pool.backends for seat, pool in self.seats.items()} | own
 
@@ -196,13 +197,17 @@ class SeatSnapshots:
         of the same settings, which the returned generator fills and refreshes
         (`RefreshedOnPush`): its copies are of the weights the producer generates with, taken
         as they are loaded or pushed. Each other model's seat gets a backend of its own over
-        the same frozen model (`SeatModels.producer_backends`).
+        the same frozen model (`SeatModels.producer_backends`), and each trained adapter's
+        a backend over the producer's copy with that adapter active
+        (`SeatPolicies.producer_backends`).
         """
         assert generator is not None  # `async_grpo` has a producer
         pools = {id(p): p.emptied() for p in self.seats.values()}
         own = SeatSnapshots({seat: pools[id(p)] for seat, p in self.seats.items()})
-        models = self.models.producer_backends(tokenizer, args)
-        seats = own.backends | {seat: [backend] for seat, backend in models.items()}
+        fixed: dict[str, GenerationBackend] = {**self.models.producer_backends(tokenizer, args)}
+        if self.policies is not None:
+            fixed |= self.policies.producer_backends(generator, tokenizer)
+        seats = own.backends | {seat: [backend] for seat, backend in fixed.items()}
         return (RefreshedOnPush(generator, own) if own.seats else generator), seats
 
     def around(self, generator: Generator) -> Generator:
@@ -296,6 +301,6 @@ def choose_with_snapshots(
     policies = SeatPolicies.of(args, placement, accelerator, environment, policy)
     generators = choose_generators(args, placement, policy, tokenizer, accelerator, processor)
     policies.attach(generators.rounds.backend, tokenizer)
-    snapshots.adapters = policies.seat_backends
+    snapshots.policies = policies
     rounds = policies.around(snapshots.around(generators.rounds))
     return generators._replace(rounds=rounds), snapshots, policies

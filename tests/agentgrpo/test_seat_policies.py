@@ -82,8 +82,6 @@ def test_adapter_seats_are_refused_where_they_cannot_train(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=re.escape("name it otherwise, e.g. 'adapter:o_seat'")):
         args.seat_players = {"o": "adapter:o"}
         SeatPolicies.of(args, Placement(), NoAccelerator(), TicTacToe, lora)
-    with pytest.raises(ValueError, match="async_grpo"):
-        config(tmp_path, seat_players={"o": "adapter:solver"}, async_grpo=True)
 
 
 def test_a_seats_tokens_are_sampled_from_its_own_adapter(tmp_path, tokenizer):
@@ -142,12 +140,12 @@ def _b(policies: SeatPolicies, name: str) -> list[torch.Tensor]:
     return [w for key, w in policies.weights(name).items() if "lora_B" in key]
 
 
-def run(tmp_path, tokenizer, callbacks=(), resume=None) -> GRPOTrainer:
+def run(tmp_path, tokenizer, callbacks=(), resume=None, **fields) -> GRPOTrainer:
     args = short_run_config(
         tmp_path, per_device_train_batch_size=8, num_generations=2, max_completion_length=16,
         max_turns=3, chat_template="chatml_tools", max_steps=2, save_strategy="no",
         shuffle_dataset=False, logging_steps=1, gradient_checkpointing=False,
-        seat_players={"o": "adapter:solver"}, adapter_learning_rates={"solver": 5e-3},
+        seat_players={"o": "adapter:solver"}, adapter_learning_rates={"solver": 5e-3}, **fields,
     )  # fmt: skip
     trainer = GRPOTrainer(
         tiny_llama(tokenizer),
@@ -194,6 +192,24 @@ def test_a_run_trains_two_adapters_saves_both_and_resumes_exactly(tmp_path, toke
             strict=True,
         ):
             assert torch.allclose(a, b, atol=1e-6), key
+
+
+def test_an_async_run_samples_each_adapter_from_the_producers_copy_of_it(tmp_path, tokenizer):
+    trainer = run(tmp_path, tokenizer, async_grpo=True)
+    assert trainer.state.global_step == 2
+    for name in ("default", "solver"):
+        assert any(w.abs().sum() > 0 for w in _b(trainer.policies, name)), f"{name} did not train"
+    weights = trainer._async.generation.weights  # the producer's copy of the PeftModel
+    [solver] = trainer._async.generation.engine.seat_backends["o"]
+    assert solver.model is weights.model and weights.siblings == [solver]
+    assert solver is not trainer.policies.backends["solver"]  # the learner's stays its own
+    assert solver.weights_version == weights.version == 2  # each push tags its tokens too
+    copied = dict(weights.model.named_parameters())
+    for key, trained in trainer.policies.weights("solver").items():
+        assert torch.equal(copied[key], trained), key  # pushed with the policy's
+    assert not any(p.requires_grad for p in weights.model.parameters())
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert {"adapter/solver/reward_mean", "adapter/solver/episodes"} <= logged
 
 
 def test_the_cli_reads_adapter_learning_rates_as_json():
