@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from rollout import Completion, GenerationBackend, Pictures, SamplingParams
 from rollout.backends.lora_versions import Adapter, AdapterVersions
 
 if TYPE_CHECKING:
@@ -57,14 +58,16 @@ def lora_rank(policy: Any) -> int:
     return max([config.r, *(config.rank_pattern or {}).values()])
 
 
-def colocate_limits(policy: Any) -> LoraLimits:
+def colocate_limits(policy: Any, adapters: int = 1) -> LoraLimits:
     """The LoRA limits a colocated engine is started with.
 
     The smallest rank vLLM allows that holds the adapter's (512, the largest, where none
-    does: `unservable` then says so), and one adapter per batch.
+    does: `unservable` then says so), and `adapters` in one batch: the policy's, and one per
+    snapshot a game's seats play (`FrozenAdapter`).
     """
     rank = lora_rank(policy)
-    return LoraLimits(next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1]), 1)
+    ranks = next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
+    return LoraLimits(ranks, adapters)
 
 
 def unservable(policy: Any, limits: LoraLimits | None) -> str | None:
@@ -182,8 +185,12 @@ class LoadsAdapters(Protocol):
 
     adapters: AdapterVersions | None
 
-    def load_adapter(self, adapter: Adapter) -> list[Adapter]:
-        """Load `adapter`; return the versions evicted past the kept ones."""
+    def load_adapter(self, adapter: Adapter, frozen: bool = False) -> list[Adapter]:
+        """Load `adapter`; return the versions evicted past the kept ones (frozen: none)."""
+        ...
+
+    def unload_adapter(self, adapter: Adapter) -> None:
+        """Unload `adapter`."""
         ...
 
 
@@ -215,3 +222,69 @@ class AdapterPush:
         for old in self._evicted:
             shutil.rmtree(old.path, ignore_errors=True)
         self._evicted = self.backend.load_adapter(adapter)
+
+
+class FrozenAdapter:
+    """A frozen snapshot of a LoRA policy on vLLM: its adapter, loaded beside the policy's.
+
+    A snapshot seat's pool (`agentgrpo.training.seat_snapshots`) makes these in place of
+    copies of the model when vLLM generates: the engine holds the base weights once, and each
+    snapshot is one more LoRA adapter in it, which pushes never evict. `backend` generates with
+    it (`PinnedAdapter`). `load` replaces it with the policy's adapter of a later step and
+    unloads the old one, so it runs between rounds, when no request uses it.
+
+    Args:
+        pushes: The run's adapter pushes (its engine, versions and folder).
+        policy: The PEFT policy whose active adapter is taken now.
+        version: The optimizer step of that adapter.
+    """
+
+    def __init__(self, pushes: AdapterPush, policy: torch.nn.Module, version: int = 0):
+        self.pushes = pushes
+        self.adapter: Adapter | None = None
+        self.backend = PinnedAdapter(pushes.backend, pushes.versions, self)
+        self.load(policy, version)
+
+    def load(self, policy: torch.nn.Module, version: int) -> None:
+        """Take `policy`'s adapter (of step `version`) in place of the one held."""
+        adapter = self.pushes.versions.next_adapter(version, self.pushes.folder.name)
+        save_adapter(policy, Path(adapter.path))
+        self.pushes.backend.load_adapter(adapter, frozen=True)
+        old, self.adapter = self.adapter, adapter
+        if old is not None:
+            self.pushes.backend.unload_adapter(old)
+            shutil.rmtree(old.path, ignore_errors=True)
+
+
+class PinnedAdapter:
+    """A `GenerationBackend`: `backend`'s requests, each made with `frozen`'s adapter.
+
+    The engine's prefix cache is keyed by adapter and its memory is the policy's backend's, so
+    `reset_prefix_cache` and `release_memory` (what a snapshot pool calls) have nothing to do.
+    """
+
+    def __init__(self, backend: Any, versions: AdapterVersions, frozen: FrozenAdapter):
+        self.backend: GenerationBackend = backend
+        self.versions = versions
+        self.frozen = frozen
+        self.context_limit = backend.context_limit
+        self.stop_token_ids = backend.stop_token_ids
+
+    @property
+    def reads_images(self) -> bool:
+        """`backend`'s."""
+        return self.backend.reads_images
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, pictures: Pictures | None = None
+    ) -> Completion:
+        """`backend.generate`, with the frozen adapter."""
+        assert self.frozen.adapter is not None  # loaded when it was made
+        with self.versions.pinned(self.frozen.adapter):
+            return await self.backend.generate(prompt_ids, params, pictures)
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing: vLLM keys cached blocks by the adapter that computed them."""
+
+    def release_memory(self) -> None:
+        """Nothing: the engine's memory is released with the policy's backend."""

@@ -201,6 +201,7 @@ def choose_generators(
     tokenizer: Any,
     accelerator: Any,
     processor: Any = None,
+    frozen_adapters: int = 0,
 ) -> Generators:
     """The generators `args` asks for (`use_vllm`, `vllm_mode`, `async_grpo`) under `placement`.
 
@@ -213,6 +214,8 @@ def choose_generators(
         accelerator: The trainer's (a server push's main process and barrier).
         processor: A vision-language model's; vLLM (colocated or a server) is then given the
             rows' images with their placeholders unexpanded (`rollout.images.unexpanded_ids`).
+        frozen_adapters: Snapshots of the policy a colocated engine holds beside its adapter
+            (`generation.adapters.FrozenAdapter`), room it is started with.
 
     Raises:
         ValueError: The combination cannot run (`check_combination`).
@@ -227,7 +230,9 @@ def choose_generators(
         sleeps = sleeps_between_rounds(args)
         why_not = functools.partial(_adapter_refusal, args, policy, processor, None)
         limits = (
-            colocate_limits(policy) if adapter_pushes(args, policy, why_not, "colocate") else None
+            colocate_limits(policy, 1 + frozen_adapters)
+            if adapter_pushes(args, policy, why_not, "colocate")
+            else None
         )
         colocated = colocated_vllm(policy, processor or tokenizer, args, stop, sleeps, limits)
         if sleeps:  # as TRL: its memory is free until the first round

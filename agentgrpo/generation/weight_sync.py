@@ -386,12 +386,16 @@ def colocated_vllm(
 
     `tokenizer`: the policy's, or a vision-language model's processor. `lora`: the engine
     takes adapters within these limits, and starts with the base weights (unmerged); None:
-    with the policy's weights, merged.
+    with the policy's weights, merged. Its CPU cache holds one adapter more than a batch, the
+    version a push loads before the one it replaces is unloaded.
     """
     engine_args = colocate_engine_args(args, model.dtype, model.device, sleeps)
     if lora is not None:
         engine_args |= dict(
-            enable_lora=True, max_lora_rank=lora.max_lora_rank, max_loras=1, max_cpu_loras=2
+            enable_lora=True,
+            max_lora_rank=lora.max_lora_rank,
+            max_loras=lora.max_loras,
+            max_cpu_loras=lora.max_loras + 1,
         )
     merged = policy_weights(model) if lora is None else contextlib.nullcontext(base_weights(model))
     with merged as weights:

@@ -13,8 +13,10 @@ a new one replacing the oldest once there are K, and each match draws one of the
 (`rollout.match`). A resumed run takes its copies afresh from the resumed policy: a league
 starts again from one. With `async_grpo` the producer plays from pools of its own, which
 its generator fills as it is loaded and pushed new weights (`SeatSnapshots.producer`,
-`RefreshedOnPush`). vLLM and sharded weights (DeepSpeed ZeRO-3, FSDP) cannot hold such a
-copy here, and are refused by `SeatSnapshots.of`. `choose_with_snapshots` is the trainer's one
+`RefreshedOnPush`). With vLLM a snapshot is a frozen LoRA adapter in its engine
+(`generation.adapters.FrozenAdapter`): the policy must be a LoRA adapter pushed alone, and
+not with `async_grpo`. Sharded weights (DeepSpeed ZeRO-3, FSDP) cannot be copied here; these
+are refused by `SeatSnapshots.of`. `choose_with_snapshots` is the trainer's one
 call for both: its generators, the rounds' one refreshing the copies first, the seats that
 trained LoRA adapters play (`seat_policies`) and those other models play (`seat_models`).
 """
@@ -26,10 +28,11 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from agentgrpo.generation.adapters import FrozenAdapter, is_peft
 from agentgrpo.generation.generator import (
     AroundRounds,
     ConcurrentGenerator,
@@ -48,12 +51,26 @@ if TYPE_CHECKING:
     from agentgrpo.config import GRPOConfig
 
 
+class _Copy(Protocol):
+    """A snapshot: a `CopiedWeights` (transformers), or a `FrozenAdapter` (vLLM)."""
+
+    @property
+    def backend(self) -> Any:
+        """What generates with it (its `reset_prefix_cache` and `release_memory` too)."""
+        ...
+
+    def load(self, policy: torch.nn.Module, version: int) -> None:
+        """Take `policy`'s weights (of step `version`) in place of those held."""
+        ...
+
+
 @dataclass
 class _Pool:
     """The copies of one `Snapshot` setting: at most `size`, the oldest replaced first.
 
     Attributes:
-        copy: Makes a new copy of the policy it is given (weights and backend).
+        copy: Makes a new copy of the policy it is given (weights and backend): a
+            `CopiedWeights`, or a `FrozenAdapter` in vLLM's engine (`SeatSnapshots.on_vllm`).
         every: Optimizer steps between two copies; None: only the first is taken.
         size: The most copies kept.
         copies: The copies taken, in the order of their slots.
@@ -61,10 +78,10 @@ class _Pool:
         taken_at: The optimizer step of each copy, by slot.
     """
 
-    copy: Callable[[torch.nn.Module], CopiedWeights]
+    copy: Callable[[torch.nn.Module], _Copy]
     every: int | None
     size: int
-    copies: list[CopiedWeights] = field(default_factory=list)
+    copies: list[_Copy] = field(default_factory=list)
     backends: list[GenerationBackend] = field(default_factory=list)
     taken_at: list[int] = field(default_factory=list)
 
@@ -95,7 +112,9 @@ class _Pool:
             self.take(policy, step)  # a new copy: nothing generates with it yet
             return
         oldest = self.taken_at.index(min(self.taken_at))
-        await self.copies[oldest].push(policy, step)  # empties its prefix cache too
+        copied = self.copies[oldest]
+        assert isinstance(copied, CopiedWeights)  # vLLM's are refused with `async_grpo`
+        await copied.push(policy, step)  # empties its prefix cache too
         self.taken_at[oldest] = step
 
     def emptied(self) -> _Pool:
@@ -138,7 +157,8 @@ class SeatSnapshots:
             tokenizer: The policy's tokenizer.
 
         Raises:
-            ValueError: A snapshot seat with vLLM generating, or over sharded weights.
+            ValueError: A snapshot seat with vLLM generating a policy that is not a LoRA
+                adapter pushed alone, or with `async_grpo`; or over sharded weights.
         """
         if not (isinstance(environment, type) and is_seated(environment)):
             return cls()
@@ -147,11 +167,12 @@ class SeatSnapshots:
         if not chosen:
             return cls()
         asked = {seat: args.seat_players[seat] for seat in chosen}  # type: ignore[index]
-        if args.use_vllm:
+        if args.use_vllm and (reason := _vllm_refusal(args, policy)):
             raise ValueError(
-                f"seat_players {asked}: a snapshot seat plays from a frozen copy of the "
-                "policy, which vLLM cannot hold beside the policy's weights yet; generate with "
-                "transformers (use_vllm=False), or give the seat 'random' or a scripted player"
+                f"seat_players {asked}: with vLLM a snapshot seat plays a frozen copy of the "
+                f"policy's LoRA adapter, loaded beside the policy's, and {reason}; or generate "
+                "with transformers (use_vllm=False), or give the seat 'random' or a scripted "
+                "player"
             )
         if placement.shards_weights:
             raise ValueError(
@@ -162,6 +183,31 @@ class SeatSnapshots:
         copy = functools.partial(_copied, tokenizer=tokenizer, args=args)
         pools = {p: _Pool(copy, p.every, p.pool) for p in dict.fromkeys(chosen.values())}
         return cls({seat: pools[snapshot] for seat, snapshot in chosen.items()})
+
+    @property
+    def slots(self) -> int:
+        """The most snapshots held at once: every pool's size (seats may share one)."""
+        return sum(pool.size for pool in {id(p): p for p in self.seats.values()}.values())
+
+    def on_vllm(self, generator: Any) -> None:
+        """Take the snapshots as frozen adapters in `generator`'s vLLM engine (`use_vllm`).
+
+        Raises:
+            ValueError: `generator` pushes merged weights (vLLM cannot serve the policy's
+                adapter: the warning before said why).
+        """
+        if not self.seats:
+            return
+        pushes = generator.adapters
+        if pushes is None:
+            raise ValueError(
+                "seat_players: a snapshot seat on vLLM is a frozen LoRA adapter beside the "
+                "policy's, and this run pushes merged weights (see the warning above for why); "
+                "generate with transformers (use_vllm=False), or give the seat 'random' or a "
+                "scripted player"
+            )
+        for pool in self.seats.values():
+            pool.copy = functools.partial(FrozenAdapter, pushes)
 
     @property
     def backends(self) -> dict[str, list[GenerationBackend]]:
@@ -271,6 +317,17 @@ class RefreshedOnPush:
         return self.generator.take_paused_s()
 
 
+def _vllm_refusal(args: GRPOConfig, policy: torch.nn.Module) -> str | None:
+    """Why vLLM cannot hold this run's snapshots (frozen LoRA adapters), or None."""
+    if not is_peft(policy):
+        return "this policy trains whole: pass peft_config=LoraConfig(...) (`--use-peft`)"
+    if args.vllm_lora_push == "merged":
+        return "vllm_lora_push='merged' pushes no adapter: set it to 'auto' or 'adapter'"
+    if args.async_grpo:
+        return "async_grpo would unload a snapshot that episodes play: drop async_grpo"
+    return None
+
+
 def _copied(policy: torch.nn.Module, tokenizer: Any, args: GRPOConfig) -> CopiedWeights:
     """A new frozen copy of `policy`, with its own backend, tagged with no version yet."""
     return CopiedWeights(policy, tokenizer, args)
@@ -299,7 +356,12 @@ def choose_with_snapshots(
     snapshots = SeatSnapshots.of(args, placement, environment, policy, tokenizer)
     snapshots.models = SeatModels.of(args, placement, environment, policy, tokenizer)
     policies = SeatPolicies.of(args, placement, accelerator, environment, policy)
-    generators = choose_generators(args, placement, policy, tokenizer, accelerator, processor)
+    room = snapshots.slots  # a colocated vLLM engine holds each as an adapter
+    generators = choose_generators(
+        args, placement, policy, tokenizer, accelerator, processor, frozen_adapters=room
+    )
+    if args.use_vllm:
+        snapshots.on_vllm(generators.rounds)
     policies.attach(generators.rounds.backend, tokenizer)
     snapshots.policies = policies
     rounds = policies.around(snapshots.around(generators.rounds))

@@ -7,6 +7,10 @@ newest at its first turn, so an asynchronous run's episodes finish on the policy
 with instead of being cut by a push; only an episode whose version was evicted (older than
 `max_staleness`: its group is dropped anyway) moves on to the newest.
 
+A frozen snapshot of the policy (a seat of a game, `agentgrpo.training.seat_snapshots`) is an
+adapter loaded beside these versions but not one of them: pushes never evict it, and a request
+made inside `AdapterVersions.pinned` generates with it.
+
 An episode is its task: the engine plays each episode in a task of its own, and the version an
 episode is pinned to lives in a context variable of that task (set at its first request). This
 module never imports vllm.
@@ -14,9 +18,11 @@ module never imports vllm.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import threading
+from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -56,6 +62,7 @@ class AdapterVersions:
         # the same as one still loaded there (vLLM refuses a name it holds).
         self._run = secrets.token_hex(4)
         self._pinned: ContextVar[int | None] = ContextVar(f"agentgrpo_adapter_{id(self)}")
+        self._frozen: ContextVar[Adapter | None] = ContextVar(f"agentgrpo_frozen_{id(self)}")
 
     def next_adapter(self, version: int, folder: str) -> Adapter:
         """A new adapter for `version`, with a name and id not used before.
@@ -87,12 +94,29 @@ class AdapterVersions:
         with self._lock:
             return self._loaded[-1] if self._loaded else None
 
+    @contextlib.contextmanager
+    def pinned(self, frozen: Adapter) -> Iterator[None]:
+        """Inside, the calling task's requests generate with `frozen` (a snapshot's adapter).
+
+        The task's own version (`for_request`) is left as it was, so a game's policy seat and
+        the snapshot seat it plays against, whose turns share one task, each keep theirs.
+        """
+        token = self._frozen.set(frozen)
+        try:
+            yield
+        finally:
+            self._frozen.reset(token)
+
     def for_request(self) -> Adapter | None:
         """The adapter the calling episode generates with (call it from the episode's task).
 
         The newest one at the episode's first request; the newest again where that one was
-        evicted since. None before the first push: the engine's own weights.
+        evicted since. None before the first push: the engine's own weights. Inside `pinned`:
+        the frozen adapter.
         """
+        frozen = self._frozen.get(None)
+        if frozen is not None:
+            return frozen
         pinned = self._pinned.get(None)
         with self._lock:
             if not self._loaded:

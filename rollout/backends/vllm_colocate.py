@@ -240,7 +240,7 @@ class VLLMColocateBackend:
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         self.llm.llm_engine.reset_encoder_cache()  # so were cached image features
 
-    def load_adapter(self, adapter: Adapter) -> list[Adapter]:
+    def load_adapter(self, adapter: Adapter, frozen: bool = False) -> list[Adapter]:
         """Load a LoRA adapter version beside the others; evict (and return) the oldest.
 
         `adapters` (set it first) says how many versions stay loaded. The engine must have
@@ -249,15 +249,23 @@ class VLLMColocateBackend:
         (`AdapterVersions.for_request`); running ones keep theirs while it stays loaded. The
         prefix cache needs no reset: vLLM keys cached blocks by the adapter that computed them,
         and each version has a name and id of its own.
+
+        `frozen`: a snapshot's adapter, loaded beside the versions but not one of them (never
+        evicted; requests use it inside `AdapterVersions.pinned`); the caller unloads it
+        (`unload_adapter`). Nothing is evicted then.
         """
         if self.adapters is None:
             raise RuntimeError("set `adapters` (the versions to keep) before loading adapters")
         if not self.llm.llm_engine.add_lora(_lora_request(adapter)):
             raise RuntimeError(f"vLLM did not load the LoRA adapter in {adapter.path}")
-        evicted = self.adapters.add(adapter)
+        evicted = [] if frozen else self.adapters.add(adapter)
         for old in evicted:
-            self.llm.llm_engine.remove_lora(old.lora_id)
+            self.unload_adapter(old)
         return evicted
+
+    def unload_adapter(self, adapter: Adapter) -> None:
+        """Unload `adapter` from the engine (no request may still use it)."""
+        self.llm.llm_engine.remove_lora(adapter.lora_id)
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory: weights and KV cache discarded (level 2).

@@ -302,10 +302,12 @@ class VLLMServerBackend:
         """Tag the tokens of requests sent from now on with `version`."""
         self._gate.version = version
 
-    def load_adapter(self, adapter: Adapter) -> list[Adapter]:
+    def load_adapter(self, adapter: Adapter, frozen: bool = False) -> list[Adapter]:
         """Load a LoRA adapter version on the server; unload (and return) the oldest.
 
-        `adapters` (set it first) says how many versions stay loaded.
+        `adapters` (set it first) says how many versions stay loaded. `frozen`: a snapshot's
+        adapter, beside the versions but not one of them (as `VLLMColocateBackend`'s); the
+        caller unloads it (`unload_adapter`), and nothing is evicted then.
 
         Nothing pauses: requests in flight go on with their own versions. The server must run
         with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (`agentgrpo
@@ -324,10 +326,14 @@ class VLLMServerBackend:
                 f"vllm_lora_push='merged'. The server said: {error}",
                 error.status,
             ) from None
-        evicted = self.adapters.add(adapter)
+        evicted = [] if frozen else self.adapters.add(adapter)
         for old in evicted:
-            self.connection.post("/v1/unload_lora_adapter", {"lora_name": old.name}, text=True)
+            self.unload_adapter(old)
         return evicted
+
+    def unload_adapter(self, adapter: Adapter) -> None:
+        """Unload `adapter` from the server (no request may still use it)."""
+        self.connection.post("/v1/unload_lora_adapter", {"lora_name": adapter.name}, text=True)
 
     async def between_steps(self, update: Callable[[], None], version: int | None = None) -> None:
         """Run `update` (a weight push) while no request is in flight, then go on.

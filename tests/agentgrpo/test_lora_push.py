@@ -181,6 +181,26 @@ def test_an_episode_finishes_on_the_version_it_started_with(tmp_path):
     assert seen == {"old": [0, 0, 2], "new": [1, 1]}
 
 
+def test_a_frozen_adapter_is_pinned_inside_and_the_episodes_own_version_is_kept(tmp_path):
+    versions = AdapterVersions(keep=2)
+    v0, frozen, v1 = (versions.next_adapter(step, str(tmp_path)) for step in (0, 0, 1))
+    seen = []
+
+    async def game() -> None:  # a policy seat and a snapshot seat take turns in one task
+        for turn in range(4):
+            if turn % 2:
+                with versions.pinned(frozen):
+                    seen.append(versions.for_request())
+            else:
+                seen.append(versions.for_request())
+            if turn == 1:
+                versions.add(v1)  # a push mid-game: the policy seat stays on its version
+
+    versions.add(v0)
+    anyio.run(game)
+    assert seen == [v0, frozen, v0, frozen] and versions.loaded == [v0, v1]  # not one of them
+
+
 def test_before_the_first_push_requests_use_the_engines_own_weights():
     assert AdapterVersions(keep=1).for_request() is None
     with pytest.raises(ValueError, match="at least the newest"):

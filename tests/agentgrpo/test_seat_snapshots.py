@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import re
 from functools import partial
+from types import SimpleNamespace
 
 import anyio
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 from agentgrpo import GRPOTrainer
 from agentgrpo.generation.local import CopiedWeights, SharedWeights, transformers_backend
@@ -108,15 +110,27 @@ def test_the_run_wires_each_snapshot_seat_to_its_copy(tmp_path, tokenizer):
 
 
 def test_snapshots_are_refused_where_the_generator_cannot_hold_a_copy(tmp_path, tokenizer):
-    args = config(tmp_path, seat_players={"o": "snapshot:5"})
     policy = tiny_llama(tokenizer)
-    for placement, use_vllm, words in (
-        (Placement(), True, "generate with transformers (use_vllm=False)"),
-        (Placement(zero_stage=3), False, "launch with DeepSpeed ZeRO-2 or without sharding"),
+    lora = get_peft_model(tiny_llama(tokenizer), LoraConfig(r=4, target_modules=["q_proj"]))
+    vllm = dict(seat_players={"o": "snapshot:5"}, use_vllm=True)
+    for model, fields, words in (
+        (policy, vllm, "this policy trains whole: pass peft_config=LoraConfig(...)"),
+        (lora, vllm | {"vllm_lora_push": "merged"}, "set it to 'auto' or 'adapter'"),
+        (lora, vllm | {"async_grpo": True, "vllm_mode": "server"}, "drop async_grpo"),
     ):
-        args.use_vllm = use_vllm
-        with pytest.raises(ValueError, match=re.escape(words)):
-            SeatSnapshots.of(args, placement, TicTacToe, policy, tokenizer)
+        with pytest.raises(ValueError, match=re.escape(words)) as error:
+            SeatSnapshots.of(config(tmp_path, **fields), Placement(), TicTacToe, model, tokenizer)
+        assert "or generate with transformers (use_vllm=False)" in str(error.value)
+    assert SeatSnapshots.of(config(tmp_path, **vllm), Placement(), TicTacToe, lora, tokenizer).seats
+    sharded = Placement(zero_stage=3)
+    args = config(tmp_path, seat_players={"o": "snapshot:5"})
+    with pytest.raises(ValueError, match="launch with DeepSpeed ZeRO-2 or without sharding"):
+        SeatSnapshots.of(args, sharded, TicTacToe, policy, tokenizer)
+    merged = SimpleNamespace(adapters=None)  # a vLLM generator that pushes merged weights
+    with pytest.raises(ValueError, match=re.escape("this run pushes merged weights")):
+        SeatSnapshots.of(config(tmp_path, **vllm), Placement(), TicTacToe, lora, tokenizer).on_vllm(
+            merged
+        )
 
 
 def test_a_run_trains_the_policy_seat_against_its_refreshed_snapshot(tmp_path, tokenizer):

@@ -26,7 +26,7 @@ import torch
 from peft import LoraConfig
 
 from agentgrpo import GRPOTrainer
-from agentgrpo.generation.adapters import AdapterPush, LoraLimits
+from agentgrpo.generation.adapters import AdapterPush, FrozenAdapter, LoraLimits
 from agentgrpo.generation.vllm_serve import _parser, serve_command, serve_environment
 from agentgrpo.generation.weight_sync import ServedWeights, ServerPush, policy_weights
 from environments import Counter
@@ -218,6 +218,33 @@ def test_an_episode_started_before_a_push_finishes_on_its_version(served, lora_p
         for completion in seen[name]:
             assert completion.versions == [version] * len(completion.token_ids)
             assert _gap(model, PROMPT, completion) < 1e-3
+
+
+def test_a_snapshot_is_a_frozen_adapter_the_server_serves_beside_the_policys(served, lora_policy):
+    snapshot = copy.deepcopy(lora_policy)
+    frozen = FrozenAdapter(served.adapters, lora_policy, version=1)
+    with torch.no_grad():  # the learner's next step
+        for name, parameter in lora_policy.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(-1.0)
+    anyio.run(served.push, lora_policy, 2)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+
+    async def one_game() -> list:  # the policy's and the snapshot's turns in one task
+        turns = [served.backend, frozen.backend, served.backend]
+        return [await backend.generate(PROMPT, params) for backend in turns]
+
+    policy_turn, snapshot_turn, again = anyio.run(one_game)
+    assert _gap(lora_policy, PROMPT, policy_turn) < 1e-3 and _gap(lora_policy, PROMPT, again) < 1e-3
+    assert _gap(snapshot, PROMPT, snapshot_turn) < 1e-3 < _gap(lora_policy, PROMPT, snapshot_turn)
+    names = lambda: {card["id"] for card in served.backend.connection.get("/v1/models")["data"]}  # noqa: E731
+    assert frozen.adapter.name in names()
+    old = frozen.adapter
+    frozen.load(lora_policy, 2)  # a refresh: the new one in, the old one out
+    assert frozen.adapter.name in names() and old.name not in names()
+    assert [a.version for a in served.adapters.versions.loaded] == [1, 2]  # never evicted by it
+    served.backend.unload_adapter(frozen.adapter)  # the module's later tests hold none
+    assert frozen.adapter.name not in names()
 
 
 def _gap(model, prompt: list[int], completion) -> float:
