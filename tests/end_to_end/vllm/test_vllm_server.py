@@ -237,7 +237,10 @@ def test_a_snapshot_is_a_frozen_adapter_the_server_serves_beside_the_policys(ser
     policy_turn, snapshot_turn, again = anyio.run(one_game)
     assert _gap(lora_policy, PROMPT, policy_turn) < 1e-3 and _gap(lora_policy, PROMPT, again) < 1e-3
     assert _gap(snapshot, PROMPT, snapshot_turn) < 1e-3 < _gap(lora_policy, PROMPT, snapshot_turn)
-    names = lambda: {card["id"] for card in served.backend.connection.get("/v1/models")["data"]}  # noqa: E731
+
+    def names() -> set[str]:  # the models the server serves: adapters by name
+        return {card["id"] for card in served.backend.connection.get("/v1/models")["data"]}
+
     assert frozen.adapter.name in names()
     old = frozen.adapter
     frozen.load(lora_policy, 2)  # a refresh: the new one in, the old one out
