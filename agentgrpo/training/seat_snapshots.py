@@ -16,9 +16,9 @@ its generator fills as it is loaded and pushed new weights (`SeatSnapshots.produ
 `RefreshedOnPush`). With vLLM a snapshot is a frozen LoRA adapter in its engine
 (`generation.adapters.FrozenAdapter`): the policy must be a LoRA adapter pushed alone, and
 not with `async_grpo`. Sharded weights (DeepSpeed ZeRO-3, FSDP) cannot be copied here; these
-are refused by `SeatSnapshots.of`. `choose_with_snapshots` is the trainer's one
-call for both: its generators, the rounds' one refreshing the copies first, the seats that
-trained LoRA adapters play (`seat_policies`) and those other models play (`seat_models`).
+are refused by `SeatSnapshots.of`. `choose_with_snapshots` is the trainer's one call for it
+all: its generators, the rounds' one refreshing the copies first, the seats that trained LoRA
+adapters play (`seat_policies`) and those other models play (`seat_models`).
 """
 
 from __future__ import annotations

@@ -305,13 +305,11 @@ class VLLMServerBackend:
     def load_adapter(self, adapter: Adapter, frozen: bool = False) -> list[Adapter]:
         """Load a LoRA adapter version on the server; unload (and return) the oldest.
 
-        `adapters` (set it first) says how many versions stay loaded. `frozen`: a snapshot's
-        adapter, beside the versions but not one of them (as `VLLMColocateBackend`'s); the
-        caller unloads it (`unload_adapter`), and nothing is evicted then.
-
-        Nothing pauses: requests in flight go on with their own versions. The server must run
-        with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (`agentgrpo
-        vllm-serve` sets it) and read `adapter.path` (the trainer's file system).
+        `adapters` (set it first) says how many versions stay loaded; `frozen`: as for
+        `VLLMColocateBackend.load_adapter` (a snapshot's: the caller unloads it). Nothing
+        pauses: requests in flight go on with their own versions. The server must run with
+        `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (`agentgrpo vllm-serve`
+        sets it) and read `adapter.path` (the trainer's file system).
         """
         if self.adapters is None:
             raise RuntimeError("set `adapters` (the versions to keep) before loading adapters")
