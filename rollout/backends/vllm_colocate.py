@@ -287,6 +287,15 @@ class VLLMColocateBackend:
         """Whether some of the engine's memory is freed (`sleep` without a full `wake_up`)."""
         return bool(self.asleep)
 
+    def shutdown(self) -> None:
+        """Stop the engine and leave vLLM's process groups; nothing generates afterwards.
+
+        Call it before the trainer leaves its own process group (`end_training`): vLLM's
+        clean-up at exit would otherwise find its groups gone and print a traceback after a
+        run that succeeded. A second call does nothing.
+        """
+        self.llm.llm_engine.engine_core.shutdown()
+
     def _prompt(self, prompt_ids: list[int], images: Sequence[Any]) -> dict[str, Any]:
         """The prompt vLLM is given: the ids, or with images the unexpanded ids and pictures."""
         if not images:

@@ -166,6 +166,7 @@ def test_agentgrpo_run_with_use_vllm(policy_path, tmp_path):
     command += ["--vllm-max-model-length", "512", "--output-dir", str(tmp_path / "out")]
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]  # vLLM left its groups first
     assert "generation   vLLM (colocate)" in result.stdout
     logged = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     assert sum('"reward"' in line for line in logged) == 2
