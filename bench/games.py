@@ -9,7 +9,8 @@ share whatever load the machine has); `bench/learn_vs_trl.py`'s clock saves the 
 `--eval-every-minutes` of training time and at the end of the budget.
 
 Configurations (`--configs`), all with 8 trained episodes a step in groups of 4, TicTacToe's
-episode limits, temperature 1, a constant `--learning-rate` (5e-5), beta 0 and the DAPO loss:
+episode limits, temperature 1, a constant `--learning-rate` (1e-5, `agentgrpo run`'s: at 5e-5
+the policy's tool calls broke, docs/measurements.md), beta 0 and the DAPO loss:
 - `vs-warm-start`: x is trained against the frozen warm start playing o (`"model:WARM"`).
 - `vs-greedy-warm-start`: the same, the warm start playing greedily (`seat_temperatures`
   ``{"o": 0}``), as it plays in the greedy evaluation; x still samples at temperature 1.
@@ -92,7 +93,7 @@ def _parse_args() -> argparse.Namespace:
     add("--budget-minutes", type=float, default=30.0, help="training time per run")
     add("--eval-every-minutes", type=float, default=10.0, help="a save every this much training")
     add("--eval-rows", type=int, default=64, help="held-out rows played per model and opponent")
-    add("--learning-rate", type=float, default=5e-5)
+    add("--learning-rate", type=float, default=1e-5)
     add("--threads", type=int, default=1, help="torch threads in each child")
     add("--side-by-side", action="store_true", help="train every seed and configuration at once")
     add("--train-only", action="store_true", help="train (or reuse) the runs; no evaluation")

@@ -162,8 +162,10 @@ class SeatPolicies:
         if self.model is None:
             return {}
         assert isinstance(weights, CopiedWeights)  # vLLM is refused by `of`
-        backends = {name: self._backend(weights.model, tokenizer, weights.backend, name)
-                    for name in self.learning_rates}  # fmt: skip
+        backends = {
+            name: self._backend(weights.model, tokenizer, weights.backend, name)
+            for name in self.learning_rates
+        }
         weights.siblings.extend(backends.values())
         return {seat: backends[name] for seat, name in self.seats.items()}
 
