@@ -92,7 +92,7 @@ def _run_in_folder(
 ) -> int:
     """`run`, once the output folder is this run's alone."""
     from agentgrpo import GRPOTrainer
-    from rollout.backends.vllm_colocate import VLLMColocateBackend
+    from agentgrpo.generation.generator import shut_down
 
     checkpoint = _resume_from(settings["resume"], config)
     model = sources.model_path(settings["model"])
@@ -130,8 +130,7 @@ def _run_in_folder(
         # Every process of a launch leaves its process group first: at exit, the threads of a
         # gloo group still alive can abort the process (SIGABRT) after a run that succeeded.
         # A colocated vLLM engine leaves its own groups before that.
-        if isinstance(backend := trainer.generator.backend, VLLMColocateBackend):
-            backend.shutdown()
+        shut_down(trainer.generator)
         trainer.accelerator.end_training()
 
 

@@ -50,6 +50,7 @@ from agentgrpo.generation.weight_sync import (
 from agentgrpo.placement import Placement
 from rollout import GenerationBackend
 from rollout.backends.server_guard import is_loopback
+from rollout.backends.vllm_colocate import VLLMColocateBackend
 from rollout.backends.vllm_server import ServerConnection, VLLMServerBackend, server_url
 
 if TYPE_CHECKING:
@@ -249,6 +250,16 @@ def choose_generators(
         adapters = AdapterPush(backend, keep=args.max_staleness + 1 if args.async_grpo else 1)
     served = ServedWeights(backend, transport, accelerator, adapters)
     return Generators(served, served if args.async_grpo else None)
+
+
+def shut_down(generator: Generator) -> None:
+    """Stop `generator`'s colocated vLLM engine, if it has one (nothing generates afterwards).
+
+    For the end of a run, before the trainer leaves its process group: the engine leaves
+    vLLM's own groups first (`VLLMColocateBackend.shutdown`).
+    """
+    if isinstance(backend := generator.backend, VLLMColocateBackend):
+        backend.shutdown()
 
 
 def _adapter_refusal(
