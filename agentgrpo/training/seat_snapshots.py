@@ -23,10 +23,9 @@ adapters play (`seat_policies`) and those other models play (`seat_models`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -273,7 +272,7 @@ class SeatSnapshots:
         self.models.release_memory()
 
 
-class RefreshedOnPush:
+class RefreshedOnPush(AroundRounds):
     """A `ConcurrentGenerator`: `generator`, taking `snapshots`' copies as due with its weights.
 
     Each `load` and `push` of step N's weights also refreshes the pools due at step N
@@ -281,26 +280,11 @@ class RefreshedOnPush:
     it has generated with, refreshed at the first push at least ``every`` steps after the last.
     """
 
+    generator: ConcurrentGenerator
+
     def __init__(self, generator: ConcurrentGenerator, snapshots: SeatSnapshots):
-        self.generator = generator
+        super().__init__(generator, snapshots.refresh, lambda: None)  # rounds refresh too
         self.snapshots = snapshots
-
-    @property
-    def version(self) -> int:
-        """`generator`'s version."""
-        return self.generator.version
-
-    @property
-    def backend(self) -> GenerationBackend:
-        """`generator`'s backend."""
-        return self.generator.backend
-
-    @contextlib.contextmanager
-    def generating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
-        """`generator`'s round at step `step`, the snapshots refreshed as due first."""
-        with self.generator.generating(policy, step):
-            self.snapshots.refresh(policy, step)
-            yield
 
     def load(self, policy: torch.nn.Module, version: int) -> None:
         """`generator.load`, then the copies due at `version` (nothing generates)."""
